@@ -1,0 +1,29 @@
+"""rapidformer: a config-driven training accelerator for PyTorch transformers.
+
+The seed's imports work: `from rapidformer import RapidformerEngine, Finetuner, PreTrainer,
+get_args, get_logger, get_timers`. Names load on first use, so `python -m rapidformer --help`
+does not import transformers.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "RapidformerEngine": "rapidformer.engine",
+    "Finetuner": "rapidformer.templates.finetuner",
+    "PreTrainer": "rapidformer.templates.pretrainer",
+    "build_train_valid_test_datasets_for_huggingface": "rapidformer.templates.pretrainer",
+    "get_args": "rapidformer.config.args",
+    "get_logger": "rapidformer.observability",
+    "get_timers": "rapidformer.observability",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rapidformer' has no attribute '{name}'")

@@ -1,0 +1,99 @@
+"""`python -m rapidformer [+recipe=NAME] [group=option ...] [key=value ...]`
+
+Compose (Hydra), check every override against the schemas, resolve once, validate, write the
+resolved config into the run directory, and hand it to the trainer factory. Hydra's own flags
+(`--cfg job --resolve`, `--help`, `-m`) work as usual.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+import yaml
+from omegaconf import DictConfig
+
+from rapidformer.errors import RapidformerError, debug_enabled
+
+log = logging.getLogger("rapidformer")
+
+# Hydra flags that take a value in the next argument
+_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
+                     "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(Hydra flags, overrides)."""
+    flags, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-"):
+            flags.append(arg)
+            takes_value = arg in _FLAGS_WITH_VALUE or (
+                arg in ("--info", "-i") and i + 1 < len(argv) and argv[i + 1] in _INFO_CHOICES)
+            if takes_value and i + 1 < len(argv):
+                flags.append(argv[i + 1])
+                i += 1
+        else:
+            overrides.append(arg)
+        i += 1
+    return flags, overrides
+
+
+def report(error: BaseException) -> None:
+    print(f"rapidformer: error: {error}", file=sys.stderr)
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def hydra_entry(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from rapidformer.config.compose import resolve
+    from rapidformer.factory import run
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    try:
+        resolved, run_cfg = resolve(cfg, run_dir)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
+            yaml.safe_dump(resolved, f, sort_keys=False)
+        log.info("run directory: %s", run_dir)
+        return run(run_cfg, run_dir, resolved)
+    except RapidformerError as exc:
+        if debug_enabled():
+            raise
+        report(exc)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return None  # the sweep goes on; this job is reported as failed
+        sys.exit(exc.exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rapidformer.config.compose import check_overrides, compose, resolve, with_default_recipe
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags, overrides = split_argv(argv)
+    overrides = with_default_recipe(overrides)
+    multirun = any(f in ("-m", "--multirun") for f in flags)
+    asks_help = any(f in ("-h", "--help", "--hydra-help", "--info", "-i") for f in flags)
+    try:
+        check_overrides(overrides)
+        if not multirun and not asks_help:
+            # validate the whole config before Hydra creates a run directory
+            resolve(compose(overrides, default_recipe=False), output_dir="(run directory)")
+    except RapidformerError as exc:
+        if debug_enabled():
+            raise
+        report(exc)
+        sys.exit(exc.exit_code)
+    sys.argv = [sys.argv[0], *flags, *overrides]
+    hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

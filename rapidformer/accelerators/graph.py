@@ -1,0 +1,25 @@
+"""Graph optimization: eager, or torch.compile on the model."""
+from __future__ import annotations
+
+import torch
+
+from rapidformer.config.schema import GraphConfig
+from rapidformer.errors import NotAvailableError
+
+
+def apply_graph(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
+    if g.name == "eager":
+        return model
+    if g.name == "compile":
+        kwargs = {"fullgraph": g.fullgraph, "dynamic": g.dynamic}
+        if g.mode:
+            kwargs["mode"] = g.mode
+        return torch.compile(model, **kwargs)
+    raise NotAvailableError(
+        "graph=ort (ONNX Runtime training) is not available in this version yet; use "
+        "graph=compile or graph=eager")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module under torch.compile's wrapper (for state dicts and export)."""
+    return getattr(model, "_orig_mod", model)

@@ -1,0 +1,1 @@
+"""Config groups and recipes (YAML), found by Hydra as the package rapidformer.conf."""

@@ -1,0 +1,131 @@
+"""From command-line overrides to one resolved, typed config.
+
+Hydra composes; this module adds what Hydra does not do for us: the default recipe, a check of
+every override against the schemas before Hydra sees them (so all typos are reported at once,
+each with the closest valid name), and the final validation into a `RunConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from importlib import resources
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rapidformer.config.schema import GROUPS, RunConfig
+from rapidformer.config.validate import build_run_config, closest, unknown_key_message
+from rapidformer.errors import ConfigError
+
+CONF_PACKAGE = "rapidformer.conf"
+CONFIG_NAME = "config"
+DEFAULT_RECIPE = "quickstart"
+# group-like names a command line may pick an option of (`recipe` is added with `+recipe=`)
+OPTION_GROUPS = GROUPS + ("recipe",)
+
+
+def group_options(group: str) -> list[str]:
+    folder = resources.files(CONF_PACKAGE).joinpath(group)
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def _key_of(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
+
+
+def with_default_recipe(overrides: list[str]) -> list[str]:
+    """`python -m rapidformer` alone runs the quickstart: add it when no recipe is named."""
+    if any(_key_of(o) == "recipe" for o in overrides):
+        return list(overrides)
+    return [f"+recipe={DEFAULT_RECIPE}", *overrides]
+
+
+def _schema_at(path: list[str]):
+    """The dataclass (or field type) that a dotted path points at, or the first bad part."""
+    cls = RunConfig
+    for i, part in enumerate(path):
+        if not dataclasses.is_dataclass(cls):
+            return None, i
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None, i
+        cls = hints[part]
+    return cls, len(path)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse unknown keys and unknown group options in command-line overrides, all at once."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    problems: list[str] = []
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except OverrideParseException as exc:
+            problems.append(f"cannot parse override '{text}': {str(exc).splitlines()[0]}")
+            continue
+        key = override.key_or_group
+        if key.startswith("hydra") or override.package is not None:
+            continue  # Hydra's own settings: Hydra checks them
+        if key in OPTION_GROUPS:
+            if override.is_delete():
+                continue
+            available = group_options(key)
+            values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
+                      else [override.value()])
+            for value in values:
+                if str(value) not in available:
+                    hint = closest(str(value), available)
+                    tip = f"did you mean '{key}={hint}'? " if hint else ""
+                    problems.append(f"{key}={value}: no such option; {tip}"
+                                    f"choose one of: {', '.join(available)}")
+            continue
+        parts = key.split(".")
+        found, depth = _schema_at(parts)
+        if found is None:
+            parent = ".".join(parts[:depth])
+            parent_cls, _ = _schema_at(parts[:depth])
+            if dataclasses.is_dataclass(parent_cls):
+                valid = [f.name for f in dataclasses.fields(parent_cls)]
+                problems.append(unknown_key_message(parent, parts[depth], valid))
+            else:
+                problems.append(f"{key}: '{parent}' is a value, not a group of keys")
+    if problems:
+        raise ConfigError(problems)
+
+
+def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> DictConfig:
+    """The composed (unresolved) config for these overrides, through Hydra's Compose API."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.errors import HydraException
+
+    overrides = list(overrides or [])
+    if default_recipe:
+        overrides = with_default_recipe(overrides)
+    check_overrides(overrides)
+    try:
+        with initialize_config_module(config_module=CONF_PACKAGE, version_base="1.3"):
+            return hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError([str(exc).strip().splitlines()[0]]) from exc
+
+
+def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunConfig]:
+    """Resolve interpolations once and validate: (plain dict for the record, typed config)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    cfg.pop("hydra", None)
+    if output_dir is not None:
+        cfg.trainer.output_dir = output_dir
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        msg = str(exc).strip().splitlines()[0]
+        if "Missing mandatory value" in msg and key:
+            raise ConfigError([f"{key} must be set (it is ??? in its config file); e.g. {key}=VALUE"]) from exc
+        raise ConfigError([f"{key or 'config'}: {msg}"]) from exc
+    return plain, build_run_config(plain)
+

@@ -1,0 +1,183 @@
+"""Typed schemas: one dataclass per config group, one field per key.
+
+The YAML files under `rapidformer/conf/` are the option values; these classes are the contract.
+`validate.py` walks a composed config against them, so a key that is not a field here is an error
+(with the closest valid name), and so is a value of the wrong type.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass
+class TaskConfig:
+    name: Literal["sequence_classification"] = "sequence_classification"
+    # null: the number of distinct labels in the training split
+    num_labels: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    name: str = "bert_tiny"
+    # pretrained: weights from a hub name or a local directory; config: random init from the
+    # architecture fields below (no download, what the tests and the quickstart use)
+    source: Literal["pretrained", "config"] = "config"
+    name_or_path: Optional[str] = None
+    arch: str = "bert"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    # std of the random initial weights of a config-built model
+    initializer_range: float = 0.02
+    # config-built models: the vocabulary size of the WordPiece tokenizer trained on the data
+    vocab_size: int = 2000
+    # null: the pretrained model's own tokenizer, or one trained on the training split for a
+    # config-built model; else a tokenizer directory or a WordPiece vocab.txt
+    tokenizer: Optional[str] = None
+    lowercase: bool = True
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic_pairs"
+    # hub: datasets.load_dataset(path, subset); local: files under `path`; synthetic: the
+    # project's generated paraphrase pairs, written to `path` (or <run dir>/data)
+    source: Literal["hub", "local", "synthetic"] = "synthetic"
+    path: Optional[str] = None
+    subset: Optional[str] = None
+    format: Literal["auto", "csv", "tsv", "json", "jsonl", "parquet"] = "auto"
+    # file names relative to `path`; null: found by name (train.*, validation.*/dev.*, test.*)
+    train_file: Optional[str] = None
+    validation_file: Optional[str] = None
+    test_file: Optional[str] = None
+    text_a_column: str = "sentence1"
+    # null for single-sentence classification
+    text_b_column: Optional[str] = "sentence2"
+    label_column: str = "label"
+    max_seq_length: int = 128
+    num_workers: int = 0
+    # synthetic data only
+    synthetic_train_size: int = 4000
+    synthetic_eval_size: int = 400
+    synthetic_seed: int = 1234
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # fp16 dynamic loss scaling (torch.amp.GradScaler)
+    initial_scale: float = 65536.0
+    growth_interval: int = 2000
+
+
+@dataclass
+class MemoryConfig:
+    name: Literal["none", "zero1", "zero2", "zero3", "fsdp"] = "none"
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+
+@dataclass
+class ParallelismConfig:
+    name: str = "dp"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+
+@dataclass
+class GraphConfig:
+    name: Literal["eager", "compile", "ort"] = "eager"
+    mode: Optional[str] = None
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw"] = "adamw"
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    # auto: torch's fused AdamW kernel where the device has one
+    fused: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass
+class SchedulerConfig:
+    name: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_iters: int = 0
+    # a fraction of the total iterations; overrides warmup_iters when set
+    warmup_fraction: Optional[float] = None
+    min_lr: float = 0.0
+    # null: decay until the last iteration
+    decay_iters: Optional[int] = None
+
+
+@dataclass
+class TrainerConfig:
+    # exactly one of epochs / train_iters decides the length; train_iters wins when both are set
+    epochs: Optional[int] = 3
+    train_iters: Optional[int] = None
+    micro_batch_size: int = 16
+    global_batch_size: int = 64
+    lr: float = 2e-5
+    weight_decay: float = 0.01
+    # 0 disables clipping (the norm is still computed and logged)
+    clip_grad: float = 1.0
+    seed: int = 42
+    deterministic: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_interval: int = 10
+    # null: evaluate at the end of every epoch
+    eval_interval: Optional[int] = None
+    # null: save at the end of every epoch
+    save_interval: Optional[int] = None
+    # stop (after saving a checkpoint) once the iteration is a multiple of this (Megatron's name)
+    exit_interval: Optional[int] = None
+    keep_last: int = 2
+    output_dir: str = "outputs/run"
+    # null: start fresh; auto: newest complete checkpoint in output_dir; else a checkpoint dir
+    resume: Optional[str] = None
+    export_hf: bool = True
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "localhost"
+    master_port: int = 6010
+
+
+@dataclass
+class RunConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    # a white-box script that subclasses a template (the seed's --user-script)
+    user_script: Optional[str] = None
+    # the recipe's own name, for the record
+    recipe: Optional[str] = None
+
+
+GROUPS = ("task", "model", "data", "precision", "memory", "parallelism", "graph", "optim",
+          "scheduler", "trainer", "launcher")

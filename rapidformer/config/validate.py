@@ -1,0 +1,218 @@
+"""Check a composed config against the schemas and turn it into a typed `RunConfig`.
+
+Every problem is collected before anything is reported, so a user fixes them in one go:
+unknown keys (with the closest valid name), wrong types, impossible values and incompatible
+settings. Nothing here touches the disk, a device or the network.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from typing import Any, Literal, Union
+
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import ConfigError
+
+
+def closest(name: str, choices) -> str | None:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def unknown_key_message(path: str, key: str, valid) -> str:
+    hint = closest(key, valid)
+    where = f"{path}.{key}" if path else key
+    if hint:
+        full = f"{path}.{hint}" if path else hint
+        return f"{where}: unknown key; did you mean '{full}'?"
+    return f"{where}: unknown key; valid keys here: {', '.join(sorted(valid))}"
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(parts) + " or null"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp) -> tuple[bool, Any]:
+    """(ok, value converted to tp). Accepts an int where a float is expected, nothing looser."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        if value is None and type(None) in typing.get_args(tp):
+            return True, None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            ok, converted = _coerce(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if origin is Literal:
+        return (value in typing.get_args(tp) and not isinstance(value, bool)), value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return math.isfinite(float(value)), float(value)
+        return False, value
+    if tp is str:
+        # YAML turns `mrpc` into a str but `1.0` into a float: a str field takes plain scalars
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return True, str(value)
+        return False, value
+    return True, value
+
+
+def _build(cls, raw: Any, path: str, problems: list[str]):
+    if not isinstance(raw, dict):
+        problems.append(f"{path or 'config'}: expected a mapping of keys, got {raw!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            problems.append(unknown_key_message(path, str(key), fields))
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        tp = hints[name]
+        where = f"{path}.{name}" if path else name
+        if dataclasses.is_dataclass(tp):
+            values[name] = _build(tp, raw[name], where, problems)
+            continue
+        ok, converted = _coerce(raw[name], tp)
+        if not ok:
+            problems.append(f"{where}: expected {_describe(tp)}, got {raw[name]!r}")
+            continue
+        values[name] = converted
+    return cls(**values)
+
+
+def build_run_config(raw: dict) -> RunConfig:
+    """Typed config from a resolved plain dict; raises ConfigError listing every problem."""
+    problems: list[str] = []
+    cfg = _build(RunConfig, raw, "", problems)
+    if not problems:
+        problems.extend(check_values(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def world_size(cfg: RunConfig) -> int:
+    return cfg.launcher.nproc_per_node * cfg.launcher.nnodes
+
+
+def data_parallel_size(cfg: RunConfig) -> int:
+    model_parallel = cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size
+    return max(world_size(cfg) // model_parallel, 1)
+
+
+def check_values(cfg: RunConfig) -> list[str]:
+    """Impossible values and incompatible settings; each message names the key(s) and a fix."""
+    p: list[str] = []
+    t, s, m, d = cfg.trainer, cfg.scheduler, cfg.model, cfg.data
+
+    def positive(where: str, value, allow_none: bool = False):
+        if value is None and allow_none:
+            return
+        if value is None or value < 1:
+            p.append(f"{where}={value} must be a positive integer")
+
+    positive("trainer.micro_batch_size", t.micro_batch_size)
+    positive("trainer.global_batch_size", t.global_batch_size)
+    positive("trainer.log_interval", t.log_interval)
+    positive("trainer.keep_last", t.keep_last)
+    for name in ("eval_interval", "save_interval", "exit_interval", "train_iters", "epochs"):
+        positive(f"trainer.{name}", getattr(t, name), allow_none=True)
+    if t.epochs is None and t.train_iters is None:
+        p.append("trainer.epochs and trainer.train_iters are both null; set one of them, "
+                 "e.g. trainer.epochs=3")
+    if t.lr < 0:
+        p.append(f"trainer.lr={t.lr} must not be negative; a typical fine-tuning lr is 2e-5")
+    if t.weight_decay < 0:
+        p.append(f"trainer.weight_decay={t.weight_decay} must not be negative")
+    if t.clip_grad < 0:
+        p.append(f"trainer.clip_grad={t.clip_grad} must not be negative (0 disables clipping)")
+    if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
+        step = t.micro_batch_size * data_parallel_size(cfg)
+        if t.global_batch_size % step:
+            dp = data_parallel_size(cfg)
+            suggestion = max(step, round(t.global_batch_size / step) * step)
+            p.append(
+                f"trainer.global_batch_size={t.global_batch_size} is not a multiple of "
+                f"trainer.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) = "
+                f"{step}; set it to a multiple, e.g. trainer.global_batch_size={suggestion}")
+
+    if s.warmup_iters < 0:
+        p.append(f"scheduler.warmup_iters={s.warmup_iters} must not be negative")
+    if s.warmup_fraction is not None and not 0 <= s.warmup_fraction < 1:
+        p.append(f"scheduler.warmup_fraction={s.warmup_fraction} must be in [0, 1)")
+    if s.min_lr < 0:
+        p.append(f"scheduler.min_lr={s.min_lr} must not be negative")
+    elif t.lr >= 0 and s.min_lr > t.lr:
+        p.append(f"scheduler.min_lr={s.min_lr} is above trainer.lr={t.lr}; lower min_lr")
+    positive("scheduler.decay_iters", s.decay_iters, allow_none=True)
+
+    if m.source == "pretrained" and not m.name_or_path:
+        p.append("model.name_or_path is empty but model.source=pretrained; give a hub name or a "
+                 "local directory, e.g. model.name_or_path=bert-base-cased")
+    for name in ("hidden_size", "num_layers", "num_attention_heads", "intermediate_size",
+                 "max_position_embeddings", "vocab_size"):
+        positive(f"model.{name}", getattr(m, name))
+    if m.source == "config" and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+        p.append(f"model.hidden_size={m.hidden_size} is not divisible by "
+                 f"model.num_attention_heads={m.num_attention_heads}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0 <= getattr(m, name) < 1:
+            p.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
+    if m.source == "config" and d.max_seq_length > m.max_position_embeddings:
+        p.append(f"data.max_seq_length={d.max_seq_length} is above "
+                 f"model.max_position_embeddings={m.max_position_embeddings}; lower the first "
+                 f"or raise the second")
+
+    positive("data.max_seq_length", d.max_seq_length)
+    if d.num_workers < 0:
+        p.append(f"data.num_workers={d.num_workers} must not be negative")
+    if d.source in ("local", "hub") and not d.path:
+        what = "a directory or file of local data" if d.source == "local" else "a hub dataset name"
+        p.append(f"data.path is empty but data.source={d.source}; set data.path to {what}")
+    if d.source == "synthetic":
+        positive("data.synthetic_train_size", d.synthetic_train_size)
+        positive("data.synthetic_eval_size", d.synthetic_eval_size)
+    if cfg.task.num_labels is not None and cfg.task.num_labels < 2:
+        p.append(f"task.num_labels={cfg.task.num_labels} must be at least 2 (or null to infer)")
+
+    if cfg.precision.initial_scale <= 0:
+        p.append(f"precision.initial_scale={cfg.precision.initial_scale} must be positive")
+    positive("precision.growth_interval", cfg.precision.growth_interval)
+
+    par = cfg.parallelism
+    positive("parallelism.tensor_model_parallel_size", par.tensor_model_parallel_size)
+    positive("parallelism.pipeline_model_parallel_size", par.pipeline_model_parallel_size)
+    if (par.tensor_model_parallel_size > 1 or par.pipeline_model_parallel_size > 1) \
+            and not m.arch.startswith("megatron"):
+        p.append(f"parallelism (tensor {par.tensor_model_parallel_size} x pipeline "
+                 f"{par.pipeline_model_parallel_size}) needs a Megatron model, but model={m.name} "
+                 f"is a Hugging Face model; use parallelism=dp or a Megatron model")
+    positive("launcher.nproc_per_node", cfg.launcher.nproc_per_node)
+    positive("launcher.nnodes", cfg.launcher.nnodes)
+    if not 0 <= cfg.launcher.node_rank < max(cfg.launcher.nnodes, 1):
+        p.append(f"launcher.node_rank={cfg.launcher.node_rank} must be in [0, launcher.nnodes)")
+    if world_size(cfg) % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size or 1):
+        p.append(f"the world size ({world_size(cfg)}) is not divisible by tensor x pipeline "
+                 f"parallel size ({par.tensor_model_parallel_size * par.pipeline_model_parallel_size})")
+    if cfg.memory.name == "fsdp" and (cfg.memory.offload_optimizer and not cfg.memory.offload_params):
+        p.append("memory.offload_optimizer=true with memory=fsdp needs memory.offload_params=true "
+                 "(FSDP offloads parameters and optimizer state together)")
+    return p

@@ -1,0 +1,49 @@
+"""A sampler that can start mid-epoch: resume continues with exactly the samples that an
+uninterrupted run would have seen next."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices of this rank's share of whole global batches, shuffled per epoch by (seed, epoch).
+
+    Step s of an epoch uses permutation[s*G:(s+1)*G] (G = global batch); rank r takes the r-th
+    contiguous slice of it. The tail that does not fill a global batch is dropped, so every
+    optimizer step sees exactly G samples whatever the number of processes.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, rank: int = 0,
+                 world_size: int = 1, shuffle: bool = True, seed: int = 0):
+        if global_batch_size % world_size:
+            raise ValueError("global_batch_size must be a multiple of world_size")
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.per_rank = global_batch_size // world_size
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.start_step = 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.epoch = epoch
+        self.start_step = start_step
+
+    def __iter__(self):
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        for step in range(self.start_step, self.steps_per_epoch):
+            first = step * self.global_batch_size + self.rank * self.per_rank
+            yield from order[first:first + self.per_rank]
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch - self.start_step) * self.per_rank

@@ -1,0 +1,229 @@
+"""RapidformerEngine: the device, the seed, the accelerators, and the small user contract
+(`compose`, `backward`, `step`, `gather`) that templates and own-loop scripts share."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rapidformer import checkpoint
+from rapidformer.accelerators.graph import apply_graph, unwrap
+from rapidformer.accelerators.precision import MixedPrecision
+from rapidformer.config.args import active
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import ConfigError, InputError, NotAvailableError
+from rapidformer.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("rapidformer")
+ENGINES_CREATED = 0  # the user-script runner checks that a script built one
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(["trainer.device=cuda but no CUDA GPU is visible; use "
+                               "trainer.device=cpu or auto"])
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+             "numpy": torch.from_numpy(keys.astype(np.int64)), "numpy_pos": int(pos),
+             "numpy_gauss": [int(has_gauss), float(gauss)], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate((state["python_version"], tuple(state["python"]), None))
+    has_gauss, gauss = state["numpy_gauss"]
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"],
+                         int(has_gauss), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RapidformerEngine:
+    """Built once per process, after the entrypoint has activated the resolved config."""
+
+    def __init__(self, cfg: RunConfig | None = None, run_dir: str | os.PathLike | None = None):
+        global ENGINES_CREATED
+        if cfg is None:
+            run = active()
+            cfg, run_dir = run.cfg, run.run_dir
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or cfg.trainer.output_dir)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise NotAvailableError(
+                "several processes (WORLD_SIZE > 1, e.g. from torchrun) are not available in "
+                "this version yet; run one process")
+        self.rank, self.world_size = 0, 1
+        self.device = pick_device(cfg.trainer.device)
+        seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+        self.precision = MixedPrecision(cfg.precision, self.device)
+        self.model = self.optimizer = self.lr_scheduler = None
+        ENGINES_CREATED += 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    # --- building -------------------------------------------------------------------------
+    def compose(self, model_obj: torch.nn.Module, optimizer=None, lr_scheduler=None,
+                lr_scheduler_fn=None, total_iters: int | None = None):
+        """Move the model to the device and wrap it; build what was not given.
+
+        `lr_scheduler_fn` is called as `lr_scheduler_fn(optimizer=optimizer)` (the seed's
+        `partial(get_linear_schedule_with_warmup, ...)`); without either, the configured
+        scheduler is built for `total_iters` (default: trainer.train_iters).
+        """
+        t = self.cfg.trainer
+        model = model_obj.to(self.device)
+        if optimizer is None:
+            optimizer = build_optimizer(model, self.cfg.optim, t.lr, t.weight_decay, self.device)
+        if lr_scheduler is None:
+            if lr_scheduler_fn is not None:
+                lr_scheduler = lr_scheduler_fn(optimizer=optimizer)
+            else:
+                total = total_iters or t.train_iters
+                if not total:
+                    raise ConfigError(["engine.compose() needs total_iters (or trainer.train_iters) "
+                                       "to build the lr schedule; pass total_iters=N or "
+                                       "lr_scheduler_fn"])
+                lr_scheduler = build_scheduler(optimizer, self.cfg.scheduler, total, t.lr)
+        model = apply_graph(model, self.cfg.graph)
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        return model, optimizer, lr_scheduler
+
+    # --- the step ---------------------------------------------------------------------------
+    def autocast(self):
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.scale(loss).backward()
+
+    def step(self) -> dict:
+        """Unscale, clip, step (skipped on fp16 overflow), advance the lr, zero the grads.
+
+        Returns the gradient norm as a tensor (read it only when logging: no host sync here).
+        """
+        clip = self.cfg.trainer.clip_grad
+        self.precision.unscale_(self.optimizer)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        stepped = self.precision.step(self.optimizer)
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "stepped": stepped}
+
+    def to_device(self, batch):
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, dict) or hasattr(batch, "items"):
+            return {k: self.to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v) for v in batch)
+        return batch
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate `tensor` from every rank along dim 0 (sizes may differ between ranks)."""
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return tensor
+        size = torch.tensor([tensor.shape[0]], device=tensor.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.zeros_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([part[: int(s.item())] for part, s in zip(parts, sizes)])
+
+    # --- checkpoints --------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def save_checkpoint(self, step: int, state: dict, extra=None) -> Path:
+        tensors = {"model.pt": unwrap(self.model).state_dict(),
+                   "optimizer.pt": self.optimizer.state_dict(),
+                   "scheduler.pt": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
+                   "precision.pt": self.precision.state_dict(),
+                   "rng.pt": rng_state()}
+        path = checkpoint.save(self.checkpoint_root, step, tensors, state, extra,
+                               self.cfg.trainer.keep_last)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def find_resume_checkpoint(self) -> Path | None:
+        choice = self.cfg.trainer.resume
+        if not choice:
+            return None
+        if choice == "auto":
+            found = checkpoint.latest(self.checkpoint_root)
+            if found is None:
+                log.info("trainer.resume=auto: no complete checkpoint in %s; starting fresh",
+                         self.checkpoint_root)
+            return found
+        path = Path(choice)
+        if path.is_dir() and not checkpoint.NAME.match(path.name):
+            found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
+            if found is not None:
+                return found
+        if not path.exists():
+            raise InputError(f"trainer.resume={choice}: no such checkpoint directory; use "
+                             f"trainer.resume=auto or a path to a step_NNNNNNNN directory")
+        if not checkpoint.is_complete(path):
+            raise InputError(f"trainer.resume={choice} is not a complete checkpoint (its "
+                             f"{checkpoint.MANIFEST} is missing or does not match its files)")
+        return path
+
+    def load_checkpoint(self, path: Path) -> dict:
+        unwrap(self.model).load_state_dict(checkpoint.load(path, "model.pt"))
+        self.optimizer.load_state_dict(checkpoint.load(path, "optimizer.pt"))
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
+        self.precision.load_state_dict(checkpoint.load(path, "precision.pt"))
+        set_rng_state(checkpoint.load(path, "rng.pt"))
+        state = checkpoint.read_state(path)
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return state
+
+    def export_hf(self, tokenizer=None) -> Path | None:
+        """One Hugging Face `save_pretrained` directory, written atomically, at run_dir/hf_model."""
+        model = unwrap(self.model)
+        if not hasattr(model, "save_pretrained"):
+            log.info("the model is not a Hugging Face model: no hf_model export")
+            return None
+        final = self.run_dir / "hf_model"
+        tmp = self.run_dir / ".tmp-hf_model"
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        log.info("exported Hugging Face model to %s", final)
+        return final

@@ -1,0 +1,42 @@
+"""The errors a user can act on. Each message says what is wrong, where, and how to fix it.
+
+`__main__` prints them without a traceback (unless RAPIDFORMER_DEBUG=1) and exits non-zero.
+"""
+from __future__ import annotations
+
+import os
+
+# exit codes: 2 for bad input (config, data, paths), 3 for a feature not available here
+EXIT_BAD_INPUT = 2
+EXIT_NOT_AVAILABLE = 3
+
+
+class RapidformerError(Exception):
+    exit_code = EXIT_BAD_INPUT
+
+
+class ConfigError(RapidformerError):
+    """One or more problems in the composed config, all reported at once."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            text = f"invalid config: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            text = f"invalid config ({len(self.problems)} problems):\n{lines}"
+        super().__init__(text)
+
+
+class InputError(RapidformerError):
+    """Data, files or paths that cannot be used as given."""
+
+
+class NotAvailableError(RapidformerError):
+    """A valid setting whose feature is not built yet or not installed on this machine."""
+
+    exit_code = EXIT_NOT_AVAILABLE
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("RAPIDFORMER_DEBUG", "") not in ("", "0", "false", "False")

@@ -1,0 +1,53 @@
+"""Resolved config -> the template that runs it: a black-box task, or the user's script."""
+from __future__ import annotations
+
+import logging
+import runpy
+from pathlib import Path
+
+from rapidformer import engine as engine_module
+from rapidformer.config.args import activate
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import InputError, NotAvailableError
+
+log = logging.getLogger("rapidformer")
+
+def check_available(cfg: RunConfig) -> None:
+    """Refuse, before any work, what is configured correctly but not built yet."""
+    if cfg.memory.name != "none":
+        raise NotAvailableError(
+            f"memory={cfg.memory.name} (DeepSpeed ZeRO / FSDP) is not available in this version "
+            f"yet: it comes with multi-process training; use memory=none")
+    if cfg.graph.name == "ort":
+        raise NotAvailableError("graph=ort (ONNX Runtime training) is not available in this "
+                                "version yet; use graph=compile or graph=eager")
+    if cfg.launcher.nproc_per_node > 1 or cfg.launcher.nnodes > 1:
+        raise NotAvailableError(
+            "several processes (launcher.nproc_per_node or launcher.nnodes > 1) are not "
+            "available in this version yet; run with launcher.nproc_per_node=1")
+
+
+def run(cfg: RunConfig, run_dir: str, resolved: dict):
+    check_available(cfg)
+    activate(cfg, run_dir, resolved)
+    if cfg.user_script:
+        return run_user_script(Path(cfg.user_script))
+    from rapidformer.engine import RapidformerEngine
+    from rapidformer.tasks import task_class
+
+    trainer = task_class(cfg.task.name)(engine=RapidformerEngine())
+    return trainer.train()
+
+
+def run_user_script(path: Path):
+    """Run a white-box script as `__main__`, as the seed's `--user-script` does."""
+    if not path.is_file():
+        raise InputError(f"user_script={path}: no such file; give the path to your Python "
+                         f"script (relative to the directory you run from)")
+    before = engine_module.ENGINES_CREATED
+    log.info("running user script %s", path)
+    runpy.run_path(str(path), run_name="__main__")
+    if engine_module.ENGINES_CREATED == before:
+        raise InputError(
+            f"user_script={path} finished without creating a RapidformerEngine; end it with: "
+            f"engine = RapidformerEngine(); trainer = MyFinetuner(engine=engine); trainer.train()")

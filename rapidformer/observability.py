@@ -1,0 +1,88 @@
+"""What a run reports: the `rapidformer` logger, Megatron-style timers, and the metrics sink
+(metrics.jsonl always; TensorBoard events when enabled)."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger("rapidformer")
+
+
+class _Timer:
+    def __init__(self):
+        self.elapsed = 0.0
+        self._start = None
+
+    def start(self):
+        self._start = time.perf_counter()
+
+    def stop(self):
+        if self._start is not None:
+            self.elapsed += time.perf_counter() - self._start
+            self._start = None
+
+    def reset(self):
+        self.elapsed, self._start = 0.0, None
+
+
+class Timers:
+    """`timers('forward').start()` / `.stop()`; `timers.log(['forward'])` logs seconds and resets."""
+
+    def __init__(self):
+        self._timers: dict[str, _Timer] = {}
+
+    def __call__(self, name: str) -> _Timer:
+        return self._timers.setdefault(name, _Timer())
+
+    def log(self, names, normalizer: float = 1.0) -> str:
+        parts = []
+        for name in names:
+            timer = self(name)
+            parts.append(f"{name}: {1000 * timer.elapsed / normalizer:.2f} ms")
+            timer.reset()
+        line = " | ".join(parts)
+        get_logger().info("time %s", line)
+        return line
+
+
+_TIMERS = Timers()
+
+
+def get_timers() -> Timers:
+    return _TIMERS
+
+
+class MetricsSink:
+    """Appends one json object per record to metrics.jsonl and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._writer = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, step: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"step": step, **record}) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._file.close()
+            if self._writer is not None:
+                self._writer.close()

@@ -1,0 +1,79 @@
+"""Black-box sentence(-pair) classification: the seed's `--task sequence_classification`.
+
+The same four methods a white-box user writes, filled in from the config: data from the data
+group, a tokenizer, a Hugging Face `AutoModelForSequenceClassification`, accuracy and F1.
+"""
+from __future__ import annotations
+
+import torch
+from torchmetrics.functional.classification import (binary_f1_score, multiclass_accuracy,
+                                                    multiclass_f1_score)
+
+from rapidformer.data.text_classification import load_classification_data, tokenize_splits
+from rapidformer.data.tokenizers import build_tokenizer
+from rapidformer.models.hf import build_sequence_classifier
+from rapidformer.templates.finetuner import Finetuner
+
+
+def classification_metrics(predictions: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict:
+    """Accuracy, and F1 of the positive class for two labels (GLUE's MRPC F1), macro F1 else."""
+    predictions, labels = predictions.cpu(), labels.cpu()
+    accuracy = multiclass_accuracy(predictions, labels, num_classes=num_labels, average="micro")
+    if num_labels == 2:
+        f1 = binary_f1_score(predictions, labels)
+    else:
+        f1 = multiclass_f1_score(predictions, labels, num_classes=num_labels, average="macro")
+    return {"accuracy": float(accuracy), "f1": float(f1)}
+
+
+class SequenceClassificationFinetuner(Finetuner):
+    def train_valid_test_datasets_provider(self):
+        from transformers import DataCollatorWithPadding
+
+        d, m = self.cfg.data, self.cfg.model
+        data = load_classification_data(d, self.engine.run_dir, self.cfg.task.num_labels)
+        self.num_labels, self.label_names = data.num_labels, data.label_names
+        self.scored_splits = data.scored_splits
+        tokenizer_dir = self._resumed_tokenizer_dir() or self.engine.run_dir / "tokenizer"
+
+        def train_texts():
+            train = data.splits["train"]
+            yield from (str(x) for x in train[d.text_a_column])
+            if d.text_b_column:
+                yield from (str(x) for x in train[d.text_b_column])
+
+        self.tokenizer = build_tokenizer(m, train_texts, tokenizer_dir, d.max_seq_length)
+        encoded = tokenize_splits(data, d, self.tokenizer)
+        collate_fn = DataCollatorWithPadding(self.tokenizer, return_tensors="pt")
+        return encoded["train"], encoded.get("validation"), encoded.get("test"), collate_fn
+
+    def _resumed_tokenizer_dir(self):
+        """On resume, the tokenizer saved with the checkpoint (a trained vocab must not change)."""
+        path = self.engine.find_resume_checkpoint()
+        if path is not None and (path / "tokenizer" / "tokenizer_config.json").is_file():
+            return path / "tokenizer"
+        return None
+
+    def model_optimizer_lr_scheduler_provider(self):
+        model = build_sequence_classifier(self.cfg.model, self.num_labels, self.tokenizer,
+                                          self.label_names)
+        return model, None, None
+
+    def run_forward_step(self, batch, model):
+        return model(**batch).loss
+
+    def run_compute_metrics(self, model, eval_dataloader):
+        model = model[0]
+        predictions, labels, losses = [], [], []
+        for batch in eval_dataloader:
+            outputs = model(**batch)
+            predictions.append(self.gather(outputs.logits.argmax(dim=-1)))
+            labels.append(self.gather(batch["labels"]))
+            losses.append(outputs.loss.float().detach().reshape(1))
+        predictions, labels = torch.cat(predictions), torch.cat(labels)
+        metrics = classification_metrics(predictions, labels, self.num_labels)
+        metrics["loss"] = float(torch.cat(losses).mean())
+        return metrics
+
+    def test_is_labelled(self, test_ds) -> bool:
+        return "test" in self.scored_splits

@@ -1,0 +1,261 @@
+"""Finetuner: the seed's fine-tuning template. Subclasses implement four methods; `train()`
+is the loop, written to read top to bottom."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+from rapidformer.data.sampler import ResumableSampler
+from rapidformer.errors import InputError, RapidformerError
+from rapidformer.observability import MetricsSink
+
+log = logging.getLogger("rapidformer")
+
+
+@dataclass
+class TrainState:
+    step: int = 0           # optimizer steps taken
+    epoch: int = 0          # epochs completed
+    step_in_epoch: int = 0  # optimizer steps taken in the current epoch
+
+
+class Finetuner:
+    """Subclass and implement:
+
+    - `train_valid_test_datasets_provider()` -> (train, valid, test, collate_fn)
+    - `model_optimizer_lr_scheduler_provider()` -> (model, optimizer or None, lr_scheduler or None)
+    - `run_forward_step(batch, model)` -> loss
+    - `run_compute_metrics(model, eval_dataloader)` -> dict of metrics (`model` is a list)
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.tokenizer = None  # set it to have the tokenizer saved with checkpoints and export
+
+    # --- the four methods of the seed's template ------------------------------------------------
+    def train_valid_test_datasets_provider(self):
+        raise self._missing("train_valid_test_datasets_provider(self)",
+                            "(train_dataset, valid_dataset, test_dataset, collate_fn)")
+
+    def model_optimizer_lr_scheduler_provider(self):
+        raise self._missing("model_optimizer_lr_scheduler_provider(self)",
+                            "(model, optimizer or None, lr_scheduler or None)")
+
+    def run_forward_step(self, batch, model):
+        raise self._missing("run_forward_step(self, batch, model)", "the loss tensor")
+
+    def run_compute_metrics(self, model, eval_dataloader):
+        raise self._missing("run_compute_metrics(self, model, eval_dataloader)",
+                            "a dict of metrics")
+
+    def _missing(self, signature: str, returns: str) -> RapidformerError:
+        return RapidformerError(f"{type(self).__name__} must implement {signature}, returning "
+                                f"{returns}: it is one of the Finetuner template's four methods")
+
+    # --- helpers the seed exposes ------------------------------------------------------------------
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.engine.gather(tensor)
+
+    def build_data_loader(self, dataset, shuffle: bool = False, collate_fn=None,
+                          batch_size: int | None = None):
+        """A loader over this rank's share of `dataset` whose batches arrive on the device."""
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed)
+        sampler = (RandomSampler(dataset, generator=generator) if shuffle
+                   else SequentialSampler(dataset))
+        loader = DataLoader(dataset, batch_size=batch_size or self.cfg.trainer.micro_batch_size,
+                            sampler=sampler, collate_fn=collate_fn,
+                            num_workers=self.cfg.data.num_workers,
+                            pin_memory=self.engine.device.type == "cuda")
+        return _DeviceLoader(loader, self.engine)
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def train(self):
+        engine, t = self.engine, self.cfg.trainer
+        train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
+        model, optimizer, lr_scheduler = self.model_optimizer_lr_scheduler_provider()
+
+        sampler = ResumableSampler(len(train_ds), t.global_batch_size, engine.rank,
+                                   engine.world_size, shuffle=True, seed=t.seed)
+        if sampler.steps_per_epoch == 0:
+            raise InputError(f"the training split has {len(train_ds)} examples, fewer than one "
+                             f"global batch (trainer.global_batch_size={t.global_batch_size}); "
+                             f"lower the batch size or add data")
+        total_iters = t.train_iters or t.epochs * sampler.steps_per_epoch
+        model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
+                                                        total_iters=total_iters)
+        train_loader = DataLoader(train_ds, batch_size=t.micro_batch_size, sampler=sampler,
+                                  collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
+                                  pin_memory=engine.device.type == "cuda")
+        eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
+                        for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
+        accumulation = t.global_batch_size // (t.micro_batch_size * engine.world_size)
+
+        state = TrainState()
+        resume_from = engine.find_resume_checkpoint()
+        if resume_from is not None:
+            state = TrainState(**engine.load_checkpoint(resume_from)["train_state"])
+        sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process)
+        progress = _progress(total_iters, state.step, t.progress_bar and engine.is_main_process)
+        log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
+                 "precision=%s, device=%s", total_iters, sampler.steps_per_epoch, accumulation,
+                 t.micro_batch_size, self.cfg.precision.dtype, engine.device)
+
+        window = _Window()
+        last_eval_step = -1
+        stopped_early = False
+        while state.step < total_iters and not stopped_early:
+            sampler.set_epoch(state.epoch, state.step_in_epoch)
+            batches = iter(train_loader)
+            while state.step_in_epoch < sampler.steps_per_epoch and state.step < total_iters:
+                model.train()
+                for _ in range(accumulation):
+                    batch = engine.to_device(next(batches))
+                    with engine.autocast():
+                        loss = self.run_forward_step(batch, model)
+                    engine.backward(loss / accumulation)
+                    window.add_micro(loss.detach(), batch)
+                result = engine.step()
+                state.step += 1
+                state.step_in_epoch += 1
+                window.add_step(result)
+                progress.update(1)
+
+                if state.step % t.log_interval == 0 or state.step == total_iters:
+                    record = window.flush(optimizer, engine)
+                    sink.write(state.step, {"epoch": state.epoch, **record})
+                    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+                    log.info("step %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s",
+                             state.step, total_iters, record["loss"], record["lr"],
+                             record["grad_norm"], record["samples_per_s"])
+                epoch_done = state.step_in_epoch == sampler.steps_per_epoch
+                if epoch_done:
+                    state.epoch += 1
+                    state.step_in_epoch = 0
+                if (t.eval_interval and state.step % t.eval_interval == 0) or \
+                        (epoch_done and t.eval_interval is None):
+                    self._evaluate(model, eval_loaders, sink, state)
+                    last_eval_step = state.step
+                exiting = bool(t.exit_interval and state.step % t.exit_interval == 0
+                               and state.step < total_iters)
+                if (t.save_interval and state.step % t.save_interval == 0) or \
+                        (epoch_done and t.save_interval is None) or exiting:
+                    self._save(state)
+                if exiting:
+                    log.info("trainer.exit_interval=%d reached at step %d: checkpoint saved, "
+                             "stopping (resume with trainer.resume=auto)", t.exit_interval,
+                             state.step)
+                    stopped_early = True
+                if exiting or epoch_done:
+                    break
+
+        progress.close()
+        if not stopped_early:
+            if last_eval_step != state.step:
+                self._evaluate(model, eval_loaders, sink, state)
+            self._finish(model, test_ds, collate_fn, sink, state)
+        sink.close()
+        return state
+
+    # --- the verbs the loop uses -------------------------------------------------------------------
+    def _evaluate(self, model, loaders: dict, sink: MetricsSink, state: TrainState) -> dict:
+        results = {}
+        for name, loader in loaders.items():
+            metrics = self.evaluate(model, loader)
+            results.update({f"{name}/{k}": v for k, v in metrics.items()})
+        if results:
+            sink.write(state.step, {"epoch": state.epoch, **results})
+            log.info("eval at step %d: %s", state.step,
+                     ", ".join(f"{k}={v:.4f}" for k, v in results.items()))
+        return results
+
+    def evaluate(self, model, loader) -> dict:
+        model.eval()
+        with torch.no_grad(), self.engine.autocast():
+            metrics = self.run_compute_metrics([model], loader)
+        model.train()
+        return {k: float(v) for k, v in dict(metrics).items()}
+
+    def _save(self, state: TrainState) -> None:
+        tokenizer = self.tokenizer
+        extra = (lambda d: tokenizer.save_pretrained(str(d / "tokenizer"))) if tokenizer else None
+        self.engine.save_checkpoint(state.step, {"step": state.step,
+                                                 "train_state": asdict(state)}, extra)
+
+    def _finish(self, model, test_ds, collate_fn, sink, state) -> None:
+        """End of training: score a labelled test split, keep a final checkpoint, export."""
+        if test_ds is not None and len(test_ds) and self.test_is_labelled(test_ds):
+            metrics = self.evaluate(model, self.build_data_loader(test_ds, collate_fn=collate_fn))
+            sink.write(state.step, {f"test/{k}": v for k, v in metrics.items()})
+            log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        if not (self.engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
+            self._save(state)
+        if self.cfg.trainer.export_hf and self.engine.is_main_process:
+            self.engine.export_hf(self.tokenizer)
+
+    def test_is_labelled(self, test_ds) -> bool:
+        """Whether the test split can be scored; GLUE's test labels are -1."""
+        return False
+
+
+class _Window:
+    """Loss, tokens and timing since the last log line, kept on the device until then."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.loss_sum, self.micro, self.steps, self.skipped = 0.0, 0, 0, 0
+        self.samples, self.tokens, self.grad_norm = 0, 0, None
+        self.started = time.perf_counter()
+
+    def add_micro(self, loss, batch):
+        self.loss_sum = self.loss_sum + loss.float()
+        self.micro += 1
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if ids is not None:
+            self.samples += ids.shape[0]
+            self.tokens = self.tokens + (mask.sum() if mask is not None else ids.numel())
+
+    def add_step(self, result):
+        self.steps += 1
+        self.grad_norm = result["grad_norm"]
+
+    def flush(self, optimizer, engine) -> dict:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        record = {"loss": float(self.loss_sum / max(self.micro, 1)),
+                  "lr": optimizer.param_groups[0]["lr"],
+                  "grad_norm": float(self.grad_norm),
+                  "samples_per_s": self.samples * engine.world_size / elapsed,
+                  "tokens_per_s": float(self.tokens) * engine.world_size / elapsed}
+        if engine.precision.loss_scale is not None:
+            record["loss_scale"] = engine.precision.loss_scale
+            record["skipped_steps"] = engine.precision.skipped_steps
+        self.reset()
+        return record
+
+
+class _DeviceLoader:
+    """A DataLoader whose batches are moved to the engine's device."""
+
+    def __init__(self, loader, engine):
+        self.loader, self.engine = loader, engine
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield self.engine.to_device(batch)
+
+    def __len__(self):
+        return len(self.loader)
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="it",
+                dynamic_ncols=True)

@@ -1,0 +1,43 @@
+"""Shared helpers: tiny generated data, and running the real CLI in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# No test may touch the network: the hub libraries fail at once instead of retrying.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "TOKENIZERS_PARALLELISM": "false", "HYDRA_FULL_ERROR": "0"}
+os.environ.update(OFFLINE_ENV)
+
+# short runs: a small model on small data, a handful of steps
+FAST = ["trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.log_interval=1",
+        "data.synthetic_train_size=256", "data.synthetic_eval_size=64",
+        "trainer.micro_batch_size=16", "trainer.global_batch_size=32", "trainer.epochs=1"]
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 600, module: str = "rapidformer",
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    full_env.pop("RAPIDFORMER_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def pairs_dir(tmp_path_factory) -> Path:
+    from rapidformer.data.synthetic import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("pairs"), train_size=256, eval_size=64, seed=7)

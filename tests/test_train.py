@@ -1,0 +1,222 @@
+"""Real training runs through the real CLI (`python -m rapidformer`), on tiny models and data."""
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST, read_metrics, run_cli, train_losses
+
+pytestmark = pytest.mark.slow
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_quickstart_default_command(tmp_path):
+    """`python -m rapidformer` with nothing else: accuracy >= 0.9 and every artifact on disk."""
+    run = tmp_path / "run"
+    _ok(run_cli([f"trainer.output_dir={run}", "trainer.progress_bar=false"], cwd=tmp_path))
+    metrics = read_metrics(run)
+    evals = [m for m in metrics if "validation/accuracy" in m]
+    assert evals[-1]["validation/accuracy"] >= 0.9, evals
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s"} <= set(metrics[0])
+    assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
+    assert (run / "config.yaml").is_file() and (run / "data" / "train.jsonl").is_file()
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert checkpoints and (checkpoints[-1] / "COMPLETE.json").is_file()
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(run / "hf_model")
+    tokenizer = AutoTokenizer.from_pretrained(run / "hf_model")
+    batch = tokenizer(["the doctor bought a car yesterday ."], ["the physician bought a car "
+                      "yesterday ."], return_tensors="pt")
+    assert model(**batch).logits.shape == (1, 2)
+
+
+def test_loss_falls_in_every_precision(tmp_path):
+    """fp32, bf16 and fp16 (dynamic loss scaling) each memorize a small set."""
+    small = [*FAST, "data.synthetic_train_size=32", "trainer.epochs=25", "trainer.lr=1e-3",
+             "scheduler=constant", "trainer.save_interval=1000", "trainer.export_hf=false"]
+    finals = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        run = tmp_path / precision
+        _ok(run_cli([*small, f"precision={precision}", f"trainer.output_dir={run}"], cwd=tmp_path))
+        losses = train_losses(run)
+        assert losses[25] < 0.5 * losses[1], (precision, losses)
+        finals[precision] = losses
+    records = read_metrics(tmp_path / "fp16")
+    assert all("loss_scale" in r and "skipped_steps" in r for r in records if "loss" in r)
+    # the first steps agree with fp32 within reduced-precision tolerance
+    for precision in ("bf16", "fp16"):
+        assert abs(finals[precision][1] - finals["fp32"][1]) < 2e-2
+
+
+def test_resume_continues_with_the_same_losses(tmp_path):
+    """A run stopped at step 5 and resumed gives the uninterrupted run's per-step losses."""
+    args = [*FAST, "trainer.epochs=2", "trainer.export_hf=false", "model.hidden_dropout=0.1"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    _ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
+    first = _ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=5"],
+                        cwd=tmp_path))
+    assert "trainer.exit_interval=5 reached at step 5" in first.stdout + first.stderr
+    assert max(train_losses(parts)) == 5
+    second = _ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.resume=auto"],
+                         cwd=tmp_path))
+    assert "resumed from" in second.stdout + second.stderr
+    expected, got = train_losses(whole), train_losses(parts)
+    assert sorted(got) == sorted(expected) == list(range(1, 17))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, abs=1e-6), step
+
+
+def test_design_card_command_stops_with_one_clear_sentence(tmp_path):
+    result = run_cli(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3"], cwd=tmp_path)
+    assert result.returncode == 3
+    assert "memory=zero3" in result.stderr and "not available in this version yet" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+    printed = _ok(run_cli(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3", "--cfg", "job",
+                           "--resolve"], cwd=tmp_path))
+    assert "name: zero3" in printed.stdout and "dtype: fp16" in printed.stdout
+    assert "name_or_path: bert-base-cased" in printed.stdout
+
+
+def test_hub_names_offline_give_one_clear_sentence(tmp_path):
+    result = run_cli(["+recipe=bert_mrpc"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "cannot load the dataset 'glue/mrpc'" in result.stderr
+    assert "data=pairs_local" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bert_mrpc_recipe_on_local_data_and_config_model(tmp_path, pairs_dir):
+    run = tmp_path / "run"
+    _ok(run_cli(["+recipe=bert_mrpc", "model=bert_tiny", "data=pairs_local",
+                 f"data.path={pairs_dir}", "precision=bf16", "trainer.epochs=1",
+                 "trainer.progress_bar=false", f"trainer.output_dir={run}"], cwd=tmp_path))
+    assert (run / "hf_model" / "config.json").is_file()
+    assert json.loads((run / "hf_model" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_missing_data_and_missing_column_fail_clearly(tmp_path, pairs_dir):
+    missing = run_cli(["data=pairs_local", f"data.path={tmp_path / 'nowhere'}"], cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "data directory not found" in missing.stderr and "Traceback" not in missing.stderr
+    column = run_cli(["data=pairs_local", f"data.path={pairs_dir}", "data.label_column=target"],
+                     cwd=tmp_path)
+    assert column.returncode == 2
+    assert "no column 'target' (data.label_column)" in column.stderr
+
+
+def test_compile_gives_the_eager_losses(tmp_path):
+    args = [*FAST, "trainer.train_iters=3", "trainer.export_hf=false"]
+    _ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'eager'}"], cwd=tmp_path))
+    _ok(run_cli([*args, "graph=compile", f"trainer.output_dir={tmp_path / 'compiled'}"],
+                cwd=tmp_path))
+    eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys() == {1, 2, 3}
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], abs=1e-4)
+
+
+USER_SCRIPT = '''
+import torch
+from datasets import load_dataset
+from transformers import AutoTokenizer, BertForSequenceClassification
+
+from rapidformer import Finetuner, RapidformerEngine, get_args
+
+
+class MyFinetuner(Finetuner):
+    def __init__(self, engine):
+        super().__init__(engine=engine)
+
+    def train_valid_test_datasets_provider(self):
+        args = get_args()
+        tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path)
+
+        def tokenize_function(examples):
+            return tokenizer(examples["sentence1"], examples["sentence2"], truncation=True,
+                             max_length=args.seq_length)
+
+        files = {s: f"{args.data_path}/{s}.jsonl" for s in ("train", "validation", "test")}
+        datasets = load_dataset("json", data_files=files)
+        tokenized = datasets.map(tokenize_function, batched=True,
+                                 remove_columns=["idx", "sentence1", "sentence2"])
+        tokenized = tokenized.rename_column("label", "labels")  # the seed's rename_column_
+
+        def collate_fn(examples):
+            return tokenizer.pad(examples, padding="longest", return_tensors="pt")
+
+        return tokenized["train"], tokenized["validation"], tokenized["test"], collate_fn
+
+    def model_optimizer_lr_scheduler_provider(self):
+        args = get_args()
+        model = BertForSequenceClassification.from_pretrained(args.pretrained_model_name_or_path)
+        return model, None, None
+
+    def run_forward_step(self, batch, model):
+        return model(**batch).loss
+
+    def run_compute_metrics(self, model, eval_dataloader):
+        model = model[0]
+        correct = total = 0
+        for batch in eval_dataloader:
+            with torch.no_grad():
+                outputs = model(**batch)
+            predictions = self.gather(outputs.logits.argmax(dim=-1))
+            references = self.gather(batch["labels"])
+            correct += int((predictions == references).sum())
+            total += len(references)
+        return {"accuracy": correct / total, "seen": total}
+
+
+engine = RapidformerEngine()
+trainer = MyFinetuner(engine=engine)
+trainer.train()
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_pretrained(tmp_path_factory, pairs_dir):
+    """A 'pretrained' model directory made locally: a trained vocab and a config-built BERT."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from rapidformer.data.synthetic import make_split
+    from rapidformer.data.tokenizers import train_wordpiece
+
+    out = tmp_path_factory.mktemp("tiny_bert")
+    texts = [r[k] for r in make_split(500, 1) for k in ("sentence1", "sentence2")]
+    tokenizer = train_wordpiece(texts, out, vocab_size=300, lowercase=True, max_length=64)
+    BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64)).save_pretrained(out)
+    return out
+
+
+def test_white_box_user_script(tmp_path, pairs_dir, tiny_pretrained):
+    script = tmp_path / "my_finetuner.py"
+    script.write_text(textwrap.dedent(USER_SCRIPT))
+    run = tmp_path / "run"
+    _ok(run_cli([f"user_script={script}", "model=hf", f"model.name_or_path={tiny_pretrained}",
+                 "data=pairs_local", f"data.path={pairs_dir}", "data.max_seq_length=64",
+                 *FAST, f"trainer.output_dir={run}"], cwd=tmp_path))
+    evals = [m for m in read_metrics(run) if "validation/accuracy" in m]
+    assert evals and evals[-1]["validation/seen"] == 64
+    assert (run / "hf_model" / "config.json").is_file()
+    assert train_losses(run)
+
+
+def test_user_script_that_builds_no_engine(tmp_path):
+    script = tmp_path / "empty.py"
+    script.write_text("print('hello')\n")
+    result = run_cli([f"user_script={script}", *FAST], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "finished without creating a RapidformerEngine" in result.stderr
+    missing = run_cli([f"user_script={tmp_path / 'nope.py'}", *FAST], cwd=tmp_path)
+    assert missing.returncode == 2 and "no such file" in missing.stderr

@@ -1,0 +1,139 @@
+"""Units with hand-computed answers: lr schedule, sampler, checkpoints, metrics, seed args."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from rapidformer import checkpoint
+from rapidformer.config.args import Args
+from rapidformer.config.compose import compose, resolve
+from rapidformer.config.schema import SchedulerConfig
+from rapidformer.data.sampler import ResumableSampler
+from rapidformer.optim import lr_multiplier, parameter_groups
+from rapidformer.tasks.sequence_classification import classification_metrics
+
+
+def test_linear_schedule_warms_up_then_decays_to_min_lr():
+    s = SchedulerConfig(name="linear", warmup_iters=10, min_lr=1e-5)
+    lr = 1e-4
+    assert lr_multiplier(0, s, 110, lr) == pytest.approx(0.1)
+    assert lr_multiplier(9, s, 110, lr) == pytest.approx(1.0)
+    assert lr_multiplier(10, s, 110, lr) == pytest.approx(1.0)
+    assert lr_multiplier(60, s, 110, lr) * lr == pytest.approx(1e-5 + 0.5 * 9e-5)
+    assert lr_multiplier(110, s, 110, lr) * lr == pytest.approx(1e-5)
+    assert lr_multiplier(500, s, 110, lr) * lr == pytest.approx(1e-5)
+
+
+def test_cosine_and_constant_schedules():
+    cosine = SchedulerConfig(name="cosine", warmup_fraction=0.1)
+    assert lr_multiplier(10, cosine, 100, 1.0) == pytest.approx(1.0)
+    assert lr_multiplier(55, cosine, 100, 1.0) == pytest.approx(0.5)
+    assert lr_multiplier(100, cosine, 100, 1.0) == pytest.approx(0.0)
+    constant = SchedulerConfig(name="constant", warmup_iters=4)
+    assert [lr_multiplier(i, constant, 100, 1.0) for i in (0, 3, 50)] == [0.25, 1.0, 1.0]
+
+
+def test_decay_iters_ends_decay_early():
+    s = SchedulerConfig(name="linear", decay_iters=50)
+    assert lr_multiplier(25, s, 100, 1.0) == pytest.approx(0.5)
+    assert lr_multiplier(80, s, 100, 1.0) == 0.0
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32))
+    decay, no_decay = parameter_groups(model, 0.01)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all("bias" not in names[id(p)] and "LayerNorm" not in names[id(p)]
+               for p in decay["params"])
+    assert any("LayerNorm.weight" in names[id(p)] for p in no_decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.01
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_sampler_drops_the_partial_global_batch_and_resumes_mid_epoch():
+    full = ResumableSampler(num_samples=70, global_batch_size=16, shuffle=True, seed=3)
+    full.set_epoch(2)
+    order = list(full)
+    assert len(order) == 64 and len(set(order)) == 64
+    resumed = ResumableSampler(num_samples=70, global_batch_size=16, shuffle=True, seed=3)
+    resumed.set_epoch(2, start_step=3)
+    assert list(resumed) == order[48:]
+    full.set_epoch(3)
+    assert list(full) != order  # a new shuffle every epoch
+
+
+def test_sampler_ranks_split_each_global_batch():
+    ranks = [ResumableSampler(40, 8, rank=r, world_size=2, seed=1) for r in (0, 1)]
+    single = ResumableSampler(40, 8, seed=1)
+    a, b, s = list(ranks[0]), list(ranks[1]), list(single)
+    assert [a[i * 4:(i + 1) * 4] + b[i * 4:(i + 1) * 4] for i in range(5)] == \
+        [s[i * 8:(i + 1) * 8] for i in range(5)]
+
+
+def test_checkpoint_is_atomic_and_an_interrupted_one_is_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    checkpoint.save(root, 5, {"w.pt": {"w": torch.ones(3)}}, {"step": 5}, keep_last=2)
+    # a crash mid-save leaves a hidden temporary directory ...
+    (root / ".tmp-step_00000009-123").mkdir()
+    (root / ".tmp-step_00000009-123" / "w.pt").write_bytes(b"half")
+    # ... and a directory whose file no longer matches its manifest is not complete either
+    bad = checkpoint.save(root, 7, {"w.pt": {"w": torch.zeros(3)}}, {"step": 7}, keep_last=5)
+    (bad / "w.pt").write_bytes(b"corrupt")
+    assert checkpoint.latest(root).name == "step_00000005"
+    complete, broken = checkpoint.scan(root)
+    assert [p.name for p in complete] == ["step_00000005"]
+    assert sorted(p.name for p in broken) == [".tmp-step_00000009-123", "step_00000007"]
+    assert torch.equal(checkpoint.load(root / "step_00000005", "w.pt")["w"], torch.ones(3))
+    manifest = json.loads((root / "step_00000005" / checkpoint.MANIFEST).read_text())
+    assert manifest["step"] == 5 and manifest["files"]["w.pt"]["bytes"] > 0
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, step, {"x.pt": torch.ones(1)}, {"step": step}, keep_last=2)
+    assert [p.name for p in checkpoint.scan(tmp_path)[0]] == ["step_00000003", "step_00000004"]
+
+
+def test_classification_metrics_by_hand():
+    predictions = torch.tensor([1, 1, 0, 0, 1])
+    labels = torch.tensor([1, 0, 0, 1, 1])
+    metrics = classification_metrics(predictions, labels, 2)
+    # tp=2, fp=1, fn=1 -> precision 2/3, recall 2/3, f1 2/3; 3 of 5 right
+    assert metrics["accuracy"] == pytest.approx(0.6)
+    assert metrics["f1"] == pytest.approx(2 / 3)
+
+
+def test_get_args_uses_the_seed_names():
+    _, cfg = resolve(compose(["+recipe=bert_mrpc", "precision=fp16"]), output_dir="run")
+    args = Args(cfg, "run")
+    assert args.pretrained_model_name_or_path == "bert-base-cased"
+    assert (args.data_path, args.dataset_path, args.data_name, args.dataset_name) == \
+        ("glue", "glue", "mrpc", "mrpc")
+    assert (args.micro_batch_size, args.global_batch_size, args.epochs) == (16, 64, 3)
+    assert args.lr == 2e-5 and args.lr_warmup_iters == 100 and args.lr_decay_style == "linear"
+    assert args.fp16 and args.mixed_precision and not args.bf16
+    assert args.seq_length == 128 and args.save == "run"
+    with pytest.raises(AttributeError, match="micro_batch_size"):
+        args.micro_bach_size
+
+
+def test_seed_imports():
+    from rapidformer import (Finetuner, PreTrainer, RapidformerEngine, get_args, get_logger,
+                             get_timers)
+    from rapidformer.errors import NotAvailableError
+
+    assert callable(get_args) and get_logger().name == "rapidformer"
+    timers = get_timers()
+    timers("step").start()
+    timers("step").stop()
+    assert "step:" in timers.log(["step"])
+    assert issubclass(Finetuner, object) and RapidformerEngine
+    with pytest.raises(NotAvailableError, match="PreTrainer"):
+        PreTrainer(engine=None)
