@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     multirun = any(f in ("-m", "--multirun") for f in flags)
     asks_help = any(f in ("-h", "--help", "--hydra-help", "--info", "-i") for f in flags)
     try:
-        check_overrides(overrides)
+        overrides = check_overrides(overrides)
         if not multirun and not asks_help:
             # validate the whole config before Hydra creates a run directory
             resolve(compose(overrides, default_recipe=False), output_dir="(run directory)")

@@ -137,3 +137,17 @@ def test_seed_imports():
     assert issubclass(Finetuner, object) and RapidformerEngine
     with pytest.raises(NotAvailableError, match="PreTrainer"):
         PreTrainer(engine=None)
+
+
+def test_trained_vocabulary_is_reproducible(tmp_path):
+    from rapidformer.data.synthetic import make_split
+    from rapidformer.data.tokenizers import SPECIAL_TOKENS, train_wordpiece
+
+    texts = [r[k] for r in make_split(200, 1) for k in ("sentence1", "sentence2")]
+    a = train_wordpiece(texts, tmp_path / "a", vocab_size=500, lowercase=True, max_length=64)
+    b = train_wordpiece(texts, tmp_path / "b", vocab_size=500, lowercase=True, max_length=64)
+    assert (tmp_path / "a" / "vocab.txt").read_bytes() == (tmp_path / "b" / "vocab.txt").read_bytes()
+    assert a.convert_ids_to_tokens(list(range(5))) == SPECIAL_TOKENS
+    # every character is in the vocabulary, so an unseen word is spelled, not unknown
+    assert "[UNK]" not in a.tokenize("zebra")
+    assert a("the doctor")["input_ids"] == b("the doctor")["input_ids"]

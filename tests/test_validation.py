@@ -25,7 +25,7 @@ BAD = [
     (["trainer.epochs=null", "trainer.train_iters=null"], ["set one of them"]),
     (["scheduler.warmup_fraction=1.5"], ["scheduler.warmup_fraction=1.5 must be in [0, 1)"]),
     (["scheduler.min_lr=1.0"], ["scheduler.min_lr=1.0 is above trainer.lr"]),
-    (["model.hidden_size=65"], ["model.hidden_size=65 is not divisible by model.num_attention_heads=2"]),
+    (["model.hidden_size=65"], ["model.hidden_size=65 is not divisible by model.num_attention_heads=4"]),
     (["data.max_seq_length=512"], ["data.max_seq_length=512 is above model.max_position_embeddings=128"]),
     (["model=hf"], ["model.name_or_path must be set"]),
     (["data=pairs_local"], ["data.path must be set"]),

@@ -53,14 +53,22 @@ def _schema_at(path: list[str]):
     return cls, len(path)
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Refuse unknown keys and unknown group options in command-line overrides, all at once."""
+def check_overrides(overrides: list[str]) -> list[str]:
+    """Refuse unknown keys and unknown group options in command-line overrides, all at once.
+
+    Returns the overrides to give Hydra: a plain `key=value` on a schema key becomes
+    `++key=value`, since an option's YAML need not list every key of its schema (Hydra would
+    refuse to change a key the YAML does not have).
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
     from hydra.errors import OverrideParseException
 
     problems: list[str] = []
+    normalized: list[str] = []
     parser = OverridesParser.create()
     for text in overrides:
+        normalized.append(text)
         try:
             (override,) = parser.parse_overrides([text])
         except OverrideParseException as exc:
@@ -92,8 +100,11 @@ def check_overrides(overrides: list[str]) -> None:
                 problems.append(unknown_key_message(parent, parts[depth], valid))
             else:
                 problems.append(f"{key}: '{parent}' is a value, not a group of keys")
+        elif override.type == OverrideType.CHANGE and not dataclasses.is_dataclass(found):
+            normalized[-1] = f"++{text}"
     if problems:
         raise ConfigError(problems)
+    return normalized
 
 
 def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> DictConfig:
@@ -105,7 +116,7 @@ def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> 
     overrides = list(overrides or [])
     if default_recipe:
         overrides = with_default_recipe(overrides)
-    check_overrides(overrides)
+    overrides = check_overrides(overrides)
     try:
         with initialize_config_module(config_module=CONF_PACKAGE, version_base="1.3"):
             return hydra_compose(config_name=CONFIG_NAME, overrides=overrides)

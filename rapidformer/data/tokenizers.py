@@ -27,14 +27,34 @@ def load_tokenizer(path: str | os.PathLike, lowercase: bool = True, max_length: 
 
 def train_wordpiece(texts: Iterable[str], out_dir: Path, vocab_size: int, lowercase: bool,
                     max_length: int):
-    from tokenizers import BertWordPieceTokenizer
+    """A WordPiece vocabulary from the corpus: the special tokens, every character (alone and as
+    a `##` continuation, so no word is ever unknown), then the most frequent whole words.
 
-    trainer = BertWordPieceTokenizer(lowercase=lowercase)
-    trainer.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1,
-                                special_tokens=SPECIAL_TOKENS, show_progress=False)
+    Written by hand rather than with `tokenizers`' trainer, whose merges break ties in hash
+    order: the same corpus must give the same vocabulary, or runs and resumes are not
+    reproducible.
+    """
+    from collections import Counter
+
+    from tokenizers.normalizers import BertNormalizer
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+
+    normalizer = BertNormalizer(lowercase=lowercase)
+    pre_tokenizer = BertPreTokenizer()
+    counts: Counter = Counter()
+    for text in texts:
+        counts.update(w for w, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    if not counts:
+        raise InputError("cannot train a tokenizer: the training texts are empty")
+    chars = sorted({c for word in counts for c in word})
+    vocab = SPECIAL_TOKENS + chars + [f"##{c}" for c in chars]
+    taken = set(vocab)
+    words = sorted((w for w in counts if w not in taken), key=lambda w: (-counts[w], w))
+    vocab += words[:max(vocab_size - len(vocab), 0)]
     out_dir.mkdir(parents=True, exist_ok=True)
-    trainer.save_model(str(out_dir))
-    tokenizer = load_tokenizer(out_dir / "vocab.txt", lowercase, max_length)
+    vocab_file = out_dir / "vocab.txt"
+    vocab_file.write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tokenizer = load_tokenizer(vocab_file, lowercase, max_length)
     tokenizer.save_pretrained(str(out_dir))
     return tokenizer
 

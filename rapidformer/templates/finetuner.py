@@ -88,9 +88,12 @@ class Finetuner:
         total_iters = t.train_iters or t.epochs * sampler.steps_per_epoch
         model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
                                                         total_iters=total_iters)
+        # the loader's own generator: iter() would otherwise draw from the global RNG, and a
+        # resumed run would then see other dropout masks than an uninterrupted one
         train_loader = DataLoader(train_ds, batch_size=t.micro_batch_size, sampler=sampler,
                                   collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
-                                  pin_memory=engine.device.type == "cuda")
+                                  pin_memory=engine.device.type == "cuda",
+                                  generator=torch.Generator().manual_seed(t.seed))
         eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
                         for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
         accumulation = t.global_batch_size // (t.micro_batch_size * engine.world_size)
