@@ -75,17 +75,21 @@ def hydra_entry(cfg: DictConfig):
 
 def main(argv: list[str] | None = None) -> None:
     from rapidformer.config.compose import check_overrides, compose, resolve, with_default_recipe
+    from rapidformer.factory import check_available
 
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, overrides = split_argv(argv)
     overrides = with_default_recipe(overrides)
     multirun = any(f in ("-m", "--multirun") for f in flags)
     asks_help = any(f in ("-h", "--help", "--hydra-help", "--info", "-i") for f in flags)
+    prints_only = asks_help or any(f in ("--cfg", "-c") for f in flags)
     try:
         overrides = check_overrides(overrides)
         if not multirun and not asks_help:
             # validate the whole config before Hydra creates a run directory
-            resolve(compose(overrides, default_recipe=False), output_dir="(run directory)")
+            _, run_cfg = resolve(compose(overrides, default_recipe=False), "(run directory)")
+            if not prints_only:
+                check_available(run_cfg)
     except RapidformerError as exc:
         if debug_enabled():
             raise

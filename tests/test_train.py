@@ -80,6 +80,7 @@ def test_design_card_command_stops_with_one_clear_sentence(tmp_path):
     assert result.returncode == 3
     assert "memory=zero3" in result.stderr and "not available in this version yet" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "outputs").exists()  # refused before a run directory was made
 
     printed = _ok(run_cli(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3", "--cfg", "job",
                            "--resolve"], cwd=tmp_path))
@@ -220,3 +221,24 @@ def test_user_script_that_builds_no_engine(tmp_path):
     assert "finished without creating a RapidformerEngine" in result.stderr
     missing = run_cli([f"user_script={tmp_path / 'nope.py'}", *FAST], cwd=tmp_path)
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_console_script_forwards_hydra_arguments_and_refuses_seed_flags(tmp_path):
+    printed = _ok(run_cli(["+recipe=bert_mrpc", "--cfg", "job"], cwd=tmp_path,
+                          module="rapidformer.cli"))
+    assert "recipe: bert_mrpc" in printed.stdout
+    seed = run_cli(["--task", "sequence_classification", "--micro-batch-size", "16"],
+                   cwd=tmp_path, module="rapidformer.cli")
+    assert seed.returncode == 3
+    assert "--task, --micro-batch-size" in seed.stderr and "not translated" in seed.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_a_gpu(tmp_path, precision):
+    run = tmp_path / precision
+    _ok(run_cli([*FAST, "trainer.device=cuda", f"precision={precision}", "trainer.epochs=2",
+                 f"trainer.output_dir={run}"], cwd=tmp_path))
+    losses = train_losses(run)
+    assert all(loss == loss for loss in losses.values())  # no NaN

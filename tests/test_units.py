@@ -151,3 +151,23 @@ def test_trained_vocabulary_is_reproducible(tmp_path):
     # every character is in the vocabulary, so an unseen word is spelled, not unknown
     assert "[UNK]" not in a.tokenize("zebra")
     assert a("the doctor")["input_ids"] == b("the doctor")["input_ids"]
+
+
+def test_precision_needs_a_device_with_autocast():
+    from rapidformer.accelerators.precision import MixedPrecision
+    from rapidformer.config.schema import PrecisionConfig
+    from rapidformer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="autocast is not available on device 'meta'"):
+        MixedPrecision(PrecisionConfig(name="fp16", dtype="fp16"), torch.device("meta"))
+    assert MixedPrecision(PrecisionConfig(), torch.device("meta")).scaler is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_device_without_a_gpu_is_refused():
+    from rapidformer.engine import pick_device
+    from rapidformer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible"):
+        pick_device("cuda")
+    assert pick_device("auto").type == "cpu"
