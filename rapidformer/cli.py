@@ -1,37 +1,221 @@
-"""The `rapidformer` console script.
+"""The `rapidformer` console script: the seed's flags, translated to Hydra overrides.
 
-Hydra-style arguments go straight to `python -m rapidformer`. The seed's flag form
-(`rapidformer --task ... --micro-batch-size 16 ...`) is not translated in this version yet and
-is refused with a message saying so, rather than misread.
+    rapidformer --task sequence_classification --pretrained-model-name-or-path bert-base-cased \
+        --data-path glue --data-name mrpc --micro-batch-size 16 --mixed-precision ...
+    rapidformer ... --print-hydra      # print the equivalent `python -m rapidformer` line
+
+Each flag maps to one override (docs/seed_flags.md has the table). Hydra-style arguments
+(`+recipe=bert_mrpc`, `trainer.lr=1e-4`, `--cfg job`) pass through unchanged, alone or mixed
+with seed flags. A seed flag whose feature is not built yet is refused with a message saying so,
+never dropped silently.
 """
 from __future__ import annotations
 
+import argparse
+import difflib
+import shlex
 import sys
+from pathlib import Path
 
-from rapidformer.errors import EXIT_NOT_AVAILABLE
+from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE
 
 # Hydra's own flags that may appear in a forwarded command line
-_HYDRA_FLAGS = {"--cfg", "-c", "--resolve", "--package", "-p", "--help", "-h", "--hydra-help",
-                "--info", "-i", "--multirun", "-m", "--config-path", "-cp", "--config-name",
-                "-cn", "--config-dir", "-cd", "--run", "-r", "--version",
-                "--shell-completion", "-sc", "--experimental-rerun"}
+HYDRA_FLAGS = {"--cfg", "-c", "--resolve", "--package", "-p", "--help", "-h", "--hydra-help",
+               "--info", "-i", "--multirun", "-m", "--config-path", "-cp", "--config-name",
+               "-cn", "--config-dir", "-cd", "--run", "-r", "--version",
+               "--shell-completion", "-sc", "--experimental-rerun"}
+
+# seed flag -> override key, for flags that take one value and map one to one
+VALUE_FLAGS = {
+    "--epochs": "trainer.epochs",
+    "--train-iters": "trainer.train_iters",
+    "--micro-batch-size": "trainer.micro_batch_size",
+    "--global-batch-size": "trainer.global_batch_size",
+    "--lr": "trainer.lr",
+    "--weight-decay": "trainer.weight_decay",
+    "--clip-grad": "trainer.clip_grad",
+    "--seed": "trainer.seed",
+    "--log-interval": "trainer.log_interval",
+    "--eval-interval": "trainer.eval_interval",
+    "--save-interval": "trainer.save_interval",
+    "--exit-interval": "trainer.exit_interval",
+    "--save": "trainer.output_dir",
+    "--lr-warmup-iters": "scheduler.warmup_iters",
+    "--lr-warmup-fraction": "scheduler.warmup_fraction",
+    "--min-lr": "scheduler.min_lr",
+    "--lr-decay-iters": "scheduler.decay_iters",
+    "--seq-length": "data.max_seq_length",
+    "--num-labels": "task.num_labels",
+    "--num-layers": "model.num_layers",
+    "--hidden-size": "model.hidden_size",
+    "--num-attention-heads": "model.num_attention_heads",
+    "--max-position-embeddings": "model.max_position_embeddings",
+    "--tensor-model-parallel-size": "parallelism.tensor_model_parallel_size",
+    "--pipeline-model-parallel-size": "parallelism.pipeline_model_parallel_size",
+    "--user-script": "user_script",
+}
+# seed switch -> the override it stands for
+SWITCHES = {
+    "--mixed-precision": "precision=fp16",
+    "--fp16": "precision=fp16",
+    "--bf16": "precision=bf16",
+    "--onnx-runtime-training": "graph=ort",
+    "--zero-1-memory-optimization": "memory=zero1",
+    "--zero-2-memory-optimization": "memory=zero2",
+    "--zero-3-memory-optimization": "memory=zero3",
+    "--fsdp-memory-optimization": "memory=fsdp",
+}
+# seed flags whose feature arrives later: refused by name, with what it needs
+NOT_YET = {
+    "--checkpoint-activations": "activation recompute",
+    "--data-impl": "Megatron mmap datasets (pretraining)",
+    "--split": "pretraining data splits",
+    "--merge-file": "GPT-2 BPE tokenizers (pretraining)",
+    "--mask-prob": "BERT pretraining",
+    "--short-seq-prob": "BERT pretraining",
+}
+TASKS = {"sequence_classification": "sequence_classification"}
+LATER_TASKS = {"token_classification", "question_answering", "masked_lm", "casual_lm",
+               "causal_lm", "seq2seq_lm", "pretraining"}
+TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
+ALL_FLAGS = sorted({*VALUE_FLAGS, *SWITCHES, *NOT_YET, "--task", "--pretrained-model-name-or-path",
+                    "--data-path", "--dataset-path", "--data-name", "--dataset-name",
+                    "--lr-decay-style", "--tokenizer-type", "--vocab-file", "--vocab",
+                    "--print-hydra"})
+
+
+class SeedFlagError(Exception):
+    def __init__(self, message: str, exit_code: int = EXIT_BAD_INPUT):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rapidformer", add_help=False, allow_abbrev=False)
+    for flag in VALUE_FLAGS:
+        parser.add_argument(flag)
+    for flag in SWITCHES:
+        parser.add_argument(flag, action="store_true")
+    for flag in ("--task", "--pretrained-model-name-or-path", "--lr-decay-style",
+                 "--tokenizer-type", "--data-name"):
+        parser.add_argument(flag)
+    parser.add_argument("--data-path", "--dataset-path", dest="data_path")
+    parser.add_argument("--dataset-name", dest="data_name")
+    parser.add_argument("--vocab-file", "--vocab", dest="vocab_file")
+    parser.add_argument("--checkpoint-activations", action="store_true")
+    for flag in ("--data-impl", "--split", "--merge-file", "--mask-prob", "--short-seq-prob"):
+        parser.add_argument(flag)
+    parser.add_argument("--print-hydra", action="store_true")
+    return parser
+
+
+def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
+    """(Hydra flags, overrides, print_only) for a command line of seed flags and overrides."""
+    parser = _parser()
+    hydra_flags, seed_args, overrides = [], [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in HYDRA_FLAGS:
+            hydra_flags.append(arg)
+            if name in ("--cfg", "-c", "--package", "-p", "--config-path", "-cp",
+                        "--config-name", "-cn", "--config-dir", "-cd") and i + 1 < len(argv):
+                hydra_flags.append(argv[i + 1])
+                i += 1
+        elif arg.startswith("-"):
+            seed_args.append(arg)
+            if (name in VALUE_FLAGS or name not in {*SWITCHES, "--print-hydra",
+                                                     "--checkpoint-activations"}) \
+                    and "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                seed_args.append(argv[i + 1])
+                i += 1
+        else:
+            overrides.append(arg)
+        i += 1
+    unknown = [a for a in seed_args if a.startswith("--") and a.split("=", 1)[0] not in ALL_FLAGS]
+    if unknown:
+        lines = []
+        for flag in unknown:
+            hint = difflib.get_close_matches(flag.split("=", 1)[0], ALL_FLAGS, n=1)
+            lines.append(f"{flag} (did you mean {hint[0]}?)" if hint else flag)
+        raise SeedFlagError("unknown flag(s): " + ", ".join(lines) +
+                            "; docs/seed_flags.md lists the flags and their overrides")
+    args = parser.parse_args(seed_args)
+    return hydra_flags, _to_overrides(args) + overrides, args.print_hydra
+
+
+def _to_overrides(args: argparse.Namespace) -> list[str]:
+    later = [flag for flag in NOT_YET
+             if getattr(args, flag[2:].replace("-", "_")) not in (None, False)]
+    if later:
+        needs = "; ".join(f"{flag} needs {NOT_YET[flag]}" for flag in later)
+        raise SeedFlagError(f"not available in this version yet: {needs}", EXIT_NOT_AVAILABLE)
+    out: list[str] = []
+    if args.task:
+        if args.task in LATER_TASKS:
+            raise SeedFlagError(f"--task {args.task} is not available in this version yet; "
+                                f"available: {', '.join(TASKS)}", EXIT_NOT_AVAILABLE)
+        if args.task not in TASKS:
+            raise SeedFlagError(f"--task {args.task}: unknown task; choose one of "
+                                f"{', '.join(TASKS)}")
+        out.append(f"task={TASKS[args.task]}")
+    if args.pretrained_model_name_or_path:
+        out += ["model=hf", f"model.name_or_path={args.pretrained_model_name_or_path}"]
+    if args.data_path:
+        out += _data_overrides(args.data_path, args.data_name)
+    elif args.data_name:
+        out.append(f"data.subset={args.data_name}")
+    if args.lr_decay_style:
+        out.append(f"scheduler={args.lr_decay_style}")
+    if args.tokenizer_type:
+        if args.tokenizer_type not in TOKENIZER_TYPES:
+            raise SeedFlagError(f"--tokenizer-type {args.tokenizer_type} is not available in "
+                                f"this version yet; available: {', '.join(TOKENIZER_TYPES)}",
+                                EXIT_NOT_AVAILABLE)
+        out.append(f"model.lowercase={str(TOKENIZER_TYPES[args.tokenizer_type]).lower()}")
+    if args.vocab_file:
+        out.append(f"model.tokenizer={args.vocab_file}")
+    switches = [o for flag, o in SWITCHES.items() if getattr(args, flag[2:].replace("-", "_"))]
+    for group in ("precision", "memory"):
+        chosen = sorted({o for o in switches if o.startswith(group + "=")})
+        if len(chosen) > 1:
+            raise SeedFlagError(f"conflicting flags: {' and '.join(chosen)}; choose one")
+    out += list(dict.fromkeys(switches))
+    for flag, key in VALUE_FLAGS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out.append(f"{key}={value}")
+    return out
+
+
+def _data_overrides(path: str, name: str | None) -> list[str]:
+    """--data-path: a local file or directory, GLUE/MRPC, or any other hub dataset."""
+    if Path(path).exists():
+        return ["data=pairs_local", f"data.path={path}"]
+    if path == "glue" and name == "mrpc":
+        return ["data=glue_mrpc"]
+    return ["data=hub", f"data.path={path}", *([f"data.subset={name}"] if name else [])]
+
+
+def hydra_command(hydra_flags: list[str], overrides: list[str]) -> str:
+    return shlex.join(["python", "-m", "rapidformer", *overrides, *hydra_flags])
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    seed_flags = [a.split("=", 1)[0] for a in argv
-                  if a.startswith("--") and a.split("=", 1)[0] not in _HYDRA_FLAGS]
-    if seed_flags:
-        print(f"rapidformer: error: the seed's flag form ({', '.join(seed_flags[:3])}"
-              f"{', ...' if len(seed_flags) > 3 else ''}) is not translated in this version yet; "
-              f"use Hydra overrides, e.g. `rapidformer +recipe=bert_mrpc "
-              f"trainer.micro_batch_size=16 precision=fp16` (see docs/configuration.md)",
-              file=sys.stderr)
-        sys.exit(EXIT_NOT_AVAILABLE)
+    try:
+        hydra_flags, overrides, print_only = translate(argv)
+    except SeedFlagError as exc:
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    if print_only:
+        print(hydra_command(hydra_flags, overrides))
+        return
     from rapidformer.__main__ import main as hydra_main
 
-    sys.argv = ["rapidformer", *argv]
-    hydra_main(argv)
+    sys.argv = ["rapidformer", *hydra_flags, *overrides]
+    hydra_main([*hydra_flags, *overrides])
 
 
 if __name__ == "__main__":

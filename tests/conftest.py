@@ -41,3 +41,20 @@ def pairs_dir(tmp_path_factory) -> Path:
     from rapidformer.data.synthetic import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("pairs"), train_size=256, eval_size=64, seed=7)
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrained(tmp_path_factory, pairs_dir):
+    """A 'pretrained' model directory made locally: a trained vocab and a config-built BERT."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from rapidformer.data.synthetic import make_split
+    from rapidformer.data.tokenizers import train_wordpiece
+
+    out = tmp_path_factory.mktemp("tiny_bert")
+    texts = [r[k] for r in make_split(500, 1) for k in ("sentence1", "sentence2")]
+    tokenizer = train_wordpiece(texts, out, vocab_size=300, lowercase=True, max_length=64)
+    BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64)).save_pretrained(out)
+    return out

@@ -9,7 +9,8 @@ from rapidformer.config.schema import GROUPS
 
 # options that need a value the user must give (??? in their file)
 REQUIRED = {("model", "hf"): ["model.name_or_path=some/local/dir"],
-            ("data", "pairs_local"): ["data.path=some/dir"]}
+            ("data", "pairs_local"): ["data.path=some/dir"],
+            ("data", "hub"): ["data.path=glue", "data.subset=qqp"]}
 
 
 def test_every_group_has_options():

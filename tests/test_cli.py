@@ -1,0 +1,88 @@
+"""The seed's flags: each maps to one Hydra override, and the seed's commands run."""
+from __future__ import annotations
+
+import pytest
+
+from rapidformer.cli import SeedFlagError, hydra_command, translate
+from tests.conftest import FAST, read_metrics, run_cli
+
+# the seed's black-box fine-tuning example, verbatim
+SEED_FINETUNE = ["--task", "sequence_classification",
+                 "--pretrained-model-name-or-path", "bert-base-cased",
+                 "--data-path", "glue", "--data-name", "mrpc", "--epochs", "3",
+                 "--micro-batch-size", "16", "--global-batch-size", "64", "--lr", "2e-5",
+                 "--lr-decay-style", "linear", "--lr-warmup-iters", "100",
+                 "--weight-decay", "1e-2", "--clip-grad", "1.0", "--seed", "42",
+                 "--mixed-precision", "--onnx-runtime-training", "--zero-1-memory-optimization"]
+
+
+def test_seed_finetune_command_translates_flag_by_flag():
+    flags, overrides, print_only = translate(SEED_FINETUNE)
+    assert flags == [] and not print_only
+    assert overrides == [
+        "task=sequence_classification", "model=hf", "model.name_or_path=bert-base-cased",
+        "data=glue_mrpc", "scheduler=linear", "precision=fp16", "graph=ort", "memory=zero1",
+        "trainer.epochs=3", "trainer.micro_batch_size=16", "trainer.global_batch_size=64",
+        "trainer.lr=2e-5", "trainer.weight_decay=1e-2", "trainer.clip_grad=1.0",
+        "trainer.seed=42", "scheduler.warmup_iters=100"]
+
+
+def test_print_hydra_gives_the_equivalent_command(tmp_path):
+    result = run_cli([*SEED_FINETUNE, "--print-hydra"], cwd=tmp_path, module="rapidformer.cli")
+    assert result.returncode == 0
+    line = result.stdout.strip()
+    assert line.startswith("python -m rapidformer task=sequence_classification model=hf")
+    assert "memory=zero1" in line and "graph=ort" in line
+    assert hydra_command(["--cfg", "job"], ["a=1"]) == "python -m rapidformer a=1 --cfg job"
+
+
+def test_local_paths_hub_names_and_mixed_overrides(tmp_path):
+    _, overrides, _ = translate(["--data-path", str(tmp_path), "trainer.log_interval=5",
+                                 "--vocab-file", "v.txt", "--tokenizer-type", "BertWordPieceCase"])
+    assert overrides == ["data=pairs_local", f"data.path={tmp_path}", "model.lowercase=false",
+                         "model.tokenizer=v.txt", "trainer.log_interval=5"]
+    _, hub, _ = translate(["--dataset-path", "glue", "--dataset-name", "qqp"])
+    assert hub == ["data=hub", "data.path=glue", "data.subset=qqp"]
+
+
+@pytest.mark.parametrize("argv,message,code", [
+    (["--micro-bach-size", "16"], "--micro-bach-size (did you mean --micro-batch-size?)", 2),
+    (["--checkpoint-activations"], "--checkpoint-activations needs activation recompute", 3),
+    (["--data-impl", "mmap", "--split", "980,20"], "--data-impl needs Megatron mmap", 3),
+    (["--task", "pretraining"], "--task pretraining is not available in this version yet", 3),
+    (["--task", "sequence_clasification"], "unknown task", 2),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "GPT2BPETokenizer is not available", 3),
+    (["--zero-1-memory-optimization", "--fsdp-memory-optimization"],
+     "conflicting flags: memory=fsdp and memory=zero1", 2),
+])
+def test_bad_or_unbuilt_flags_are_refused(argv, message, code):
+    with pytest.raises(SeedFlagError) as info:
+        translate(argv)
+    assert message in str(info.value) and info.value.exit_code == code
+
+
+def test_seed_command_with_unbuilt_accelerators_stops_clearly(tmp_path):
+    result = run_cli(SEED_FINETUNE, cwd=tmp_path, module="rapidformer.cli")
+    assert result.returncode == 3
+    assert "not available in this version yet" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_seed_finetune_command_runs_on_local_model_and_data(tmp_path, pairs_dir, tiny_pretrained):
+    """The seed's black-box example with a local model and local data for the hub names, and
+    without the accelerators that are not built yet (ORT, ZeRO)."""
+    argv = list(SEED_FINETUNE[:-2])
+    argv[argv.index("bert-base-cased")] = str(tiny_pretrained)
+    argv[argv.index("glue")] = str(pairs_dir)
+    argv[argv.index("--epochs") + 1] = "1"
+    argv[argv.index("--global-batch-size") + 1] = "32"
+    argv[argv.index("--lr") + 1] = "1e-3"
+    run = tmp_path / "run"
+    result = run_cli([*argv, "--seq-length", "64", "--log-interval", "1", "--save", str(run),
+                      "trainer.progress_bar=false"], cwd=tmp_path, module="rapidformer.cli")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(run)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
+    assert all("loss_scale" in r for r in records if "loss" in r)  # --mixed-precision: fp16
+    assert any("validation/accuracy" in r for r in records)
