@@ -2,6 +2,7 @@
 (`compose`, `backward`, `step`, `gather`) that templates and own-loop scripts share."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -16,7 +17,7 @@ from rapidformer.accelerators.graph import apply_graph, unwrap
 from rapidformer.accelerators.precision import MixedPrecision
 from rapidformer.config.args import active
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import ConfigError, InputError, NotAvailableError
+from rapidformer.errors import ConfigError, InputError
 from rapidformer.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("rapidformer")
@@ -62,6 +63,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
+    """(rank, world size); joins the process group that the launcher (or torchrun) set up."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        from datetime import timedelta
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
 class RapidformerEngine:
     """Built once per process, after the entrypoint has activated the resolved config."""
 
@@ -72,12 +88,8 @@ class RapidformerEngine:
             cfg, run_dir = run.cfg, run.run_dir
         self.cfg = cfg
         self.run_dir = Path(run_dir or cfg.trainer.output_dir)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise NotAvailableError(
-                "several processes (WORLD_SIZE > 1, e.g. from torchrun) are not available in "
-                "this version yet; run one process")
-        self.rank, self.world_size = 0, 1
         self.device = pick_device(cfg.trainer.device)
+        self.rank, self.world_size = init_distributed(self.device, cfg.launcher.collective_timeout)
         seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
         self.precision = MixedPrecision(cfg.precision, self.device)
         self.model = self.optimizer = self.lr_scheduler = None
@@ -110,6 +122,12 @@ class RapidformerEngine:
                                        "to build the lr schedule; pass total_iters=N or "
                                        "lr_scheduler_fn"])
                 lr_scheduler = build_scheduler(optimizer, self.cfg.scheduler, total, t.lr)
+        self.ddp = None
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = self.ddp = DistributedDataParallel(model, device_ids=ids)
         model = apply_graph(model, self.cfg.graph)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         return model, optimizer, lr_scheduler
@@ -117,6 +135,27 @@ class RapidformerEngine:
     # --- the step ---------------------------------------------------------------------------
     def autocast(self):
         return self.precision.autocast()
+
+    def accumulating(self, last_micro_batch: bool):
+        """Skip DDP's gradient all-reduce on every micro-batch but the last of a step."""
+        if self.ddp is None or last_micro_batch:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """Rank 0 runs the block first (downloads, generated files, caches), then the others."""
+        if self.world_size > 1 and self.rank != 0:
+            dist.barrier()
+        yield
+        if self.world_size > 1 and self.rank == 0:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor)
+        return tensor
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.scale(loss).backward()
@@ -165,14 +204,24 @@ class RapidformerEngine:
         return self.run_dir / "checkpoints"
 
     def save_checkpoint(self, step: int, state: dict, extra=None) -> Path:
-        tensors = {"model.pt": unwrap(self.model).state_dict(),
-                   "optimizer.pt": self.optimizer.state_dict(),
-                   "scheduler.pt": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
-                   "precision.pt": self.precision.state_dict(),
-                   "rng.pt": rng_state()}
-        path = checkpoint.save(self.checkpoint_root, step, tensors, state, extra,
-                               self.cfg.trainer.keep_last)
-        log.info("saved checkpoint %s", path)
+        """Rank 0 writes the (replicated) states and every rank's RNG; the others wait."""
+        rng = [rng_state()]
+        if self.world_size > 1:
+            rng = [None] * self.world_size
+            dist.all_gather_object(rng, rng_state())
+        path = self.checkpoint_root / f"step_{step:08d}"
+        if self.is_main_process:
+            tensors = {"model.pt": unwrap(self.model).state_dict(),
+                       "optimizer.pt": self.optimizer.state_dict(),
+                       "scheduler.pt": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
+                       "precision.pt": self.precision.state_dict(),
+                       "rng.pt": {"ranks": rng}}
+            path = checkpoint.save(self.checkpoint_root, step, tensors,
+                                   {**state, "world_size": self.world_size}, extra,
+                                   self.cfg.trainer.keep_last)
+            log.info("saved checkpoint %s", path)
+        if self.world_size > 1:
+            dist.barrier()
         return path
 
     def find_resume_checkpoint(self) -> Path | None:
@@ -204,8 +253,14 @@ class RapidformerEngine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
         self.precision.load_state_dict(checkpoint.load(path, "precision.pt"))
-        set_rng_state(checkpoint.load(path, "rng.pt"))
         state = checkpoint.read_state(path)
+        ranks = checkpoint.load(path, "rng.pt")["ranks"]
+        if len(ranks) == self.world_size:
+            set_rng_state(ranks[self.rank])
+        else:
+            log.warning("checkpoint %s was written by %d processes, this run has %d: random "
+                        "streams (dropout) restart from the seed", path, len(ranks),
+                        self.world_size)
         log.info("resumed from %s (step %d)", path, state["step"])
         return state
 

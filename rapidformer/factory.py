@@ -17,18 +17,18 @@ def check_available(cfg: RunConfig) -> None:
     if cfg.memory.name != "none":
         raise NotAvailableError(
             f"memory={cfg.memory.name} (DeepSpeed ZeRO / FSDP) is not available in this version "
-            f"yet: it comes with multi-process training; use memory=none")
+            f"yet; use memory=none (plain data parallelism, also across processes)")
     if cfg.graph.name == "ort":
         raise NotAvailableError("graph=ort (ONNX Runtime training) is not available in this "
                                 "version yet; use graph=compile or graph=eager")
-    if cfg.launcher.nproc_per_node > 1 or cfg.launcher.nnodes > 1:
-        raise NotAvailableError(
-            "several processes (launcher.nproc_per_node or launcher.nnodes > 1) are not "
-            "available in this version yet; run with launcher.nproc_per_node=1")
 
 
 def run(cfg: RunConfig, run_dir: str, resolved: dict):
     check_available(cfg)
+    from rapidformer.launch import launch_workers, needs_workers
+
+    if needs_workers(cfg):
+        return launch_workers(cfg, Path(run_dir), Path(run_dir) / "config.yaml")
     activate(cfg, run_dir, resolved)
     if cfg.user_script:
         return run_user_script(Path(cfg.user_script))

@@ -21,5 +21,8 @@ def apply_graph(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module under torch.compile's wrapper (for state dicts and export)."""
-    return getattr(model, "_orig_mod", model)
+    """The user's module under torch.compile's and DDP's wrappers (for state dicts, export)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DistributedDataParallel) else model

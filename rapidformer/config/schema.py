@@ -158,6 +158,10 @@ class LauncherConfig:
     node_rank: int = 0
     master_addr: str = "localhost"
     master_port: int = 6010
+    # seconds to wait for every node at start, and for any collective (a dead or hung rank
+    # ends the job after this long instead of hanging)
+    rendezvous_timeout: int = 300
+    collective_timeout: int = 600
 
 
 @dataclass

@@ -207,6 +207,8 @@ def check_values(cfg: RunConfig) -> list[str]:
                  f"is a Hugging Face model; use parallelism=dp or a Megatron model")
     positive("launcher.nproc_per_node", cfg.launcher.nproc_per_node)
     positive("launcher.nnodes", cfg.launcher.nnodes)
+    positive("launcher.rendezvous_timeout", cfg.launcher.rendezvous_timeout)
+    positive("launcher.collective_timeout", cfg.launcher.collective_timeout)
     if not 0 <= cfg.launcher.node_rank < max(cfg.launcher.nnodes, 1):
         p.append(f"launcher.node_rank={cfg.launcher.node_rank} must be in [0, launcher.nnodes)")
     if world_size(cfg) % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size or 1):

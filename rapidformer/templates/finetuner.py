@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import InputError, RapidformerError
@@ -64,9 +64,19 @@ class Finetuner:
     def build_data_loader(self, dataset, shuffle: bool = False, collate_fn=None,
                           batch_size: int | None = None):
         """A loader over this rank's share of `dataset` whose batches arrive on the device."""
-        generator = torch.Generator().manual_seed(self.cfg.trainer.seed)
-        sampler = (RandomSampler(dataset, generator=generator) if shuffle
-                   else SequentialSampler(dataset))
+        engine = self.engine
+        if engine.world_size > 1:
+            # every rank gets its share; evaluation shards are not padded (gather takes
+            # unequal sizes), so each example is scored exactly once
+            sampler = DistributedSampler(dataset, engine.world_size, engine.rank, shuffle=shuffle,
+                                         seed=self.cfg.trainer.seed, drop_last=False)
+            if not shuffle:
+                sampler = list(range(engine.rank, len(dataset), engine.world_size))
+        elif shuffle:
+            sampler = RandomSampler(dataset,
+                                    generator=torch.Generator().manual_seed(self.cfg.trainer.seed))
+        else:
+            sampler = SequentialSampler(dataset)
         loader = DataLoader(dataset, batch_size=batch_size or self.cfg.trainer.micro_batch_size,
                             sampler=sampler, collate_fn=collate_fn,
                             num_workers=self.cfg.data.num_workers,
@@ -76,7 +86,8 @@ class Finetuner:
     # --- the loop ----------------------------------------------------------------------------------
     def train(self):
         engine, t = self.engine, self.cfg.trainer
-        train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
+        with engine.main_process_first():  # rank 0 fills caches and writes generated files
+            train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
         model, optimizer, lr_scheduler = self.model_optimizer_lr_scheduler_provider()
 
         sampler = ResumableSampler(len(train_ds), t.global_batch_size, engine.rank,
@@ -116,11 +127,12 @@ class Finetuner:
             batches = iter(train_loader)
             while state.step_in_epoch < sampler.steps_per_epoch and state.step < total_iters:
                 model.train()
-                for _ in range(accumulation):
+                for micro in range(accumulation):
                     batch = engine.to_device(next(batches))
-                    with engine.autocast():
-                        loss = self.run_forward_step(batch, model)
-                    engine.backward(loss / accumulation)
+                    with engine.accumulating(last_micro_batch=micro == accumulation - 1):
+                        with engine.autocast():
+                            loss = self.run_forward_step(batch, model)
+                        engine.backward(loss / accumulation)
                     window.add_micro(loss.detach(), batch)
                 result = engine.step()
                 state.step += 1
@@ -231,11 +243,18 @@ class _Window:
 
     def flush(self, optimizer, engine) -> dict:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        record = {"loss": float(self.loss_sum / max(self.micro, 1)),
+        # one small all-reduce per log line: the loss of the whole global batch, all ranks' work
+        totals = engine.all_reduce_sum(torch.stack([
+            torch.as_tensor(self.loss_sum, dtype=torch.float64, device=engine.device),
+            torch.as_tensor(float(self.micro), dtype=torch.float64, device=engine.device),
+            torch.as_tensor(float(self.samples), dtype=torch.float64, device=engine.device),
+            torch.as_tensor(self.tokens, dtype=torch.float64, device=engine.device)])).tolist()
+        loss_sum, micro, samples, tokens = totals
+        record = {"loss": loss_sum / max(micro, 1),
                   "lr": optimizer.param_groups[0]["lr"],
                   "grad_norm": float(self.grad_norm),
-                  "samples_per_s": self.samples * engine.world_size / elapsed,
-                  "tokens_per_s": float(self.tokens) * engine.world_size / elapsed}
+                  "samples_per_s": samples / elapsed,
+                  "tokens_per_s": tokens / elapsed}
         if engine.precision.loss_scale is not None:
             record["loss_scale"] = engine.precision.loss_scale
             record["skipped_steps"] = engine.precision.skipped_steps

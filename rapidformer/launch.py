@@ -1,0 +1,113 @@
+"""One process per device, started with PyTorch's own launcher (torch.distributed.elastic).
+
+The parent has composed, validated and written the resolved config; each worker reads that
+file (`python -m rapidformer.launch --worker RUN_DIR/config.yaml`), so every rank runs the same
+config in the same run directory. When RANK/WORLD_SIZE are already set (torchrun, srun), the
+job runs in place instead. Per-rank stdout/stderr land in RUN_DIR/logs/nodeN/; local rank 0's is also shown.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+import yaml
+
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import RapidformerError, debug_enabled
+
+log = logging.getLogger("rapidformer")
+
+
+def already_launched() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def needs_workers(cfg: RunConfig) -> bool:
+    return (cfg.launcher.nproc_per_node > 1 or cfg.launcher.nnodes > 1) and not already_launched()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
+    """Start the workers of this node and wait; a failed worker ends the job with its rank."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    ln = cfg.launcher
+    # one node: a fresh port, so that runs (and multirun jobs) never share a process group
+    port = ln.master_port if ln.nnodes > 1 else free_port()
+    addr = ln.master_addr if ln.nnodes > 1 else "127.0.0.1"
+    run_id = f"rapidformer-{addr}-{port}" if ln.nnodes > 1 else uuid.uuid4().hex[:8]
+    config = LaunchConfig(
+        min_nodes=ln.nnodes, max_nodes=ln.nnodes, nproc_per_node=ln.nproc_per_node,
+        run_id=run_id, rdzv_backend="static", rdzv_endpoint=f"{addr}:{port}",
+        rdzv_configs={"rank": ln.node_rank, "timeout": ln.rendezvous_timeout},
+        max_restarts=0, monitor_interval=0.2, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / f"node{ln.node_rank}"),
+                                    redirects=Std.ALL,
+                                    tee={0: Std.ALL}))
+    # as torchrun does: CPU threads shared out between the workers instead of oversubscribed
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ln.nproc_per_node)))
+    log.info("starting %d worker(s) on node %d of %d (rendezvous %s:%d)", ln.nproc_per_node,
+             ln.node_rank, ln.nnodes, addr, port)
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.launch", "--worker",
+                                               str(config_file))
+    except ChildFailedError as exc:
+        # the root cause: the earliest failure that was not the launcher's own SIGTERM
+        failures = [(f.timestamp, rank, f) for rank, f in exc.failures.items() if f.exitcode > 0]
+        _, rank, failure = min(failures or [(f.timestamp, r, f) for r, f in exc.failures.items()])
+        raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank)) from exc
+
+
+class WorkerFailed(RapidformerError):
+    def __init__(self, rank: int, exit_code: int, tail: str):
+        self.exit_code = exit_code if exit_code > 0 else 1
+        detail = f"\n{tail}" if tail else ""
+        super().__init__(f"worker rank {rank} failed with exit code {exit_code}; the whole job "
+                         f"was stopped. Its last output:{detail}")
+
+
+def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:
+    logs = sorted((run_dir / "logs").glob(f"node*/*/attempt_*/{local_rank}/stderr.log"),
+                  key=lambda p: p.stat().st_mtime)
+    if not logs:
+        return ""
+    text = logs[-1].read_text(errors="replace").strip().splitlines()
+    return "\n".join(f"  | {line}" for line in text[-lines:])
+
+
+def worker_main(config_file: str) -> None:
+    """A worker: read the resolved config the parent wrote, and run it."""
+    from rapidformer.config.validate import build_run_config
+    from rapidformer.factory import run
+
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s")
+    resolved = yaml.safe_load(Path(config_file).read_text())
+    cfg = build_run_config(resolved)
+    try:
+        run(cfg, str(Path(config_file).parent), resolved)
+    except RapidformerError as exc:
+        if debug_enabled():
+            raise
+        print(f"rapidformer: error (rank {rank}): {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2])
+    else:
+        sys.exit("usage: python -m rapidformer.launch --worker RUN_DIR/config.yaml (started by "
+                 "python -m rapidformer; not meant to be run by hand)")
