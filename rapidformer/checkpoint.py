@@ -38,15 +38,26 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def temp_dir(root: Path, step: int) -> Path:
+    """Where step `step` is written before it is sealed (every rank of a job agrees on it)."""
+    return root / f".tmp-step_{step:08d}"
+
+
 def save(root: Path, step: int, tensors: dict[str, object], state: dict,
-         extra: Callable[[Path], None] | None = None, keep_last: int = 2) -> Path:
-    """Write `tensors` (name -> object for torch.save) and `state` (json) as step `step`."""
+         extra: Callable[[Path], None] | None = None, keep_last: int = 2,
+         prepared: bool = False) -> Path:
+    """Write `tensors` (name -> object for torch.save) and `state` (json) as step `step`.
+
+    `prepared`: the temporary directory already holds files written by every rank (DeepSpeed's
+    shards); they are sealed together with these.
+    """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_dir(root, step)
+    if not prepared:
+        shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        tmp.mkdir(exist_ok=prepared)
         for name, obj in tensors.items():
             torch.save(obj, tmp / name)
         (tmp / "state.json").write_text(json.dumps(state, indent=1))

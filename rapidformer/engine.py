@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,8 @@ import torch.distributed as dist
 
 from rapidformer import checkpoint
 from rapidformer.accelerators.graph import apply_graph, unwrap
+from rapidformer.accelerators.memory import (CHECKPOINT_TAG, ZERO_STAGES, consolidated_state_dict,
+                                             deepspeed_config, import_deepspeed)
 from rapidformer.accelerators.precision import MixedPrecision
 from rapidformer.config.args import active
 from rapidformer.config.schema import RunConfig
@@ -122,7 +125,17 @@ class RapidformerEngine:
                                        "to build the lr schedule; pass total_iters=N or "
                                        "lr_scheduler_fn"])
                 lr_scheduler = build_scheduler(optimizer, self.cfg.scheduler, total, t.lr)
-        self.ddp = None
+        self.ddp = self.ds = None
+        if self.cfg.memory.name in ZERO_STAGES:
+            deepspeed = import_deepspeed(self.device)
+            accumulation = t.global_batch_size // (t.micro_batch_size * self.world_size)
+            config = deepspeed_config(self.cfg, accumulation, self.device)
+            self.ds, optimizer, _, lr_scheduler = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+            log.info("memory=%s: DeepSpeed ZeRO stage %d", self.cfg.memory.name,
+                     ZERO_STAGES[self.cfg.memory.name])
+            self.model, self.optimizer, self.lr_scheduler = self.ds, optimizer, lr_scheduler
+            return self.ds, optimizer, lr_scheduler
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -134,11 +147,13 @@ class RapidformerEngine:
 
     # --- the step ---------------------------------------------------------------------------
     def autocast(self):
+        if self.ds is not None:  # DeepSpeed runs the model in its own precision
+            return contextlib.nullcontext()
         return self.precision.autocast()
 
     def accumulating(self, last_micro_batch: bool):
         """Skip DDP's gradient all-reduce on every micro-batch but the last of a step."""
-        if self.ddp is None or last_micro_batch:
+        if self.ddp is None or last_micro_batch:  # DeepSpeed accumulates by itself
             return contextlib.nullcontext()
         return self.ddp.no_sync()
 
@@ -157,14 +172,28 @@ class RapidformerEngine:
             dist.all_reduce(tensor)
         return tensor
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.precision.scale(loss).backward()
+    def backward(self, loss: torch.Tensor, accumulation_steps: int = 1) -> None:
+        """Gradients of `loss`, averaged over `accumulation_steps` micro-batches."""
+        if self.ds is not None:
+            # DeepSpeed divides by its own accumulation steps and steps at the boundary
+            self.ds.backward(loss)
+            self.ds.step()
+            return
+        self.precision.scale(loss / accumulation_steps).backward()
 
     def step(self) -> dict:
         """Unscale, clip, step (skipped on fp16 overflow), advance the lr, zero the grads.
 
         Returns the gradient norm as a tensor (read it only when logging: no host sync here).
         """
+        if self.ds is not None:
+            norm = self.ds.get_global_grad_norm()
+            skipped = self.ds.skipped_steps
+            stepped = skipped == getattr(self, "_ds_skipped", 0)
+            self._ds_skipped = skipped
+            self.precision.skipped_steps = skipped
+            return {"grad_norm": torch.tensor(float(norm) if norm is not None else float("nan")),
+                    "stepped": stepped}
         clip = self.cfg.trainer.clip_grad
         self.precision.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -210,19 +239,34 @@ class RapidformerEngine:
             rng = [None] * self.world_size
             dist.all_gather_object(rng, rng_state())
         path = self.checkpoint_root / f"step_{step:08d}"
-        if self.is_main_process:
+        if self.ds is not None:
+            # every rank writes its ZeRO shards into the temporary directory first
+            tmp = checkpoint.temp_dir(self.checkpoint_root, step)
+            if self.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            self.barrier()
+            self.ds.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
+            self.barrier()
+            tensors = {"rng.pt": {"ranks": rng}}
+        else:
             tensors = {"model.pt": unwrap(self.model).state_dict(),
                        "optimizer.pt": self.optimizer.state_dict(),
                        "scheduler.pt": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
                        "precision.pt": self.precision.state_dict(),
                        "rng.pt": {"ranks": rng}}
+        if self.is_main_process:
             path = checkpoint.save(self.checkpoint_root, step, tensors,
-                                   {**state, "world_size": self.world_size}, extra,
-                                   self.cfg.trainer.keep_last)
+                                   {**state, "world_size": self.world_size,
+                                    "memory": self.cfg.memory.name}, extra,
+                                   self.cfg.trainer.keep_last, prepared=self.ds is not None)
             log.info("saved checkpoint %s", path)
+        self.barrier()
+        return path
+
+    def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
-        return path
 
     def find_resume_checkpoint(self) -> Path | None:
         choice = self.cfg.trainer.resume
@@ -248,12 +292,20 @@ class RapidformerEngine:
         return path
 
     def load_checkpoint(self, path: Path) -> dict:
-        unwrap(self.model).load_state_dict(checkpoint.load(path, "model.pt"))
-        self.optimizer.load_state_dict(checkpoint.load(path, "optimizer.pt"))
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
-        self.precision.load_state_dict(checkpoint.load(path, "precision.pt"))
         state = checkpoint.read_state(path)
+        saved_memory = state.get("memory", "none")
+        if (saved_memory in ZERO_STAGES) != (self.ds is not None):
+            raise InputError(f"checkpoint {path} was written with memory={saved_memory}, this "
+                             f"run has memory={self.cfg.memory.name}; resume with the same memory "
+                             f"mode (export it with its own mode first to change modes)")
+        if self.ds is not None:
+            self.ds.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
+        else:
+            unwrap(self.model).load_state_dict(checkpoint.load(path, "model.pt"))
+            self.optimizer.load_state_dict(checkpoint.load(path, "optimizer.pt"))
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
+            self.precision.load_state_dict(checkpoint.load(path, "precision.pt"))
         ranks = checkpoint.load(path, "rng.pt")["ranks"]
         if len(ranks) == self.world_size:
             set_rng_state(ranks[self.rank])
@@ -264,18 +316,22 @@ class RapidformerEngine:
         log.info("resumed from %s (step %d)", path, state["step"])
         return state
 
-    def export_hf(self, tokenizer=None) -> Path | None:
-        """One Hugging Face `save_pretrained` directory, written atomically, at run_dir/hf_model."""
-        model = unwrap(self.model)
+    def export_hf(self, tokenizer=None, step: int | None = None) -> Path | None:
+        """One consolidated Hugging Face `save_pretrained` directory (fp32), written atomically
+        at run_dir/hf_model by rank 0. Under ZeRO the weights come from checkpoint `step`."""
+        model = self.ds.module if self.ds is not None else unwrap(self.model)
         if not hasattr(model, "save_pretrained"):
             log.info("the model is not a Hugging Face model: no hf_model export")
             return None
+        if not self.is_main_process:
+            return None
         final = self.run_dir / "hf_model"
         tmp = self.run_dir / ".tmp-hf_model"
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(str(tmp))
+        state_dict = None
+        if self.ds is not None:
+            state_dict = consolidated_state_dict(str(self.checkpoint_root / f"step_{step:08d}"))
+        model.save_pretrained(str(tmp), state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         shutil.rmtree(final, ignore_errors=True)

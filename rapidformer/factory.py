@@ -13,11 +13,18 @@ from rapidformer.errors import InputError, NotAvailableError
 log = logging.getLogger("rapidformer")
 
 def check_available(cfg: RunConfig) -> None:
-    """Refuse, before any work, what is configured correctly but not built yet."""
-    if cfg.memory.name != "none":
+    """Refuse, before any work, what is not built yet or cannot run on this machine."""
+    import torch
+
+    from rapidformer.accelerators.memory import check_zero_precision
+
+    on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
+                                               and torch.cuda.is_available())
+    check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
+    if cfg.memory.name == "fsdp":
         raise NotAvailableError(
-            f"memory={cfg.memory.name} (DeepSpeed ZeRO / FSDP) is not available in this version "
-            f"yet; use memory=none (plain data parallelism, also across processes)")
+            "memory=fsdp (torch FSDP2) is not available in this version yet; use memory=none "
+            "(data parallelism) or memory=zero3 (DeepSpeed ZeRO-3) to shard the model")
     if cfg.graph.name == "ort":
         raise NotAvailableError("graph=ort (ONNX Runtime training) is not available in this "
                                 "version yet; use graph=compile or graph=eager")
@@ -25,18 +32,20 @@ def check_available(cfg: RunConfig) -> None:
 
 def run(cfg: RunConfig, run_dir: str, resolved: dict):
     check_available(cfg)
-    from rapidformer.launch import launch_workers, needs_workers
+    from rapidformer.launch import launch_workers, needs_workers, shutdown_process_group
 
     if needs_workers(cfg):
         return launch_workers(cfg, Path(run_dir), Path(run_dir) / "config.yaml")
     activate(cfg, run_dir, resolved)
     if cfg.user_script:
-        return run_user_script(Path(cfg.user_script))
-    from rapidformer.engine import RapidformerEngine
-    from rapidformer.tasks import task_class
+        result = run_user_script(Path(cfg.user_script))
+    else:
+        from rapidformer.engine import RapidformerEngine
+        from rapidformer.tasks import task_class
 
-    trainer = task_class(cfg.task.name)(engine=RapidformerEngine())
-    return trainer.train()
+        result = task_class(cfg.task.name)(engine=RapidformerEngine()).train()
+    shutdown_process_group()
+    return result
 
 
 def run_user_script(path: Path):

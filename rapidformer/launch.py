@@ -86,6 +86,16 @@ def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:
     return "\n".join(f"  | {line}" for line in text[-lines:])
 
 
+def shutdown_process_group() -> None:
+    """Leave together: a rank that exits with its process group alive can abort the
+    collective library's threads and take its peers on other nodes down with it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def worker_main(config_file: str) -> None:
     """A worker: read the resolved config the parent wrote, and run it."""
     from rapidformer.config.validate import build_run_config

@@ -1,6 +1,7 @@
 """Several processes (2 gloo workers on CPU): the launcher, DDP, and failures."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,12 +22,22 @@ def _ok(result):
     return result
 
 
-def test_ddp_two_processes_give_the_single_process_losses(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    _ok(run_cli([*SMALL, f"trainer.output_dir={one}"], cwd=tmp_path))
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory):
+    """The reference: one process, same global batch, fp32 and bf16."""
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        run = tmp_path_factory.mktemp(f"single_{precision}")
+        _ok(run_cli([*SMALL, f"precision={precision}", f"trainer.output_dir={run}"], cwd=run))
+        losses[precision] = train_losses(run)
+    return losses
+
+
+def test_ddp_two_processes_give_the_single_process_losses(tmp_path, single_process_losses):
+    two = tmp_path / "two"
     result = _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"trainer.output_dir={two}"],
                          cwd=tmp_path))
-    single, ddp = train_losses(one), train_losses(two)
+    single, ddp = single_process_losses["fp32"], train_losses(two)
     assert sorted(ddp) == sorted(single) == list(range(1, 17))
     for step, loss in single.items():
         assert ddp[step] == pytest.approx(loss, abs=1e-4), step
@@ -36,8 +47,36 @@ def test_ddp_two_processes_give_the_single_process_losses(tmp_path):
     assert "starting 2 worker(s)" in result.stdout + result.stderr
 
 
-def test_ddp_resume_continues_with_the_same_losses(tmp_path):
-    args = [*SMALL, "launcher.nproc_per_node=2"]
+@pytest.mark.parametrize("memory", ["zero1", "zero2", "zero3"])
+def test_zero_stages_give_the_single_process_losses(tmp_path, single_process_losses, memory):
+    run = tmp_path / memory
+    result = _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}",
+                          "trainer.export_hf=true", f"trainer.output_dir={run}"], cwd=tmp_path))
+    assert f"DeepSpeed ZeRO stage {memory[-1]}" in result.stdout + result.stderr
+    single, zero = single_process_losses["fp32"], train_losses(run)
+    assert sorted(zero) == sorted(single)
+    for step, loss in single.items():
+        assert zero[step] == pytest.approx(loss, abs=1e-4), step
+    # the export is one consolidated fp32 Hugging Face model
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(run / "hf_model")
+    assert next(model.parameters()).dtype.is_floating_point
+    assert sum(p.numel() for p in model.parameters()) > 100_000
+
+
+def test_zero2_bf16_is_close_to_single_process_bf16(tmp_path, single_process_losses):
+    run = tmp_path / "zero2_bf16"
+    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", "memory=zero2", "precision=bf16",
+                 f"trainer.output_dir={run}"], cwd=tmp_path))
+    single, zero = single_process_losses["bf16"], train_losses(run)
+    for step, loss in single.items():
+        assert zero[step] == pytest.approx(loss, abs=2e-2), step
+
+
+@pytest.mark.parametrize("memory", ["none", "zero3"])
+def test_resume_on_two_processes_continues_with_the_same_losses(tmp_path, memory):
+    args = [*SMALL, "launcher.nproc_per_node=2", f"memory={memory}"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     _ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
     _ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=6"], cwd=tmp_path))
@@ -76,20 +115,97 @@ def test_two_nodes_of_one_process_each(tmp_path):
     port = _free_port()
     run = tmp_path / "run"
     common = [*SMALL, "launcher.nnodes=2", "launcher.master_addr=127.0.0.1",
+              "launcher.collective_timeout=60",
               f"launcher.master_port={port}", f"trainer.output_dir={run}"]
-    env = {**OFFLINE_ENV}
-    import os
-
+    # output to files, not pipes: a full pipe would block one node while the other waits for it
+    outputs = [tmp_path / f"node{rank}.out" for rank in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "rapidformer", *common,
                                f"launcher.node_rank={rank}"], cwd=tmp_path,
-                              env={**os.environ, **env}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+                              env={**os.environ, **OFFLINE_ENV}, stdout=open(out, "w"),
+                              stderr=subprocess.STDOUT)
+             for rank, out in zip((0, 1), outputs)]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert codes == [0, 0], outputs[0].read_text()[-2000:] + outputs[1].read_text()[-2000:]
     single = tmp_path / "single"
     _ok(run_cli([*SMALL, f"trainer.output_dir={single}"], cwd=tmp_path))
     two_nodes, one = train_losses(run), train_losses(single)
     for step, loss in one.items():
         assert two_nodes[step] == pytest.approx(loss, abs=1e-4), step
     assert (run / "logs" / "node0").is_dir() and (run / "logs" / "node1").is_dir()
+
+
+OWN_LOOP = '''
+import json
+from functools import partial
+
+import torch
+from datasets import load_dataset
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer,
+                          get_linear_schedule_with_warmup)
+
+from rapidformer import Finetuner, RapidformerEngine, get_args
+
+args = get_args()
+engine = RapidformerEngine()
+finetuner = Finetuner(engine=engine)
+
+tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path)
+files = {s: f"{args.data_path}/{s}.jsonl" for s in ("train", "validation")}
+datasets = load_dataset("json", data_files=files)
+tokenized = datasets.map(
+    lambda ex: tokenizer(ex["sentence1"], ex["sentence2"], truncation=True, max_length=64),
+    batched=True, remove_columns=["idx", "sentence1", "sentence2"]).rename_column("label", "labels")
+collate = lambda examples: tokenizer.pad(examples, padding="longest", return_tensors="pt")
+
+train_dataloader = finetuner.build_data_loader(tokenized["train"], shuffle=True, collate_fn=collate)
+eval_dataloader = finetuner.build_data_loader(tokenized["validation"], collate_fn=collate)
+
+model = AutoModelForSequenceClassification.from_pretrained(args.pretrained_model_name_or_path)
+lr_scheduler = partial(get_linear_schedule_with_warmup, num_warmup_steps=2,
+                       num_training_steps=args.epochs * len(train_dataloader))
+model, optimizer, lr_scheduler = engine.compose(model_obj=model, lr_scheduler_fn=lr_scheduler)
+
+losses = []
+for epoch in range(args.epochs):
+    model.train()
+    for step, batch in enumerate(train_dataloader):
+        loss = model(**batch).loss
+        engine.backward(loss)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    model.eval()
+    predictions, references = [], []
+    for batch in eval_dataloader:
+        with torch.no_grad():
+            outputs = model(**batch)
+        predictions.append(engine.gather(outputs.logits.argmax(dim=-1)))
+        references.append(engine.gather(batch["labels"]))
+    predictions, references = torch.cat(predictions), torch.cat(references)
+    accuracy = float((predictions == references).float().mean())
+if engine.is_main_process:
+    with open(f"{args.save}/own_loop.json", "w") as f:
+        json.dump({"accuracy": accuracy, "scored": len(references), "losses": losses,
+                   "batches": len(train_dataloader), "world_size": engine.world_size}, f)
+'''
+
+
+def test_the_seeds_own_loop_on_two_processes(tmp_path, pairs_dir, tiny_pretrained):
+    import json
+
+    script = tmp_path / "own_loop.py"
+    script.write_text(OWN_LOOP)
+    run = tmp_path / "run"
+    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"user_script={script}", "model=hf",
+                 f"model.name_or_path={tiny_pretrained}", "data=pairs_local",
+                 f"data.path={pairs_dir}", f"trainer.output_dir={run}"], cwd=tmp_path))
+    result = json.loads((run / "own_loop.json").read_text())
+    assert result["world_size"] == 2
+    assert result["scored"] == 64  # every validation example scored once across both ranks
+    assert result["batches"] == 256 // 2 // 8  # each rank reads its half of the data
+    assert all(loss == loss for loss in result["losses"]) and 0 <= result["accuracy"] <= 1

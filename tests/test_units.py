@@ -81,15 +81,15 @@ def test_checkpoint_is_atomic_and_an_interrupted_one_is_ignored(tmp_path):
     root = tmp_path / "checkpoints"
     checkpoint.save(root, 5, {"w.pt": {"w": torch.ones(3)}}, {"step": 5}, keep_last=2)
     # a crash mid-save leaves a hidden temporary directory ...
-    (root / ".tmp-step_00000009-123").mkdir()
-    (root / ".tmp-step_00000009-123" / "w.pt").write_bytes(b"half")
+    (root / ".tmp-step_00000009").mkdir()
+    (root / ".tmp-step_00000009" / "w.pt").write_bytes(b"half")
     # ... and a directory whose file no longer matches its manifest is not complete either
     bad = checkpoint.save(root, 7, {"w.pt": {"w": torch.zeros(3)}}, {"step": 7}, keep_last=5)
     (bad / "w.pt").write_bytes(b"corrupt")
     assert checkpoint.latest(root).name == "step_00000005"
     complete, broken = checkpoint.scan(root)
     assert [p.name for p in complete] == ["step_00000005"]
-    assert sorted(p.name for p in broken) == [".tmp-step_00000009-123", "step_00000007"]
+    assert sorted(p.name for p in broken) == [".tmp-step_00000009", "step_00000007"]
     assert torch.equal(checkpoint.load(root / "step_00000005", "w.pt")["w"], torch.ones(3))
     manifest = json.loads((root / "step_00000005" / checkpoint.MANIFEST).read_text())
     assert manifest["step"] == 5 and manifest["files"]["w.pt"]["bytes"] > 0

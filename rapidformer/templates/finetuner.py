@@ -132,7 +132,7 @@ class Finetuner:
                     with engine.accumulating(last_micro_batch=micro == accumulation - 1):
                         with engine.autocast():
                             loss = self.run_forward_step(batch, model)
-                        engine.backward(loss / accumulation)
+                        engine.backward(loss, accumulation_steps=accumulation)
                     window.add_micro(loss.detach(), batch)
                 result = engine.step()
                 state.step += 1
@@ -209,8 +209,8 @@ class Finetuner:
             log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         if not (self.engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
             self._save(state)
-        if self.cfg.trainer.export_hf and self.engine.is_main_process:
-            self.engine.export_hf(self.tokenizer)
+        if self.cfg.trainer.export_hf:
+            self.engine.export_hf(self.tokenizer, step=state.step)
 
     def test_is_labelled(self, test_ds) -> bool:
         """Whether the test split can be scored; GLUE's test labels are -1."""
