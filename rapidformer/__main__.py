@@ -54,6 +54,7 @@ def hydra_entry(cfg: DictConfig):
 
     from rapidformer.config.compose import resolve
     from rapidformer.factory import run
+    from rapidformer.multirun import write_status
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
@@ -63,14 +64,25 @@ def hydra_entry(cfg: DictConfig):
         with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
             yaml.safe_dump(resolved, f, sort_keys=False)
         log.info("run directory: %s", run_dir)
-        return run(run_cfg, run_dir, resolved)
+        result = run(run_cfg, run_dir, resolved)
+        write_status(run_dir, "ok")
+        return result
     except RapidformerError as exc:
         if debug_enabled():
             raise
         report(exc)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        write_status(run_dir, "failed", str(exc).splitlines()[0])
         if hydra_cfg.mode == RunMode.MULTIRUN:
             return None  # the sweep goes on; this job is reported as failed
         sys.exit(exc.exit_code)
+    except Exception as exc:
+        if hydra_cfg.mode != RunMode.MULTIRUN or debug_enabled():
+            raise
+        # a sweep outlives a crashing job: the traceback goes to the job's log, the row says so
+        log.exception("job failed")
+        write_status(run_dir, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:

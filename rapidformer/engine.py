@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from rapidformer import checkpoint
+from rapidformer.accelerators.fsdp import (DCP_DIR, full_state_dict, load_shards, save_shards,
+                                           shard_model, transformer_blocks)
 from rapidformer.accelerators.graph import apply_graph, unwrap
 from rapidformer.accelerators.memory import (CHECKPOINT_TAG, ZERO_STAGES, consolidated_state_dict,
                                              deepspeed_config, import_deepspeed)
@@ -113,6 +115,14 @@ class RapidformerEngine:
         """
         t = self.cfg.trainer
         model = model_obj.to(self.device)
+        self.ddp = self.ds = self.fsdp = None
+        if self.cfg.memory.name == "fsdp":
+            if optimizer is not None:
+                raise ConfigError(["memory=fsdp shards the parameters, so the optimizer must be "
+                                   "built after sharding: return None for the optimizer from "
+                                   "model_optimizer_lr_scheduler_provider"])
+            model = self.fsdp = shard_model(model, self.cfg)
+            log.info("memory=fsdp: FSDP2 over %d transformer blocks", len(transformer_blocks(model)))
         if optimizer is None:
             optimizer = build_optimizer(model, self.cfg.optim, t.lr, t.weight_decay, self.device)
         if lr_scheduler is None:
@@ -125,7 +135,6 @@ class RapidformerEngine:
                                        "to build the lr schedule; pass total_iters=N or "
                                        "lr_scheduler_fn"])
                 lr_scheduler = build_scheduler(optimizer, self.cfg.scheduler, total, t.lr)
-        self.ddp = self.ds = None
         if self.cfg.memory.name in ZERO_STAGES:
             deepspeed = import_deepspeed(self.device)
             accumulation = t.global_batch_size // (t.micro_batch_size * self.world_size)
@@ -136,7 +145,7 @@ class RapidformerEngine:
                      ZERO_STAGES[self.cfg.memory.name])
             self.model, self.optimizer, self.lr_scheduler = self.ds, optimizer, lr_scheduler
             return self.ds, optimizer, lr_scheduler
-        if self.world_size > 1:
+        if self.world_size > 1 and self.fsdp is None:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -147,12 +156,14 @@ class RapidformerEngine:
 
     # --- the step ---------------------------------------------------------------------------
     def autocast(self):
-        if self.ds is not None:  # DeepSpeed runs the model in its own precision
+        if self.ds is not None or self.fsdp is not None:  # they own the compute precision
             return contextlib.nullcontext()
         return self.precision.autocast()
 
     def accumulating(self, last_micro_batch: bool):
         """Skip DDP's gradient all-reduce on every micro-batch but the last of a step."""
+        if self.fsdp is not None:
+            self.fsdp.set_requires_gradient_sync(last_micro_batch)
         if self.ddp is None or last_micro_batch:  # DeepSpeed accumulates by itself
             return contextlib.nullcontext()
         return self.ddp.no_sync()
@@ -198,6 +209,8 @@ class RapidformerEngine:
         self.precision.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor norm over all shards
+            grad_norm = grad_norm.full_tensor()
         stepped = self.precision.step(self.optimizer)
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -239,16 +252,23 @@ class RapidformerEngine:
             rng = [None] * self.world_size
             dist.all_gather_object(rng, rng_state())
         path = self.checkpoint_root / f"step_{step:08d}"
-        if self.ds is not None:
-            # every rank writes its ZeRO shards into the temporary directory first
+        sharded = self.ds is not None or self.fsdp is not None
+        if sharded:
+            # every rank writes its shards into the temporary directory first
             tmp = checkpoint.temp_dir(self.checkpoint_root, step)
             if self.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
             self.barrier()
-            self.ds.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
+            if self.ds is not None:
+                self.ds.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
+                tensors = {"rng.pt": {"ranks": rng}}
+            else:
+                save_shards(self.fsdp, self.optimizer, tmp / DCP_DIR)
+                tensors = {"scheduler.pt": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
+                           "precision.pt": self.precision.state_dict(),
+                           "rng.pt": {"ranks": rng}}
             self.barrier()
-            tensors = {"rng.pt": {"ranks": rng}}
         else:
             tensors = {"model.pt": unwrap(self.model).state_dict(),
                        "optimizer.pt": self.optimizer.state_dict(),
@@ -259,7 +279,7 @@ class RapidformerEngine:
             path = checkpoint.save(self.checkpoint_root, step, tensors,
                                    {**state, "world_size": self.world_size,
                                     "memory": self.cfg.memory.name}, extra,
-                                   self.cfg.trainer.keep_last, prepared=self.ds is not None)
+                                   self.cfg.trainer.keep_last, prepared=sharded)
             log.info("saved checkpoint %s", path)
         self.barrier()
         return path
@@ -294,15 +314,18 @@ class RapidformerEngine:
     def load_checkpoint(self, path: Path) -> dict:
         state = checkpoint.read_state(path)
         saved_memory = state.get("memory", "none")
-        if (saved_memory in ZERO_STAGES) != (self.ds is not None):
+        if saved_memory != self.cfg.memory.name:
             raise InputError(f"checkpoint {path} was written with memory={saved_memory}, this "
                              f"run has memory={self.cfg.memory.name}; resume with the same memory "
                              f"mode (export it with its own mode first to change modes)")
         if self.ds is not None:
             self.ds.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
         else:
-            unwrap(self.model).load_state_dict(checkpoint.load(path, "model.pt"))
-            self.optimizer.load_state_dict(checkpoint.load(path, "optimizer.pt"))
+            if self.fsdp is not None:
+                load_shards(self.fsdp, self.optimizer, path / DCP_DIR)
+            else:
+                unwrap(self.model).load_state_dict(checkpoint.load(path, "model.pt"))
+                self.optimizer.load_state_dict(checkpoint.load(path, "optimizer.pt"))
             if self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
             self.precision.load_state_dict(checkpoint.load(path, "precision.pt"))
@@ -323,12 +346,12 @@ class RapidformerEngine:
         if not hasattr(model, "save_pretrained"):
             log.info("the model is not a Hugging Face model: no hf_model export")
             return None
+        state_dict = full_state_dict(self.fsdp) if self.fsdp is not None else None  # collective
         if not self.is_main_process:
             return None
         final = self.run_dir / "hf_model"
         tmp = self.run_dir / ".tmp-hf_model"
         shutil.rmtree(tmp, ignore_errors=True)
-        state_dict = None
         if self.ds is not None:
             state_dict = consolidated_state_dict(str(self.checkpoint_root / f"step_{step:08d}"))
         model.save_pretrained(str(tmp), state_dict=state_dict)

@@ -12,22 +12,21 @@ from rapidformer.errors import InputError, NotAvailableError
 
 log = logging.getLogger("rapidformer")
 
+
 def check_available(cfg: RunConfig) -> None:
     """Refuse, before any work, what is not built yet or cannot run on this machine."""
     import torch
 
+    from rapidformer.accelerators.fsdp import check_fsdp_precision
     from rapidformer.accelerators.memory import check_zero_precision
 
-    on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
-                                               and torch.cuda.is_available())
-    check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
-    if cfg.memory.name == "fsdp":
-        raise NotAvailableError(
-            "memory=fsdp (torch FSDP2) is not available in this version yet; use memory=none "
-            "(data parallelism) or memory=zero3 (DeepSpeed ZeRO-3) to shard the model")
     if cfg.graph.name == "ort":
         raise NotAvailableError("graph=ort (ONNX Runtime training) is not available in this "
                                 "version yet; use graph=compile or graph=eager")
+    on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
+                                               and torch.cuda.is_available())
+    check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
+    check_fsdp_precision(cfg)
 
 
 def run(cfg: RunConfig, run_dir: str, resolved: dict):

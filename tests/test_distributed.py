@@ -47,12 +47,16 @@ def test_ddp_two_processes_give_the_single_process_losses(tmp_path, single_proce
     assert "starting 2 worker(s)" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("memory", ["zero1", "zero2", "zero3"])
-def test_zero_stages_give_the_single_process_losses(tmp_path, single_process_losses, memory):
+MEMORY_LOG = {"zero1": "DeepSpeed ZeRO stage 1", "zero2": "DeepSpeed ZeRO stage 2",
+              "zero3": "DeepSpeed ZeRO stage 3", "fsdp": "memory=fsdp: FSDP2 over 2 transformer blocks"}
+
+
+@pytest.mark.parametrize("memory", ["zero1", "zero2", "zero3", "fsdp"])
+def test_memory_modes_give_the_single_process_losses(tmp_path, single_process_losses, memory):
     run = tmp_path / memory
     result = _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}",
                           "trainer.export_hf=true", f"trainer.output_dir={run}"], cwd=tmp_path))
-    assert f"DeepSpeed ZeRO stage {memory[-1]}" in result.stdout + result.stderr
+    assert MEMORY_LOG[memory] in result.stdout + result.stderr
     single, zero = single_process_losses["fp32"], train_losses(run)
     assert sorted(zero) == sorted(single)
     for step, loss in single.items():
@@ -65,16 +69,17 @@ def test_zero_stages_give_the_single_process_losses(tmp_path, single_process_los
     assert sum(p.numel() for p in model.parameters()) > 100_000
 
 
-def test_zero2_bf16_is_close_to_single_process_bf16(tmp_path, single_process_losses):
-    run = tmp_path / "zero2_bf16"
-    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", "memory=zero2", "precision=bf16",
+@pytest.mark.parametrize("memory", ["zero2", "fsdp"])
+def test_bf16_is_close_to_single_process_bf16(tmp_path, single_process_losses, memory):
+    run = tmp_path / f"{memory}_bf16"
+    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}", "precision=bf16",
                  f"trainer.output_dir={run}"], cwd=tmp_path))
     single, zero = single_process_losses["bf16"], train_losses(run)
     for step, loss in single.items():
         assert zero[step] == pytest.approx(loss, abs=2e-2), step
 
 
-@pytest.mark.parametrize("memory", ["none", "zero3"])
+@pytest.mark.parametrize("memory", ["none", "zero3", "fsdp"])
 def test_resume_on_two_processes_continues_with_the_same_losses(tmp_path, memory):
     args = [*SMALL, "launcher.nproc_per_node=2", f"memory={memory}"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"

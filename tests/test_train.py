@@ -224,3 +224,19 @@ def test_mixed_precision_on_a_gpu(tmp_path, precision):
                  f"trainer.output_dir={run}"], cwd=tmp_path))
     losses = train_losses(run)
     assert all(loss == loss for loss in losses.values())  # no NaN
+
+
+def test_multirun_runs_every_job_and_summarizes(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = _ok(run_cli(["-m", "+recipe=quickstart", "precision=fp32,bf16", "trainer.lr=1e-3,-1",
+                          *FAST, "trainer.train_iters=3", "trainer.export_hf=false",
+                          f"hydra.sweep.dir={sweep}"], cwd=tmp_path))
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(ok) == 2 and all(r["final_loss"] and r["samples_per_s"] for r in ok)
+    assert len(failed) == 2 and all("trainer.lr=-1.0 must not be negative" in r["error"]
+                                    for r in failed)
+    assert "sweep summary (4 jobs, 2 failed)" in result.stdout
+    assert (sweep / "summary.md").read_text().startswith("| job | overrides | status")

@@ -214,9 +214,9 @@ def check_values(cfg: RunConfig) -> list[str]:
     if world_size(cfg) % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size or 1):
         p.append(f"the world size ({world_size(cfg)}) is not divisible by tensor x pipeline "
                  f"parallel size ({par.tensor_model_parallel_size * par.pipeline_model_parallel_size})")
-    if cfg.memory.name.startswith("zero") and cfg.graph.name == "compile":
-        p.append(f"graph=compile with memory={cfg.memory.name} is not supported yet (DeepSpeed "
-                 f"wraps the model); use graph=eager with ZeRO, or graph=compile with memory=none")
+    if cfg.memory.name != "none" and cfg.graph.name == "compile":
+        p.append(f"graph=compile with memory={cfg.memory.name} is not supported yet; use "
+                 f"graph=eager with memory={cfg.memory.name}, or graph=compile with memory=none")
     if cfg.memory.name == "fsdp" and (cfg.memory.offload_optimizer and not cfg.memory.offload_params):
         p.append("memory.offload_optimizer=true with memory=fsdp needs memory.offload_params=true "
                  "(FSDP offloads parameters and optimizer state together)")

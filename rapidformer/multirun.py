@@ -1,0 +1,69 @@
+"""A summary of a multirun sweep (`python -m rapidformer -m ...`): one row per job.
+
+Hydra runs the jobs one after another, each in its own sub-directory (and, with several
+processes, its own process group on a fresh port). At the end this callback prints a table —
+job, overrides, status, final loss, eval metric, samples/s — and writes it to the sweep
+directory as summary.md and summary.json. A failed job is a row with its error; the sweep went on.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+STATUS_FILE = "status.json"
+
+
+def write_status(run_dir: str | Path, status: str, error: str | None = None) -> None:
+    Path(run_dir, STATUS_FILE).write_text(json.dumps({"status": status, "error": error}))
+
+
+def job_row(job_dir: Path) -> dict:
+    overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) \
+        if (job_dir / ".hydra" / "overrides.yaml").is_file() else []
+    status = json.loads((job_dir / STATUS_FILE).read_text()) \
+        if (job_dir / STATUS_FILE).is_file() else {"status": "failed", "error": "no status"}
+    records = []
+    if (job_dir / "metrics.jsonl").is_file():
+        records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if any(k.startswith("validation/") for k in r)]
+    metric = next((k for k in ("validation/accuracy", "validation/f1", "validation/loss")
+                   if evals and k in evals[-1]), None)
+    return {"job": job_dir.name,
+            "overrides": " ".join(o for o in overrides if not o.startswith("+recipe=quickstart")),
+            "status": status["status"], "error": status.get("error"),
+            "final_loss": train[-1]["loss"] if train else None,
+            "metric": metric, "value": evals[-1][metric] if metric else None,
+            "samples_per_s": (sum(r["samples_per_s"] for r in train) / len(train)) if train else None}
+
+
+def summary_table(rows: list[dict]) -> str:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    lines = ["| job | overrides | status | final loss | eval metric | samples/s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        metric = f"{r['metric']}={fmt(r['value'], '.4f')}" if r["metric"] else "-"
+        status = r["status"] if r["status"] == "ok" else f"FAILED: {r['error']}"
+        lines.append(f"| {r['job']} | {r['overrides']} | {status} | {fmt(r['final_loss'], '.4f')} "
+                     f"| {metric} | {fmt(r['samples_per_s'], '.1f')} |")
+    return "\n".join(lines)
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
+                      key=lambda p: int(p.name)) if sweep_dir.is_dir() else []
+        rows = [job_row(job) for job in jobs]
+        table = summary_table(rows)
+        (sweep_dir / "summary.md").write_text(table + "\n")
+        (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
+        failed = sum(r["status"] != "ok" for r in rows)
+        print(f"\nsweep summary ({len(rows)} jobs, {failed} failed) - {sweep_dir}/summary.md\n"
+              f"{table}")
