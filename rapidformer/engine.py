@@ -115,6 +115,8 @@ class RapidformerEngine:
         """
         t = self.cfg.trainer
         model = model_obj.to(self.device)
+        self.num_parameters = sum(p.numel() for p in model.parameters())
+        log.info("model parameters: %d (%.1fM)", self.num_parameters, self.num_parameters / 1e6)
         self.ddp = self.ds = self.fsdp = None
         if self.cfg.memory.name == "fsdp":
             if optimizer is not None:

@@ -258,6 +258,10 @@ class _Window:
         if engine.precision.loss_scale is not None:
             record["loss_scale"] = engine.precision.loss_scale
             record["skipped_steps"] = engine.precision.skipped_steps
+        if engine.device.type == "cuda":
+            # between steps the allocation is the model states; the peak adds activations
+            record["mem_allocated_gb"] = torch.cuda.memory_allocated(engine.device) / 2**30
+            record["peak_mem_gb"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
         self.reset()
         return record
 
