@@ -123,7 +123,7 @@ class RapidformerEngine:
                 raise ConfigError(["memory=fsdp shards the parameters, so the optimizer must be "
                                    "built after sharding: return None for the optimizer from "
                                    "model_optimizer_lr_scheduler_provider"])
-            model = self.fsdp = shard_model(model, self.cfg)
+            model = self.fsdp = shard_model(model, self.cfg, self.device)
             log.info("memory=fsdp: FSDP2 over %d transformer blocks", len(transformer_blocks(model)))
         if optimizer is None:
             optimizer = build_optimizer(model, self.cfg.optim, t.lr, t.weight_decay, self.device)

@@ -69,7 +69,7 @@ def test_memory_modes_give_the_single_process_losses(tmp_path, single_process_lo
     assert sum(p.numel() for p in model.parameters()) > 100_000
 
 
-@pytest.mark.parametrize("memory", ["zero2", "fsdp"])
+@pytest.mark.parametrize("memory", ["none", "zero1", "zero2", "zero3", "fsdp"])
 def test_bf16_is_close_to_single_process_bf16(tmp_path, single_process_losses, memory):
     run = tmp_path / f"{memory}_bf16"
     _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}", "precision=bf16",
@@ -77,6 +77,34 @@ def test_bf16_is_close_to_single_process_bf16(tmp_path, single_process_losses, m
     single, zero = single_process_losses["bf16"], train_losses(run)
     for step, loss in single.items():
         assert zero[step] == pytest.approx(loss, abs=2e-2), step
+
+
+@pytest.mark.parametrize("memory,offload", [("zero2", "memory.offload_optimizer=true"),
+                                            ("zero3", "memory.offload_params=true"),
+                                            ("fsdp", "memory.offload_params=true")])
+def test_cpu_offload_gives_the_single_process_losses(tmp_path, single_process_losses, memory,
+                                                     offload):
+    run = tmp_path / memory
+    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}", offload,
+                 *(["memory.offload_optimizer=true"] if memory != "zero2" else []),
+                 f"trainer.output_dir={run}"], cwd=tmp_path))
+    single, got = single_process_losses["fp32"], train_losses(run)
+    for step, loss in single.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), step
+
+
+def test_torchrun_runs_in_place(tmp_path, single_process_losses):
+    """Started by torchrun (RANK/WORLD_SIZE set), rapidformer joins that job instead of
+    launching its own workers."""
+    run = tmp_path / "torchrun"
+    result = _ok(run_cli(["--nproc_per_node", "2", "-m", "rapidformer", *SMALL,
+                          f"trainer.output_dir={run}"], cwd=tmp_path,
+                         module="torch.distributed.run"))
+    assert "starting 2 worker(s)" not in result.stdout + result.stderr
+    single, got = single_process_losses["fp32"], train_losses(run)
+    assert sorted(got) == sorted(single)
+    for step, loss in single.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), step
 
 
 @pytest.mark.parametrize("memory", ["none", "zero3", "fsdp"])

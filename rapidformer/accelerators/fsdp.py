@@ -29,7 +29,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
             for block in module if any(p.requires_grad for p in block.parameters())]
 
 
-def shard_model(model: nn.Module, cfg: RunConfig) -> nn.Module:
+def shard_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard
 
@@ -37,7 +37,9 @@ def shard_model(model: nn.Module, cfg: RunConfig) -> nn.Module:
     param_dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else None
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype,
                                                 reduce_dtype=torch.float32),
-              "offload_policy": CPUOffloadPolicy() if cfg.memory.offload_params
+              # pinned host memory needs an accelerator to pin for
+              "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")
+              if cfg.memory.offload_params
               else OffloadPolicy()}
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
