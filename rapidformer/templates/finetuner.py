@@ -65,13 +65,13 @@ class Finetuner:
                           batch_size: int | None = None):
         """A loader over this rank's share of `dataset` whose batches arrive on the device."""
         engine = self.engine
-        if engine.world_size > 1:
-            # every rank gets its share; evaluation shards are not padded (gather takes
-            # unequal sizes), so each example is scored exactly once
-            sampler = DistributedSampler(dataset, engine.world_size, engine.rank, shuffle=shuffle,
-                                         seed=self.cfg.trainer.seed, drop_last=False)
-            if not shuffle:
-                sampler = list(range(engine.rank, len(dataset), engine.world_size))
+        if engine.world_size > 1 and shuffle:
+            sampler = DistributedSampler(dataset, engine.world_size, engine.rank, shuffle=True,
+                                         seed=self.cfg.trainer.seed)
+        elif engine.world_size > 1:
+            # evaluation shards are not padded (gather takes unequal sizes), so each example
+            # is scored exactly once
+            sampler = list(range(engine.rank, len(dataset), engine.world_size))
         elif shuffle:
             sampler = RandomSampler(dataset,
                                     generator=torch.Generator().manual_seed(self.cfg.trainer.seed))
