@@ -81,7 +81,8 @@ def hydra_entry(cfg: DictConfig):
             raise
         # a sweep outlives a crashing job: the traceback goes to the job's log, the row says so
         log.exception("job failed")
-        write_status(run_dir, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        write_status(run_dir, "failed", f"{type(exc).__name__}: {first_line}")
         return None
 
 
