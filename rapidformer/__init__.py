@@ -24,6 +24,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name == "mpu":
+        return importlib.import_module("rapidformer.mpu")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'rapidformer' has no attribute '{name}'")
