@@ -28,6 +28,11 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 600, module: str = "rapid
                           capture_output=True, text=True, timeout=timeout)
 
 
+def assert_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -9,17 +9,12 @@ import textwrap
 
 import pytest
 
-from tests.conftest import FAST, OFFLINE_ENV, run_cli, train_losses
+from tests.conftest import FAST, OFFLINE_ENV, assert_ok, run_cli, train_losses
 
 pytestmark = pytest.mark.slow
 
 SMALL = [*FAST, "trainer.micro_batch_size=8", "trainer.global_batch_size=32", "trainer.epochs=2",
          "trainer.export_hf=false"]
-
-
-def _ok(result):
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +23,14 @@ def single_process_losses(tmp_path_factory):
     losses = {}
     for precision in ("fp32", "bf16"):
         run = tmp_path_factory.mktemp(f"single_{precision}")
-        _ok(run_cli([*SMALL, f"precision={precision}", f"trainer.output_dir={run}"], cwd=run))
+        assert_ok(run_cli([*SMALL, f"precision={precision}", f"trainer.output_dir={run}"], cwd=run))
         losses[precision] = train_losses(run)
     return losses
 
 
 def test_ddp_two_processes_give_the_single_process_losses(tmp_path, single_process_losses):
     two = tmp_path / "two"
-    result = _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"trainer.output_dir={two}"],
+    result = assert_ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"trainer.output_dir={two}"],
                          cwd=tmp_path))
     single, ddp = single_process_losses["fp32"], train_losses(two)
     assert sorted(ddp) == sorted(single) == list(range(1, 17))
@@ -54,7 +49,7 @@ MEMORY_LOG = {"zero1": "DeepSpeed ZeRO stage 1", "zero2": "DeepSpeed ZeRO stage 
 @pytest.mark.parametrize("memory", ["zero1", "zero2", "zero3", "fsdp"])
 def test_memory_modes_give_the_single_process_losses(tmp_path, single_process_losses, memory):
     run = tmp_path / memory
-    result = _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}",
+    result = assert_ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}",
                           "trainer.export_hf=true", f"trainer.output_dir={run}"], cwd=tmp_path))
     assert MEMORY_LOG[memory] in result.stdout + result.stderr
     single, zero = single_process_losses["fp32"], train_losses(run)
@@ -72,7 +67,7 @@ def test_memory_modes_give_the_single_process_losses(tmp_path, single_process_lo
 @pytest.mark.parametrize("memory", ["none", "zero1", "zero2", "zero3", "fsdp"])
 def test_bf16_is_close_to_single_process_bf16(tmp_path, single_process_losses, memory):
     run = tmp_path / f"{memory}_bf16"
-    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}", "precision=bf16",
+    assert_ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}", "precision=bf16",
                  f"trainer.output_dir={run}"], cwd=tmp_path))
     single, zero = single_process_losses["bf16"], train_losses(run)
     for step, loss in single.items():
@@ -85,7 +80,7 @@ def test_bf16_is_close_to_single_process_bf16(tmp_path, single_process_losses, m
 def test_cpu_offload_gives_the_single_process_losses(tmp_path, single_process_losses, memory,
                                                      offload):
     run = tmp_path / memory
-    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}", offload,
+    assert_ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}", offload,
                  *(["memory.offload_optimizer=true"] if memory != "zero2" else []),
                  f"trainer.output_dir={run}"], cwd=tmp_path))
     single, got = single_process_losses["fp32"], train_losses(run)
@@ -97,7 +92,7 @@ def test_torchrun_runs_in_place(tmp_path, single_process_losses):
     """Started by torchrun (RANK/WORLD_SIZE set), rapidformer joins that job instead of
     launching its own workers."""
     run = tmp_path / "torchrun"
-    result = _ok(run_cli(["--nproc_per_node", "2", "-m", "rapidformer", *SMALL,
+    result = assert_ok(run_cli(["--nproc_per_node", "2", "-m", "rapidformer", *SMALL,
                           f"trainer.output_dir={run}"], cwd=tmp_path,
                          module="torch.distributed.run"))
     assert "starting 2 worker(s)" not in result.stdout + result.stderr
@@ -111,9 +106,9 @@ def test_torchrun_runs_in_place(tmp_path, single_process_losses):
 def test_resume_on_two_processes_continues_with_the_same_losses(tmp_path, memory):
     args = [*SMALL, "launcher.nproc_per_node=2", f"memory={memory}"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    _ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
-    _ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=6"], cwd=tmp_path))
-    _ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.resume=auto"], cwd=tmp_path))
+    assert_ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
+    assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=6"], cwd=tmp_path))
+    assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.resume=auto"], cwd=tmp_path))
     expected, got = train_losses(whole), train_losses(parts)
     assert sorted(got) == sorted(expected)
     for step in expected:
@@ -164,7 +159,7 @@ def test_two_nodes_of_one_process_each(tmp_path):
             p.kill()
     assert codes == [0, 0], outputs[0].read_text()[-2000:] + outputs[1].read_text()[-2000:]
     single = tmp_path / "single"
-    _ok(run_cli([*SMALL, f"trainer.output_dir={single}"], cwd=tmp_path))
+    assert_ok(run_cli([*SMALL, f"trainer.output_dir={single}"], cwd=tmp_path))
     two_nodes, one = train_losses(run), train_losses(single)
     for step, loss in one.items():
         assert two_nodes[step] == pytest.approx(loss, abs=1e-4), step
@@ -234,7 +229,7 @@ def test_the_seeds_own_loop_on_two_processes(tmp_path, pairs_dir, tiny_pretraine
     script = tmp_path / "own_loop.py"
     script.write_text(OWN_LOOP)
     run = tmp_path / "run"
-    _ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"user_script={script}", "model=hf",
+    assert_ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"user_script={script}", "model=hf",
                  f"model.name_or_path={tiny_pretrained}", "data=pairs_local",
                  f"data.path={pairs_dir}", f"trainer.output_dir={run}"], cwd=tmp_path))
     result = json.loads((run / "own_loop.json").read_text())

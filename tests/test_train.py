@@ -7,20 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST, read_metrics, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, read_metrics, run_cli, train_losses
 
 pytestmark = pytest.mark.slow
-
-
-def _ok(result):
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 def test_quickstart_default_command(tmp_path):
     """`python -m rapidformer` with nothing else: accuracy >= 0.9 and every artifact on disk."""
     run = tmp_path / "run"
-    _ok(run_cli([f"trainer.output_dir={run}", "trainer.progress_bar=false"], cwd=tmp_path))
+    assert_ok(run_cli([f"trainer.output_dir={run}", "trainer.progress_bar=false"], cwd=tmp_path))
     metrics = read_metrics(run)
     evals = [m for m in metrics if "validation/accuracy" in m]
     assert evals[-1]["validation/accuracy"] >= 0.9, evals
@@ -46,7 +41,7 @@ def test_loss_falls_in_every_precision(tmp_path):
     finals = {}
     for precision in ("fp32", "bf16", "fp16"):
         run = tmp_path / precision
-        _ok(run_cli([*small, f"precision={precision}", f"trainer.output_dir={run}"], cwd=tmp_path))
+        assert_ok(run_cli([*small, f"precision={precision}", f"trainer.output_dir={run}"], cwd=tmp_path))
         losses = train_losses(run)
         assert losses[25] < 0.5 * losses[1], (precision, losses)
         finals[precision] = losses
@@ -61,12 +56,12 @@ def test_resume_continues_with_the_same_losses(tmp_path):
     """A run stopped at step 5 and resumed gives the uninterrupted run's per-step losses."""
     args = [*FAST, "trainer.epochs=2", "trainer.export_hf=false", "model.hidden_dropout=0.1"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    _ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
-    first = _ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=5"],
+    assert_ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
+    first = assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=5"],
                         cwd=tmp_path))
     assert "trainer.exit_interval=5 reached at step 5" in first.stdout + first.stderr
     assert max(train_losses(parts)) == 5
-    second = _ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.resume=auto"],
+    second = assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.resume=auto"],
                          cwd=tmp_path))
     assert "resumed from" in second.stdout + second.stderr
     expected, got = train_losses(whole), train_losses(parts)
@@ -85,7 +80,7 @@ def test_design_card_command_stops_with_one_clear_sentence(tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "outputs").exists()  # refused before a run directory was made
 
-    printed = _ok(run_cli(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3", "--cfg", "job",
+    printed = assert_ok(run_cli(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3", "--cfg", "job",
                            "--resolve"], cwd=tmp_path))
     assert "name: zero3" in printed.stdout and "dtype: fp16" in printed.stdout
     assert "name_or_path: bert-base-cased" in printed.stdout
@@ -100,7 +95,7 @@ def test_hub_names_offline_give_one_clear_sentence(tmp_path):
 
 def test_bert_mrpc_recipe_on_local_data_and_config_model(tmp_path, pairs_dir):
     run = tmp_path / "run"
-    _ok(run_cli(["+recipe=bert_mrpc", "model=bert_tiny", "data=pairs_local",
+    assert_ok(run_cli(["+recipe=bert_mrpc", "model=bert_tiny", "data=pairs_local",
                  f"data.path={pairs_dir}", "precision=bf16", "trainer.epochs=1",
                  "trainer.progress_bar=false", f"trainer.output_dir={run}"], cwd=tmp_path))
     assert (run / "hf_model" / "config.json").is_file()
@@ -119,8 +114,8 @@ def test_missing_data_and_missing_column_fail_clearly(tmp_path, pairs_dir):
 
 def test_compile_gives_the_eager_losses(tmp_path):
     args = [*FAST, "trainer.train_iters=3", "trainer.export_hf=false"]
-    _ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'eager'}"], cwd=tmp_path))
-    _ok(run_cli([*args, "graph=compile", f"trainer.output_dir={tmp_path / 'compiled'}"],
+    assert_ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'eager'}"], cwd=tmp_path))
+    assert_ok(run_cli([*args, "graph=compile", f"trainer.output_dir={tmp_path / 'compiled'}"],
                 cwd=tmp_path))
     eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2, 3}
@@ -190,7 +185,7 @@ def test_white_box_user_script(tmp_path, pairs_dir, tiny_pretrained):
     script = tmp_path / "my_finetuner.py"
     script.write_text(textwrap.dedent(USER_SCRIPT))
     run = tmp_path / "run"
-    _ok(run_cli([f"user_script={script}", "model=hf", f"model.name_or_path={tiny_pretrained}",
+    assert_ok(run_cli([f"user_script={script}", "model=hf", f"model.name_or_path={tiny_pretrained}",
                  "data=pairs_local", f"data.path={pairs_dir}", "data.max_seq_length=64",
                  *FAST, f"trainer.output_dir={run}"], cwd=tmp_path))
     evals = [m for m in read_metrics(run) if "validation/accuracy" in m]
@@ -210,7 +205,7 @@ def test_user_script_that_builds_no_engine(tmp_path):
 
 
 def test_console_script_forwards_hydra_arguments(tmp_path):
-    printed = _ok(run_cli(["+recipe=bert_mrpc", "--cfg", "job"], cwd=tmp_path,
+    printed = assert_ok(run_cli(["+recipe=bert_mrpc", "--cfg", "job"], cwd=tmp_path,
                           module="rapidformer.cli"))
     assert "recipe: bert_mrpc" in printed.stdout
 
@@ -220,7 +215,7 @@ def test_console_script_forwards_hydra_arguments(tmp_path):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_on_a_gpu(tmp_path, precision):
     run = tmp_path / precision
-    _ok(run_cli([*FAST, "trainer.device=cuda", f"precision={precision}", "trainer.epochs=2",
+    assert_ok(run_cli([*FAST, "trainer.device=cuda", f"precision={precision}", "trainer.epochs=2",
                  f"trainer.output_dir={run}"], cwd=tmp_path))
     losses = train_losses(run)
     assert all(loss == loss for loss in losses.values())  # no NaN
@@ -228,7 +223,7 @@ def test_mixed_precision_on_a_gpu(tmp_path, precision):
 
 def test_multirun_runs_every_job_and_summarizes(tmp_path):
     sweep = tmp_path / "sweep"
-    result = _ok(run_cli(["-m", "+recipe=quickstart", "precision=fp32,bf16", "trainer.lr=1e-3,-1",
+    result = assert_ok(run_cli(["-m", "+recipe=quickstart", "precision=fp32,bf16", "trainer.lr=1e-3,-1",
                           *FAST, "trainer.train_iters=3", "trainer.export_hf=false",
                           f"hydra.sweep.dir={sweep}"], cwd=tmp_path))
     rows = json.loads((sweep / "summary.json").read_text())
