@@ -19,7 +19,7 @@ from rapidformer.errors import RapidformerError, debug_enabled
 log = logging.getLogger("rapidformer")
 
 # Hydra flags that take a value in the next argument
-_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
                      "-cn", "--config-dir", "-cd", "--experimental-rerun"}
 _INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
@@ -32,7 +32,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
         arg = argv[i]
         if arg.startswith("-"):
             flags.append(arg)
-            takes_value = arg in _FLAGS_WITH_VALUE or (
+            takes_value = arg in HYDRA_FLAGS_WITH_VALUE or (
                 arg in ("--info", "-i") and i + 1 < len(argv) and argv[i + 1] in _INFO_CHOICES)
             if takes_value and i + 1 < len(argv):
                 flags.append(argv[i + 1])

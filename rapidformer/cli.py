@@ -17,6 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from rapidformer.__main__ import HYDRA_FLAGS_WITH_VALUE
+from rapidformer.__main__ import main as hydra_main
 from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE
 
 # Hydra's own flags that may appear in a forwarded command line
@@ -119,8 +121,7 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
         name = arg.split("=", 1)[0]
         if name in HYDRA_FLAGS:
             hydra_flags.append(arg)
-            if name in ("--cfg", "-c", "--package", "-p", "--config-path", "-cp",
-                        "--config-name", "-cn", "--config-dir", "-cd") and i + 1 < len(argv):
+            if name in HYDRA_FLAGS_WITH_VALUE and i + 1 < len(argv):
                 hydra_flags.append(argv[i + 1])
                 i += 1
         elif arg.startswith("-"):
@@ -212,8 +213,6 @@ def main(argv: list[str] | None = None) -> None:
     if print_only:
         print(hydra_command(hydra_flags, overrides))
         return
-    from rapidformer.__main__ import main as hydra_main
-
     sys.argv = ["rapidformer", *hydra_flags, *overrides]
     hydra_main([*hydra_flags, *overrides])
 

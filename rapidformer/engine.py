@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -145,6 +146,7 @@ class RapidformerEngine:
                 model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
             log.info("memory=%s: DeepSpeed ZeRO stage %d", self.cfg.memory.name,
                      ZERO_STAGES[self.cfg.memory.name])
+            self._ds_skipped = 0  # DeepSpeed's count of overflow-skipped steps at the last step
             self.model, self.optimizer, self.lr_scheduler = self.ds, optimizer, lr_scheduler
             return self.ds, optimizer, lr_scheduler
         if self.world_size > 1 and self.fsdp is None:
@@ -202,7 +204,7 @@ class RapidformerEngine:
         if self.ds is not None:
             norm = self.ds.get_global_grad_norm()
             skipped = self.ds.skipped_steps
-            stepped = skipped == getattr(self, "_ds_skipped", 0)
+            stepped = skipped == self._ds_skipped
             self._ds_skipped = skipped
             self.precision.skipped_steps = skipped
             return {"grad_norm": torch.tensor(float(norm) if norm is not None else float("nan")),
@@ -290,7 +292,9 @@ class RapidformerEngine:
         if self.world_size > 1:
             dist.barrier()
 
-    def find_resume_checkpoint(self) -> Path | None:
+    @functools.cached_property
+    def resume_checkpoint(self) -> Path | None:
+        """The checkpoint trainer.resume names, located (and verified) once per run."""
         choice = self.cfg.trainer.resume
         if not choice:
             return None

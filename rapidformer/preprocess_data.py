@@ -152,8 +152,9 @@ def preprocess(args) -> list[Path]:
     source = Path(args.input)
     if not source.is_file():
         raise PreprocessError(f"--input {source}: no such file")
-    _, _, vocab_size = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file,
-                                       args.tokenizer_model)  # fail here, not in a worker
+    # built here first so that a bad vocabulary fails at once, not inside a worker
+    tokenizer, eod, vocab_size = build_tokenizer(args.tokenizer_type, args.vocab_file,
+                                                 args.merge_file, args.tokenizer_model)
     level = "sentence" if args.split_sentences else "document"
     out_dir = Path(args.output_prefix).parent
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,7 @@ def preprocess(args) -> list[Path]:
                                                                  initializer=encoder.initializer)
                 results = pool.imap(encoder.encode, lines, chunksize=32)
             else:
-                encoder.initializer()
+                Encoder.tokenizer, Encoder.eod = tokenizer, eod
                 results = map(encoder.encode, lines)
             for number, docs, error, nbytes in results:
                 size += nbytes

@@ -49,7 +49,7 @@ class SequenceClassificationFinetuner(Finetuner):
 
     def _resumed_tokenizer_dir(self):
         """On resume, the tokenizer saved with the checkpoint (a trained vocab must not change)."""
-        path = self.engine.find_resume_checkpoint()
+        path = self.engine.resume_checkpoint
         if path is not None and (path / "tokenizer" / "tokenizer_config.json").is_file():
             return path / "tokenizer"
         return None

@@ -110,7 +110,7 @@ class Finetuner:
         accumulation = t.global_batch_size // (t.micro_batch_size * engine.world_size)
 
         state = TrainState()
-        resume_from = engine.find_resume_checkpoint()
+        resume_from = engine.resume_checkpoint
         if resume_from is not None:
             state = TrainState(**engine.load_checkpoint(resume_from)["train_state"])
         sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process)
