@@ -143,6 +143,8 @@ def parse_args(argv=None):
 def preprocess(args) -> list[Path]:
     import torch
 
+    import rapidformer.data.megatron  # noqa: F401  (quiets megatron-core's import warnings)
+
     try:
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     except ImportError as exc:

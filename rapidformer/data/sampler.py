@@ -47,3 +47,30 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.per_rank
+
+
+class PretrainingBatchSampler:
+    """Megatron's pretraining order: samples in dataset order (a Megatron dataset is shuffled
+    already), one global batch after another, starting at `consumed_samples` — the data position
+    a checkpoint keeps. Each global batch is `accumulation` micro-batches of `micro * dp`
+    samples; rank r takes the r-th `micro` of each. When the dataset runs out, it starts over.
+    """
+
+    def __init__(self, num_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int):
+        self.num_samples = num_samples
+        self.consumed = consumed_samples
+        self.micro = micro_batch_size
+        self.rank, self.dp = data_parallel_rank, data_parallel_size
+        if num_samples < micro_batch_size * data_parallel_size:
+            raise ValueError("fewer samples than one micro-batch per rank")
+
+    def __iter__(self):
+        step = self.micro * self.dp
+        # whole micro-batch rows only: a tail shorter than micro * dp is skipped each pass
+        usable = self.num_samples - self.num_samples % step
+        position = self.consumed % usable
+        while True:
+            first = position + self.rank * self.micro
+            yield list(range(first, first + self.micro))
+            position = (position + step) % usable

@@ -1,10 +1,17 @@
 """Megatron's train/valid/test split of documents: `--split 980,20` (or `969,30,1`, `98/2`).
 
-The weights are normalised, each boundary is the cumulative rounded share of the documents, and
-all boundaries are then shifted so that the last is exactly the number of documents — the same
-ranges Megatron-LM computes, so a dataset splits identically in both.
+The weights are normalised and summed cumulatively; split i covers documents
+[round(c_i * N), round(c_{i+1} * N)), so the last boundary is N. These are the ranges that
+megatron-core's dataset builder uses (the same floating-point steps, checked against it in the
+tests), so a dataset splits identically here and in Megatron-LM. Megatron-LM before
+megatron-core (the seed's era) rounded each share and then shifted the boundaries to end at N;
+the two rules can differ by one document at a boundary.
 """
 from __future__ import annotations
+
+import functools
+
+import numpy as np
 
 from rapidformer.errors import ConfigError
 
@@ -21,17 +28,14 @@ def parse_split(splits_string: str) -> list[float]:
         raise ConfigError([f"split '{splits_string}': give up to three non-negative weights "
                            f"(train, valid, test) that are not all zero"])
     weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return [w / total for w in weights]
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
 
 
 def split_boundaries(splits_string: str, size: int) -> list[int]:
     """[0, end of train, end of valid, size]; split i covers documents [b[i], b[i+1])."""
-    boundaries = [0]
-    for weight in parse_split(splits_string):
-        boundaries.append(boundaries[-1] + int(round(weight * float(size))))
-    diff = boundaries[-1] - size
-    return [boundaries[0]] + [b - diff for b in boundaries[1:]]
+    cumulative = functools.reduce(lambda a, b: a + [a[-1] + b], parse_split(splits_string), [0])
+    return [int(round(c * float(size))) for c in cumulative]
 
 
 def split_ranges(splits_string: str, size: int) -> list[range | None]:

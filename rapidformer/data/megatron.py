@@ -1,0 +1,317 @@
+"""Pretraining data: Megatron mmap datasets (.bin/.idx) through megatron-core's dataset classes.
+
+    bert = build_bert_datasets(prefix, tokenizer, "980,20", [1280, 640, 128], seq_length=512,
+                               masked_lm_prob=0.15, short_seq_prob=0.1, seed=1234)
+    gpt = build_gpt_datasets(prefix, tokenizer, "969,30,1", [...], seq_length=2048, seed=1234)
+
+The samples come from megatron-core's `BERTMaskedWordPieceDataset` and `GPTDataset` (masking,
+sentence pairing, document packing, shuffling and the index caches are theirs) and are handed
+out under Hugging Face's names: BERT samples carry `input_ids, attention_mask, token_type_ids,
+labels` (-100 where not masked) and `next_sentence_label`; GPT samples carry `input_ids`,
+`labels` (already shifted, -100 where the loss is masked), `position_ids`, and `text` (the
+seq_length + 1 tokens that the seed's Megatron-style forward steps slice themselves).
+
+Every file is checked before megatron-core reads it, so a missing, corrupt or truncated file, an
+empty dataset or data made with another vocabulary stops with one message saying what to do,
+not with an assertion deep inside a worker.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rapidformer.errors import InputError
+
+log = logging.getLogger("rapidformer")
+# megatron-core's import warns that its optional fused kernels (Transformer Engine, Apex) are
+# missing; its datasets do not use them
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+# its dataset builder logs every step at INFO (a summary is logged here instead)
+logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+# the vocabulary check reads at most this many tokens of each file (a few hundred MB)
+VOCAB_CHECK_TOKENS = 1 << 27
+DATA_IMPLS = ("mmap", "infer")
+
+
+@dataclass
+class MegatronTokenizer:
+    """What megatron-core's datasets read from a tokenizer, taken from a Hugging Face one.
+
+    `pad` is left out on purpose: megatron-core then pads with -1, an id that cannot collide with
+    a real token, and the padding is turned into Hugging Face's attention mask here.
+    """
+
+    vocab_size: int
+    inv_vocab: dict = field(repr=False)
+    eod: int | None
+    cls: int | None = None
+    sep: int | None = None
+    mask: int | None = None
+    hf_pad: int = 0
+    name: str = ""
+    hf: object = field(default=None, repr=False)  # the Hugging Face tokenizer, when built from one
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids) -> str:
+        return self.hf.decode(ids)
+
+    @classmethod
+    def from_hf(cls, tokenizer, eod: int | None) -> "MegatronTokenizer":
+        vocab = tokenizer.get_vocab()
+        digest = hashlib.sha256("\n".join(sorted(vocab)).encode()).hexdigest()[:16]
+        return cls(vocab_size=len(tokenizer), inv_vocab={i: t for t, i in vocab.items()},
+                   eod=eod, cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id,
+                   mask=tokenizer.mask_token_id, hf_pad=tokenizer.pad_token_id or 0,
+                   name=f"{type(tokenizer).__name__}-{len(vocab)}-{digest}", hf=tokenizer)
+
+    @property
+    def unique_identifiers(self) -> dict:
+        # part of megatron-core's cache key: another vocabulary builds other index files
+        return {"class": "rapidformer.MegatronTokenizer", "name": self.name}
+
+
+def check_data_impl(data_impl: str) -> None:
+    if data_impl not in DATA_IMPLS:
+        raise InputError(f"data.impl={data_impl}: megatron-core reads only the mmap format "
+                         f"(the legacy 'lazy' and 'cached' formats are gone); regenerate the "
+                         f"data with rapidformer-preprocess-data --dataset-impl mmap and use "
+                         f"data.impl=mmap")
+
+
+def data_prefixes(data_path: str | list) -> list[str]:
+    """The dataset prefixes of `data.path`: one prefix, or Megatron's 'w1 prefix1 w2 prefix2'."""
+    parts = data_path.split() if isinstance(data_path, str) else [str(p) for p in data_path]
+    if not parts:
+        raise InputError("data.path is empty: give the prefix that rapidformer-preprocess-data "
+                         "printed, e.g. data.path=data/corpus_text_sentence")
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    return get_blend_from_list(parts)[0]
+
+
+def open_indexed(prefix: str, vocab_size: int | None = None):
+    """megatron-core's IndexedDataset for `prefix`, after checking that the files are whole."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    for path in (idx, bin_):
+        if not path.is_file():
+            hint = f" (drop the '{Path(prefix).suffix}')" if Path(prefix).suffix in (".bin", ".idx") \
+                else ""
+            raise InputError(f"data.path={prefix}: {path} does not exist; give the prefix that "
+                             f"rapidformer-preprocess-data printed, without .bin/.idx{hint}")
+    with open(idx, "rb") as f:
+        header = f.read(len(INDEX_HEADER))
+    if header != INDEX_HEADER:
+        raise InputError(f"{idx} is not a Megatron mmap index (its header is {header!r}, "
+                         f"expected {INDEX_HEADER!r}); regenerate it with "
+                         f"rapidformer-preprocess-data --dataset-impl mmap")
+    try:
+        dataset = IndexedDataset(prefix, mmap=True)
+    except Exception as exc:  # struct/numpy/assert errors of a cut or overwritten index
+        raise InputError(f"{idx} is corrupt or truncated ({type(exc).__name__}: {exc}); "
+                         f"regenerate it with rapidformer-preprocess-data") from exc
+    if len(dataset) == 0:
+        raise InputError(f"{prefix}.bin/.idx hold no documents; preprocess a non-empty corpus")
+    itemsize = dataset.index.dtype_size
+    expected = int(dataset.index.sequence_pointers[-1]) + int(dataset.index.sequence_lengths[-1]) \
+        * itemsize
+    actual = bin_.stat().st_size
+    if actual != expected:
+        state = "truncated" if actual < expected else "longer than its index says"
+        raise InputError(f"{bin_} is {state}: {actual} bytes, its index describes {expected}; "
+                         f"the .bin and .idx are not from the same run of "
+                         f"rapidformer-preprocess-data — regenerate both")
+    if vocab_size is not None:
+        check_vocabulary(dataset, prefix, vocab_size)
+    return dataset
+
+
+def check_vocabulary(dataset, prefix: str, vocab_size: int) -> None:
+    """Token ids beyond the tokenizer's vocabulary mean the data was made with another one."""
+    bin_ = np.memmap(prefix + ".bin", dtype=dataset.index.dtype, mode="r")
+    largest = int(bin_[:VOCAB_CHECK_TOKENS].max())
+    if largest >= vocab_size:
+        raise InputError(f"{prefix}.bin holds token id {largest}, but the tokenizer has only "
+                         f"{vocab_size} entries: the data was made with another vocabulary; "
+                         f"pass the vocab/merge files that rapidformer-preprocess-data used "
+                         f"(model.tokenizer, model.merge_file, model.tokenizer_type)")
+
+
+def warm_up(prefix: str) -> None:
+    """Read the .bin once so its pages are cached (the seed's --mmap-warmup)."""
+    with open(prefix + ".bin", "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+@contextlib.contextmanager
+def _process_group():
+    """megatron-core's dataset builders ask torch.distributed for the rank (rank 0 builds the
+    index caches, the others wait and load them); a single-process run lends them a group of one
+    for the build."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _build(dataset_cls, config, prefixes: list[str], sizes: list[int]):
+    """The three splits; an empty split (no documents or no samples asked) is None."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import \
+        BlendedMegatronDatasetBuilder
+
+    documents = min(len(open_indexed(p)) for p in prefixes)
+    for i, bookends in enumerate(config.split_matrix):
+        if bookends is None:
+            continue
+        begin, end = (int(round(b * float(documents))) for b in bookends)
+        if end <= begin or not sizes[i]:
+            config.split_matrix[i] = None
+    if config.split_matrix[0] is None:
+        raise InputError(f"data.split={config.split} leaves no training documents out of "
+                         f"{documents}; give the training split a larger share or add data")
+    with _process_group():
+        splits = BlendedMegatronDatasetBuilder(dataset_cls, [s or None for s in sizes],
+                                               lambda: True, config).build()
+    log.info("%s from %d documents, split %s: %s samples (train/valid/test); index cache %s",
+             dataset_cls.__name__, documents, config.split,
+             "/".join(str(len(d)) if d is not None else "-" for d in splits),
+             config.path_to_cache or "beside the data")
+    return splits
+
+
+def _cache_dir(path_to_cache: str | os.PathLike | None) -> str | None:
+    if path_to_cache is not None:
+        return str(path_to_cache)
+    from rapidformer.config.args import _ACTIVE
+
+    # inside a run, the index caches live in the run directory, not beside the (maybe shared
+    # or read-only) data
+    return str(Path(_ACTIVE.run_dir) / "data_index_cache") if _ACTIVE is not None else None
+
+
+def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: str,
+                        num_samples: list[int], seq_length: int, masked_lm_prob: float,
+                        short_seq_prob: float, seed: int, binary_head: bool = True,
+                        skip_warmup: bool = True, path_to_cache=None):
+    """(train, valid, test) BERT datasets of Hugging Face-keyed samples; a missing split is None."""
+    from megatron.core.datasets.bert_dataset import (BERTMaskedWordPieceDataset,
+                                                     BERTMaskedWordPieceDatasetConfig)
+
+    if None in (tokenizer.cls, tokenizer.sep, tokenizer.mask):
+        raise InputError("BERT pretraining needs a WordPiece tokenizer with [CLS], [SEP] and "
+                         "[MASK]; use model.tokenizer_type=BertWordPieceLowerCase (or Case) with "
+                         "the vocab.txt the data was made with")
+    if not 0 < masked_lm_prob < 1:
+        raise InputError(f"mask_prob={masked_lm_prob} must be in (0, 1), e.g. 0.15")
+    if not 0 <= short_seq_prob <= 1:
+        raise InputError(f"short_seq_prob={short_seq_prob} must be in [0, 1], e.g. 0.1")
+    prefixes = data_prefixes(data_path)
+    for prefix in prefixes:
+        indexed = open_indexed(prefix, tokenizer.vocab_size)
+        if binary_head and not np.any(np.diff(indexed.document_indices) > 1):
+            raise InputError(f"{prefix} has one sentence per document, but next-sentence "
+                             f"prediction pairs sentences of a document: preprocess with "
+                             f"--split-sentences (a '_sentence' prefix), or set "
+                             f"binary_head=False")
+        if not skip_warmup:
+            warm_up(prefix)
+    config = BERTMaskedWordPieceDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=_blend(data_path),
+        split=splits_string, path_to_cache=_cache_dir(path_to_cache), tokenizer=tokenizer,
+        masking_probability=masked_lm_prob, short_sequence_probability=short_seq_prob,
+        # Megatron-LM's pretrain_bert.py settings
+        masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
+        masking_use_longer_ngrams=False, masking_use_geometric_distribution=False,
+        classification_head=binary_head)
+    splits = _build(BERTMaskedWordPieceDataset, config, prefixes, num_samples)
+    return tuple(None if d is None else BertSamples(d, tokenizer.hf_pad) for d in splits)
+
+
+def build_gpt_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: str,
+                       num_samples: list[int], seq_length: int, seed: int,
+                       eod_mask_loss: bool = False, reset_position_ids: bool = False,
+                       skip_warmup: bool = True, path_to_cache=None):
+    """(train, valid, test) GPT datasets of seq_length-token samples; a missing split is None."""
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    if tokenizer.eod is None:
+        raise InputError("GPT pretraining needs an end-of-document token; the tokenizer has "
+                         "none (GPT-2 vocabularies have <|endoftext|>)")
+    prefixes = data_prefixes(data_path)
+    for prefix in prefixes:
+        open_indexed(prefix, tokenizer.vocab_size)
+        if not skip_warmup:
+            warm_up(prefix)
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=_blend(data_path),
+        split=splits_string, path_to_cache=_cache_dir(path_to_cache), tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids, reset_attention_mask=False,
+        eod_mask_loss=eod_mask_loss, create_attention_mask=False)
+    splits = _build(GPTDataset, config, prefixes, num_samples)
+    return tuple(None if d is None else GPTSamples(d) for d in splits)
+
+
+def _blend(data_path):
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    return get_blend_from_list(data_path.split() if isinstance(data_path, str) else data_path)
+
+
+class BertSamples(torch.utils.data.Dataset):
+    """megatron-core BERT samples under Hugging Face's keys (BertForPreTraining's inputs)."""
+
+    def __init__(self, dataset, hf_pad: int):
+        self.dataset, self.hf_pad = dataset, hf_pad
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, idx):
+        s = self.dataset[idx]
+        real = s["padding_mask"] == 1  # megatron-core marks padding with its pad id, -1
+        return {
+            "input_ids": torch.from_numpy(np.where(real, s["text"], self.hf_pad)),
+            "attention_mask": torch.from_numpy(real.astype(np.int64)),
+            "token_type_ids": torch.from_numpy(np.where(real, s["types"], 0)),
+            "labels": torch.from_numpy(np.where(s["loss_mask"] == 1, s["labels"], -100)),
+            "next_sentence_label": torch.tensor(int(s["is_random"])),
+        }
+
+
+class GPTSamples(torch.utils.data.Dataset):
+    """megatron-core GPT samples: inputs, shifted labels masked to -100, positions, raw text."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, idx):
+        s = self.dataset[idx]
+        tokens, labels = s["tokens"], s["labels"]
+        return {
+            "input_ids": tokens,
+            "labels": torch.where(s["loss_mask"] > 0, labels, torch.full_like(labels, -100)),
+            "position_ids": s["position_ids"],
+            "text": torch.cat([tokens, labels[-1:]]),
+        }
