@@ -1,7 +1,7 @@
 """rapidformer: a config-driven training accelerator for PyTorch transformers.
 
 The seed's imports work: `from rapidformer import RapidformerEngine, Finetuner, PreTrainer,
-get_args, get_logger, get_timers`. Names load on first use, so `python -m rapidformer --help`
+get_args, get_logger, get_timers, build_train_valid_test_datasets_for_huggingface, mpu`. Names load on first use, so `python -m rapidformer --help`
 does not import transformers.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ _EXPORTS = {
     "Finetuner": "rapidformer.templates.finetuner",
     "PreTrainer": "rapidformer.templates.pretrainer",
     "build_train_valid_test_datasets_for_huggingface": "rapidformer.templates.pretrainer",
+    "build_train_valid_test_datasets": "rapidformer.templates.pretrainer",
+    "get_tokenizer": "rapidformer.tokenizer",
     "get_args": "rapidformer.config.args",
     "get_logger": "rapidformer.observability",
     "get_timers": "rapidformer.observability",

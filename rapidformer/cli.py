@@ -55,6 +55,12 @@ VALUE_FLAGS = {
     "--tensor-model-parallel-size": "parallelism.tensor_model_parallel_size",
     "--pipeline-model-parallel-size": "parallelism.pipeline_model_parallel_size",
     "--user-script": "user_script",
+    "--eval-iters": "trainer.eval_iters",
+    "--data-impl": "data.impl",
+    "--split": "data.split",
+    "--mask-prob": "data.mask_prob",
+    "--short-seq-prob": "data.short_seq_prob",
+    "--merge-file": "model.merge_file",
 }
 # seed switch -> the override it stands for
 SWITCHES = {
@@ -66,20 +72,24 @@ SWITCHES = {
     "--zero-2-memory-optimization": "memory=zero2",
     "--zero-3-memory-optimization": "memory=zero3",
     "--fsdp-memory-optimization": "memory=fsdp",
+    "--mmap-warmup": "data.mmap_warmup=true",
+    "--eod-mask-loss": "data.eod_mask_loss=true",
+    "--reset-position-ids": "data.reset_position_ids=true",
 }
 # seed flags whose feature arrives later: refused by name, with what it needs
 NOT_YET = {
     "--checkpoint-activations": "activation recompute",
-    "--data-impl": "Megatron mmap datasets (pretraining)",
-    "--split": "pretraining data splits",
-    "--merge-file": "GPT-2 BPE tokenizers (pretraining)",
-    "--mask-prob": "BERT pretraining",
-    "--short-seq-prob": "BERT pretraining",
 }
-TASKS = {"sequence_classification": "sequence_classification"}
-LATER_TASKS = {"token_classification", "question_answering", "masked_lm", "casual_lm",
-               "causal_lm", "seq2seq_lm", "pretraining"}
-TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
+# the seed's task names -> task options; `pretraining` is the seed's BERT pretraining, and its
+# docs spell causal LM both ways
+TASKS = {"sequence_classification": "sequence_classification",
+         "pretraining": "bert_pretraining", "bert_pretraining": "bert_pretraining",
+         "causal_lm": "causal_lm", "casual_lm": "causal_lm"}
+LATER_TASKS = {"token_classification", "question_answering", "masked_lm", "seq2seq_lm"}
+PRETRAINING_TASKS = {"bert_pretraining", "causal_lm"}
+# tokenizer type -> lowercasing (None: the tokenizer's own)
+TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False,
+                   "GPT2BPETokenizer": None, "HuggingFaceTokenizer": None}
 ALL_FLAGS = sorted({*VALUE_FLAGS, *SWITCHES, *NOT_YET, "--task", "--pretrained-model-name-or-path",
                     "--data-path", "--dataset-path", "--data-name", "--dataset-name",
                     "--lr-decay-style", "--tokenizer-type", "--vocab-file", "--vocab",
@@ -105,8 +115,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset-name", dest="data_name")
     parser.add_argument("--vocab-file", "--vocab", dest="vocab_file")
     parser.add_argument("--checkpoint-activations", action="store_true")
-    for flag in ("--data-impl", "--split", "--merge-file", "--mask-prob", "--short-seq-prob"):
-        parser.add_argument(flag)
     parser.add_argument("--print-hydra", action="store_true")
     return parser
 
@@ -163,18 +171,20 @@ def _to_overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"task={TASKS[args.task]}")
     if args.pretrained_model_name_or_path:
         out += ["model=hf", f"model.name_or_path={args.pretrained_model_name_or_path}"]
+    pretraining = args.data_impl is not None or TASKS.get(args.task) in PRETRAINING_TASKS
     if args.data_path:
-        out += _data_overrides(args.data_path, args.data_name)
+        out += _data_overrides(args.data_path, args.data_name, pretraining)
     elif args.data_name:
         out.append(f"data.subset={args.data_name}")
     if args.lr_decay_style:
         out.append(f"scheduler={args.lr_decay_style}")
     if args.tokenizer_type:
         if args.tokenizer_type not in TOKENIZER_TYPES:
-            raise SeedFlagError(f"--tokenizer-type {args.tokenizer_type} is not available in "
-                                f"this version yet; available: {', '.join(TOKENIZER_TYPES)}",
-                                EXIT_NOT_AVAILABLE)
-        out.append(f"model.lowercase={str(TOKENIZER_TYPES[args.tokenizer_type]).lower()}")
+            raise SeedFlagError(f"--tokenizer-type {args.tokenizer_type}: unknown; choose one of "
+                                f"{', '.join(TOKENIZER_TYPES)}")
+        out.append(f"model.tokenizer_type={args.tokenizer_type}")
+        if TOKENIZER_TYPES[args.tokenizer_type] is not None:
+            out.append(f"model.lowercase={str(TOKENIZER_TYPES[args.tokenizer_type]).lower()}")
     if args.vocab_file:
         out.append(f"model.tokenizer={args.vocab_file}")
     switches = [o for flag, o in SWITCHES.items() if getattr(args, flag[2:].replace("-", "_"))]
@@ -190,8 +200,11 @@ def _to_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _data_overrides(path: str, name: str | None) -> list[str]:
-    """--data-path: a local file or directory, GLUE/MRPC, or any other hub dataset."""
+def _data_overrides(path: str, name: str | None, pretraining: bool) -> list[str]:
+    """--data-path: a Megatron prefix (pretraining), a local file or directory, GLUE/MRPC, or
+    any other hub dataset."""
+    if pretraining or Path(path + ".idx").is_file():
+        return ["data=megatron", f"data.path={path}"]
     if Path(path).exists():
         return ["data=pairs_local", f"data.path={path}"]
     if path == "glue" and name == "mrpc":

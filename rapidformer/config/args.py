@@ -51,6 +51,18 @@ class Args:
         self.num_attention_heads = m.num_attention_heads
         self.max_position_embeddings = m.max_position_embeddings
         self.data_path = self.dataset_path = d.path
+        self.data_impl = d.impl
+        self.split = d.split
+        self.mask_prob = d.mask_prob
+        self.short_seq_prob = d.short_seq_prob
+        self.mmap_warmup = d.mmap_warmup
+        self.eod_mask_loss = d.eod_mask_loss
+        self.reset_position_ids = d.reset_position_ids
+        self.reset_attention_mask = False  # Hugging Face models build their own causal mask
+        self.tokenizer_type = m.tokenizer_type
+        self.vocab_file = m.tokenizer
+        self.merge_file = m.merge_file
+        self.eval_iters = t.eval_iters
         self.data_name = self.dataset_name = d.subset
         self.seq_length = self.max_seq_length = d.max_seq_length
         self.num_labels = cfg.task.num_labels

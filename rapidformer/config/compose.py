@@ -68,6 +68,7 @@ def check_overrides(overrides: list[str]) -> list[str]:
     normalized: list[str] = []
     parser = OverridesParser.create()
     for text in overrides:
+        text = _quote_split(text)
         normalized.append(text)
         try:
             (override,) = parser.parse_overrides([text])
@@ -105,6 +106,15 @@ def check_overrides(overrides: list[str]) -> list[str]:
     if problems:
         raise ConfigError(problems)
     return normalized
+
+
+def _quote_split(text: str) -> str:
+    """`data.split=980,20` as Megatron writes it: Hydra would read the comma as a sweep over two
+    values, so a bare split value is quoted (a split is one string, never swept)."""
+    key, sep, value = text.partition("=")
+    if sep and key.lstrip("+") == "data.split" and "," in value and value[:1] not in "'\"":
+        return f"{key}='{value}'"
+    return text
 
 
 def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> DictConfig:

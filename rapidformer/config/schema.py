@@ -12,7 +12,10 @@ from typing import Literal, Optional
 
 @dataclass
 class TaskConfig:
-    name: Literal["sequence_classification"] = "sequence_classification"
+    # sequence_classification: Finetuner (epochs); bert_pretraining (MLM + next-sentence
+    # prediction) and causal_lm (GPT): PreTrainer (iterations) on Megatron mmap data
+    name: Literal["sequence_classification", "bert_pretraining", "causal_lm"] = \
+        "sequence_classification"
     # null: the number of distinct labels in the training split
     num_labels: Optional[int] = None
 
@@ -40,6 +43,12 @@ class ModelConfig:
     # config-built model; else a tokenizer directory or a WordPiece vocab.txt
     tokenizer: Optional[str] = None
     lowercase: bool = True
+    # pretraining: the tokenizer the Megatron data was made with (preprocess_data's
+    # --tokenizer-type); model.tokenizer is its vocab file (or tokenizer dir for
+    # HuggingFaceTokenizer), merge_file the GPT-2 merges
+    tokenizer_type: Optional[Literal["BertWordPieceLowerCase", "BertWordPieceCase",
+                                     "GPT2BPETokenizer", "HuggingFaceTokenizer"]] = None
+    merge_file: Optional[str] = None
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
 
@@ -47,8 +56,10 @@ class ModelConfig:
 class DataConfig:
     name: str = "synthetic_pairs"
     # hub: datasets.load_dataset(path, subset); local: files under `path`; synthetic: the
-    # project's generated paraphrase pairs, written to `path` (or <run dir>/data)
-    source: Literal["hub", "local", "synthetic"] = "synthetic"
+    # project's generated paraphrase pairs, written to `path` (or <run dir>/data); megatron:
+    # .bin/.idx files of rapidformer-preprocess-data, `path` their prefix (or Megatron's
+    # weighted blend "0.7 prefix_a 0.3 prefix_b")
+    source: Literal["hub", "local", "synthetic", "megatron"] = "synthetic"
     path: Optional[str] = None
     subset: Optional[str] = None
     format: Literal["auto", "csv", "tsv", "json", "jsonl", "parquet"] = "auto"
@@ -62,6 +73,18 @@ class DataConfig:
     label_column: str = "label"
     max_seq_length: int = 128
     num_workers: int = 0
+    # --- Megatron pretraining data (data.source=megatron) ---
+    # the seed's --data-impl; megatron-core reads mmap only ("infer" is accepted as mmap)
+    impl: str = "mmap"
+    # train,valid,test weights over documents, Megatron's --split (e.g. 980,20 or 969,30,1)
+    split: str = "969,30,1"
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    # read the .bin files once at start so their pages are cached (the seed's --mmap-warmup)
+    mmap_warmup: bool = False
+    # GPT: no loss on the token after an end of document; positions restart at each document
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
     # synthetic data only
     synthetic_train_size: int = 4000
     synthetic_eval_size: int = 400
@@ -135,9 +158,11 @@ class TrainerConfig:
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_interval: int = 10
-    # null: evaluate at the end of every epoch
+    # null: evaluate at the end of every epoch (PreTrainer: at the end of training)
     eval_interval: Optional[int] = None
-    # null: save at the end of every epoch
+    # PreTrainer: iterations (global batches) per evaluation, Megatron's --eval-iters
+    eval_iters: int = 10
+    # null: save at the end of every epoch (PreTrainer: at the end of training)
     save_interval: Optional[int] = None
     # stop (after saving a checkpoint) once the iteration is a multiple of this (Megatron's name)
     exit_interval: Optional[int] = None

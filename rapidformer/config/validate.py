@@ -184,9 +184,12 @@ def check_values(cfg: RunConfig) -> list[str]:
     positive("data.max_seq_length", d.max_seq_length)
     if d.num_workers < 0:
         p.append(f"data.num_workers={d.num_workers} must not be negative")
-    if d.source in ("local", "hub") and not d.path:
-        what = "a directory or file of local data" if d.source == "local" else "a hub dataset name"
-        p.append(f"data.path is empty but data.source={d.source}; set data.path to {what}")
+    if d.source in ("local", "hub", "megatron") and not d.path:
+        what = {"local": "a directory or file of local data", "hub": "a hub dataset name",
+                "megatron": "the prefix rapidformer-preprocess-data printed (without .bin/.idx)"}
+        p.append(f"data.path is empty but data.source={d.source}; set data.path to "
+                 f"{what[d.source]}")
+    p.extend(_pretraining_problems(cfg))
     if d.source == "synthetic":
         positive("data.synthetic_train_size", d.synthetic_train_size)
         positive("data.synthetic_eval_size", d.synthetic_eval_size)
@@ -220,4 +223,55 @@ def check_values(cfg: RunConfig) -> list[str]:
     if cfg.memory.name == "fsdp" and (cfg.memory.offload_optimizer and not cfg.memory.offload_params):
         p.append("memory.offload_optimizer=true with memory=fsdp needs memory.offload_params=true "
                  "(FSDP offloads parameters and optimizer state together)")
+    return p
+
+
+PRETRAINING_TASKS = ("bert_pretraining", "causal_lm")
+
+
+def _pretraining_problems(cfg: RunConfig) -> list[str]:
+    """Pretraining tasks read Megatron data with the tokenizer that made it, by iterations."""
+    from rapidformer.data.splits import parse_split
+
+    p: list[str] = []
+    t, d, m, task = cfg.trainer, cfg.data, cfg.model, cfg.task.name
+    if task not in PRETRAINING_TASKS:
+        if d.source == "megatron" and not cfg.user_script:  # a white-box script reads it itself
+            p.append(f"data.source=megatron is pretraining data, but task={task}; use "
+                     f"task=bert_pretraining or task=causal_lm (or +recipe=bert_pretrain)")
+        return p
+    if not t.train_iters:
+        p.append(f"task={task} counts iterations, not epochs: set trainer.train_iters (the "
+                 f"seed's --train-iters)")
+    if t.eval_iters < 0:
+        p.append(f"trainer.eval_iters={t.eval_iters} must not be negative (0: no evaluation)")
+    if d.source != "megatron":
+        p.append(f"task={task} reads Megatron mmap data, but data.source={d.source}; use "
+                 f"data=megatron data.path=PREFIX (made by rapidformer-preprocess-data)")
+    if not m.tokenizer_type:
+        p.append("model.tokenizer_type is empty; name the tokenizer the data was made with, e.g. "
+                 "model.tokenizer_type=BertWordPieceLowerCase")
+    elif not m.tokenizer:
+        what = "tokenizer directory" if m.tokenizer_type == "HuggingFaceTokenizer" else \
+            "vocab file"
+        p.append(f"model.tokenizer is empty; give the {what} the data was made with (the "
+                 f"seed's --vocab-file)")
+    if m.tokenizer_type == "GPT2BPETokenizer" and not m.merge_file:
+        p.append("model.tokenizer_type=GPT2BPETokenizer needs model.merge_file (the seed's "
+                 "--merge-file, e.g. gpt2-merges.txt)")
+    if task == "bert_pretraining" and m.tokenizer_type == "GPT2BPETokenizer":
+        p.append("task=bert_pretraining masks WordPiece tokens; use "
+                 "model.tokenizer_type=BertWordPieceLowerCase or BertWordPieceCase")
+    if d.impl not in ("mmap", "infer"):
+        p.append(f"data.impl={d.impl}: megatron-core reads only mmap data (the legacy lazy/cached "
+                 f"formats are gone); regenerate with rapidformer-preprocess-data and use "
+                 f"data.impl=mmap")
+    try:
+        parse_split(d.split)
+    except ConfigError as exc:
+        p.extend(f"data.{problem}" for problem in exc.problems)
+    if not 0 < d.mask_prob < 1:
+        p.append(f"data.mask_prob={d.mask_prob} must be in (0, 1), e.g. 0.15")
+    if not 0 <= d.short_seq_prob <= 1:
+        p.append(f"data.short_seq_prob={d.short_seq_prob} must be in [0, 1], e.g. 0.1")
     return p

@@ -37,3 +37,46 @@ def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_
                          f"transformers knows ({exc}); use e.g. model.arch=bert") from exc
     return AutoModelForSequenceClassification.from_config(
         config, attn_implementation=m.attn_implementation)
+
+
+def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
+    """BERT with MLM + NSP heads (bert_pretraining) or a causal LM (causal_lm): pretrained, or
+    built from the config with the pretraining tokenizer's vocabulary (a MegatronTokenizer)."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForPreTraining,
+                              BertConfig, GPT2Config)
+
+    auto = AutoModelForPreTraining if task == "bert_pretraining" else AutoModelForCausalLM
+    if m.source == "pretrained":
+        try:
+            model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation)
+        except OSError as exc:
+            raise InputError(unreachable_model_message(m.name_or_path)) from exc
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise InputError(f"model {m.name_or_path} has {model.config.vocab_size} embeddings but "
+                             f"the tokenizer has {tokenizer.vocab_size} tokens; use the model's "
+                             f"own vocabulary for the data (model.tokenizer)")
+        return model
+    if task == "bert_pretraining":
+        if m.arch != "bert":
+            raise InputError(f"task=bert_pretraining builds a BERT; model.arch={m.arch} is not "
+                             f"one (use model=bert_tiny or model=bert_base)")
+        config = BertConfig(
+            vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            intermediate_size=m.intermediate_size, max_position_embeddings=m.max_position_embeddings,
+            hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
+            initializer_range=m.initializer_range, pad_token_id=tokenizer.hf_pad)
+    elif m.arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=tokenizer.vocab_size, n_embd=m.hidden_size, n_layer=m.num_layers,
+            n_head=m.num_attention_heads, n_inner=m.intermediate_size,
+            n_positions=m.max_position_embeddings, resid_pdrop=m.hidden_dropout,
+            embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+            initializer_range=m.initializer_range, bos_token_id=tokenizer.eod,
+            eos_token_id=tokenizer.eod)
+    else:
+        raise InputError(f"task=causal_lm builds a GPT-2-shaped model from the config; "
+                         f"model.arch={m.arch} is not gpt2 (use model=gpt2_tiny or gpt2_small, or "
+                         f"a pretrained causal LM with model=hf)")
+    config._attn_implementation = m.attn_implementation
+    return auto.from_config(config, attn_implementation=m.attn_implementation)

@@ -128,7 +128,9 @@ class Finetuner:
             while state.step_in_epoch < sampler.steps_per_epoch and state.step < total_iters:
                 model.train()
                 for micro in range(accumulation):
+                    waited = time.perf_counter()
                     batch = engine.to_device(next(batches))
+                    window.data_wait += time.perf_counter() - waited
                     with engine.accumulating(last_micro_batch=micro == accumulation - 1):
                         with engine.autocast():
                             loss = self.run_forward_step(batch, model)
@@ -226,11 +228,16 @@ class _Window:
     def reset(self):
         self.loss_sum, self.micro, self.steps, self.skipped = 0.0, 0, 0, 0
         self.samples, self.tokens, self.grad_norm = 0, 0, None
+        self.data_wait = 0.0  # seconds blocked waiting for the next batch
         self.started = time.perf_counter()
 
-    def add_micro(self, loss, batch):
+    def add_micro(self, loss, batch=None):
         self.loss_sum = self.loss_sum + loss.float()
         self.micro += 1
+        if batch is not None:
+            self.add_input(batch)
+
+    def add_input(self, batch):
         ids = batch.get("input_ids") if isinstance(batch, dict) else None
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         if ids is not None:
@@ -254,7 +261,10 @@ class _Window:
                   "lr": optimizer.param_groups[0]["lr"],
                   "grad_norm": float(self.grad_norm),
                   "samples_per_s": samples / elapsed,
-                  "tokens_per_s": tokens / elapsed}
+                  "tokens_per_s": tokens / elapsed,
+                  # share of this rank's wall time spent blocked on input: the loader must keep
+                  # it near zero
+                  "data_wait_frac": self.data_wait / elapsed}
         if engine.precision.loss_scale is not None:
             record["loss_scale"] = engine.precision.loss_scale
             record["skipped_steps"] = engine.precision.skipped_steps

@@ -1,0 +1,64 @@
+"""Black-box pretraining on Megatron mmap data: the seed's `--task pretraining` (BERT, masked LM
++ next-sentence prediction) and `task=causal_lm` (GPT).
+
+The same three PreTrainer methods a white-box user writes, filled in from the config: the
+run's tokenizer (the one the data was made with), megatron-core datasets, a Hugging Face model
+(`AutoModelForPreTraining` / a GPT-2-shaped causal LM), and the seed's forward steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from rapidformer import mpu
+from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets, check_data_impl
+from rapidformer.models.hf import build_pretraining_model
+from rapidformer.templates.pretrainer import PreTrainer
+from rapidformer.tokenizer import load_pretraining_tokenizer
+
+BERT_KEYS = ["input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label"]
+GPT_KEYS = ["input_ids", "labels", "position_ids"]
+
+
+class _MegatronDataPretrainer(PreTrainer):
+    def _tokenizer(self):
+        tokenizer = load_pretraining_tokenizer(self.cfg.model)
+        self.tokenizer = tokenizer.hf  # saved with checkpoints and the export
+        return tokenizer
+
+    def model_optimizer_lr_scheduler_provider(self):
+        model = build_pretraining_model(self.cfg.model, self.cfg.task.name,
+                                        load_pretraining_tokenizer(self.cfg.model))
+        return model, None, None
+
+
+class BertPretrainer(_MegatronDataPretrainer):
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+        d = self.cfg.data
+        check_data_impl(d.impl)
+        return build_bert_datasets(d.path, self._tokenizer(), d.split,
+                                   train_val_test_num_samples, d.max_seq_length, d.mask_prob,
+                                   d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
+                                   skip_warmup=not d.mmap_warmup)
+
+    def run_forward_step(self, data_iterator, model):
+        data = mpu.broadcast_data(BERT_KEYS, next(data_iterator), torch.int64)
+        return model(**data).loss
+
+
+class CausalLMPretrainer(_MegatronDataPretrainer):
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples):
+        d = self.cfg.data
+        check_data_impl(d.impl)
+        return build_gpt_datasets(d.path, self._tokenizer(), d.split, train_val_test_num_samples,
+                                  d.max_seq_length, self.cfg.trainer.seed,
+                                  eod_mask_loss=d.eod_mask_loss,
+                                  reset_position_ids=d.reset_position_ids,
+                                  skip_warmup=not d.mmap_warmup)
+
+    def run_forward_step(self, data_iterator, model):
+        data = mpu.broadcast_data(GPT_KEYS, next(data_iterator), torch.int64)
+        logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"]).logits
+        # the labels are shifted already (Megatron's samples), so no second shift as in
+        # Hugging Face's own LM loss; -100 marks the masked positions (EOD, padding)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                 data["labels"].flatten(), ignore_index=-100)
