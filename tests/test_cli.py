@@ -39,19 +39,39 @@ def test_print_hydra_gives_the_equivalent_command(tmp_path):
 def test_local_paths_hub_names_and_mixed_overrides(tmp_path):
     _, overrides, _ = translate(["--data-path", str(tmp_path), "trainer.log_interval=5",
                                  "--vocab-file", "v.txt", "--tokenizer-type", "BertWordPieceCase"])
-    assert overrides == ["data=pairs_local", f"data.path={tmp_path}", "model.lowercase=false",
+    assert overrides == ["data=pairs_local", f"data.path={tmp_path}",
+                         "model.tokenizer_type=BertWordPieceCase", "model.lowercase=false",
                          "model.tokenizer=v.txt", "trainer.log_interval=5"]
     _, hub, _ = translate(["--dataset-path", "glue", "--dataset-name", "qqp"])
     assert hub == ["data=hub", "data.path=glue", "data.subset=qqp"]
 
 
+def test_seed_pretraining_command_translates():
+    """The seed's black-box BERT pretraining line (its data and vocab names are placeholders)."""
+    _, overrides, _ = translate([
+        "--task", "pretraining", "--pretrained-model-name-or-path", "bert-base-uncased",
+        "--num-layers", "12", "--micro-batch-size", "16", "--global-batch-size", "128",
+        "--seq-length", "512", "--tokenizer-type", "BertWordPieceLowerCase", "--train-iters", "100",
+        "--data-path", "book_wiki_owtv2_small_text_sentence", "--vocab-file", "vocab.txt",
+        "--data-impl", "mmap", "--split", "980,20", "--min-lr", "0.0", "--lr-decay-iters", "2000",
+        "--lr-warmup-fraction", ".01", "--merge-file", "m.txt", "--mmap-warmup"])
+    for expected in ("task=bert_pretraining", "data=megatron",
+                     "data.path=book_wiki_owtv2_small_text_sentence", "data.impl=mmap",
+                     "data.split=980,20", "model.tokenizer_type=BertWordPieceLowerCase",
+                     "model.tokenizer=vocab.txt", "model.merge_file=m.txt",
+                     "scheduler.decay_iters=2000", "trainer.train_iters=100",
+                     "data.mmap_warmup=true", "data.max_seq_length=512"):
+        assert expected in overrides, expected
+    _, gpt, _ = translate(["--task", "casual_lm"])
+    assert gpt == ["task=causal_lm"]
+
+
 @pytest.mark.parametrize("argv,message,code", [
     (["--micro-bach-size", "16"], "--micro-bach-size (did you mean --micro-batch-size?)", 2),
     (["--checkpoint-activations"], "--checkpoint-activations needs activation recompute", 3),
-    (["--data-impl", "mmap", "--split", "980,20"], "--data-impl needs Megatron mmap", 3),
-    (["--task", "pretraining"], "--task pretraining is not available in this version yet", 3),
+    (["--task", "masked_lm"], "--task masked_lm is not available in this version yet", 3),
     (["--task", "sequence_clasification"], "unknown task", 2),
-    (["--tokenizer-type", "GPT2BPETokenizer"], "GPT2BPETokenizer is not available", 3),
+    (["--tokenizer-type", "GPT2Tokenizer"], "--tokenizer-type GPT2Tokenizer: unknown", 2),
     (["--zero-1-memory-optimization", "--fsdp-memory-optimization"],
      "conflicting flags: memory=fsdp and memory=zero1", 2),
 ])

@@ -6,11 +6,25 @@ import pytest
 
 from rapidformer.config.compose import compose, group_options, resolve
 from rapidformer.config.schema import GROUPS
+from rapidformer.errors import ConfigError
 
 # options that need a value the user must give (??? in their file)
 REQUIRED = {("model", "hf"): ["model.name_or_path=some/local/dir"],
             ("data", "pairs_local"): ["data.path=some/dir"],
             ("data", "hub"): ["data.path=glue", "data.subset=qqp"]}
+BERT_PRETRAINING = ["data=megatron", "data.path=corpus_text_sentence", "trainer.train_iters=10",
+                    "model.tokenizer_type=BertWordPieceLowerCase", "model.tokenizer=vocab.txt"]
+GPT_PRETRAINING = ["model=gpt2_tiny", "model.tokenizer_type=GPT2BPETokenizer",
+                   "model.tokenizer=vocab.json", "model.merge_file=merges.txt"]
+REQUIRED.update({
+    ("task", "bert_pretraining"): BERT_PRETRAINING,
+    ("task", "causal_lm"): [*BERT_PRETRAINING, *GPT_PRETRAINING],
+    ("data", "megatron"): ["task=bert_pretraining", *BERT_PRETRAINING],
+})
+# recipes whose data the user gives: the mmap prefix and the vocabulary it was made with
+RECIPE_REQUIRED = {"bert_pretrain": ["data.path=corpus_text_sentence", "model.tokenizer=vocab.txt"],
+                   "gpt_pretrain": ["data.path=corpus_text_document", "model.tokenizer=vocab.json",
+                                    "model.merge_file=merges.txt"]}
 
 
 def test_every_group_has_options():
@@ -30,8 +44,36 @@ def test_every_group_option_composes_and_validates(group, option):
 
 @pytest.mark.parametrize("recipe", group_options("recipe"))
 def test_every_recipe_composes_and_validates(recipe):
-    _, cfg = resolve(compose([f"+recipe={recipe}"]), output_dir="out")
+    _, cfg = resolve(compose([f"+recipe={recipe}", *RECIPE_REQUIRED.get(recipe, [])]), "out")
     assert cfg.recipe == recipe
+
+
+def test_bert_pretrain_mirrors_the_seed_example():
+    _, cfg = resolve(compose(["+recipe=bert_pretrain", *RECIPE_REQUIRED["bert_pretrain"]]), "out")
+    t, s, d, m = cfg.trainer, cfg.scheduler, cfg.data, cfg.model
+    assert cfg.task.name == "bert_pretraining" and t.train_iters == 100
+    assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.max_position_embeddings) == \
+        (768, 12, 12, 512)
+    assert (d.max_seq_length, d.split, d.impl, d.mask_prob) == (512, "980,20", "mmap", 0.15)
+    assert (t.micro_batch_size, t.global_batch_size, t.lr, t.weight_decay, t.clip_grad) == \
+        (16, 128, 1e-3, 0.01, 1.0)
+    assert (s.name, s.min_lr, s.decay_iters, s.warmup_fraction) == ("linear", 0.0, 2000, 0.01)
+    assert m.tokenizer_type == "BertWordPieceLowerCase"
+
+
+def test_pretraining_recipes_name_what_the_user_must_give():
+    with pytest.raises(ConfigError) as info:
+        resolve(compose(["+recipe=gpt_pretrain"]), "out")
+    text = str(info.value)
+    assert "data.path is empty" in text and "model.tokenizer is empty" in text
+    assert "model.merge_file" in text
+
+
+def test_megatron_split_needs_no_quoting():
+    # Hydra reads a bare comma as a sweep; a split is one value
+    _, cfg = resolve(compose(["+recipe=bert_pretrain", *RECIPE_REQUIRED["bert_pretrain"],
+                              "data.split=969,30,1"]), "out")
+    assert cfg.data.split == "969,30,1"
 
 
 def test_no_arguments_means_the_quickstart_recipe():

@@ -125,18 +125,20 @@ def test_get_args_uses_the_seed_names():
 
 
 def test_seed_imports():
-    from rapidformer import (Finetuner, PreTrainer, RapidformerEngine, get_args, get_logger,
-                             get_timers)
-    from rapidformer.errors import NotAvailableError
+    from rapidformer import (Finetuner, PreTrainer, RapidformerEngine,
+                             build_train_valid_test_datasets,
+                             build_train_valid_test_datasets_for_huggingface, get_args,
+                             get_logger, get_timers, get_tokenizer, mpu)
 
     assert callable(get_args) and get_logger().name == "rapidformer"
     timers = get_timers()
     timers("step").start()
     timers("step").stop()
     assert "step:" in timers.log(["step"])
-    assert issubclass(Finetuner, object) and RapidformerEngine
-    with pytest.raises(NotAvailableError, match="PreTrainer"):
-        PreTrainer(engine=None)
+    assert issubclass(Finetuner, object) and RapidformerEngine and PreTrainer
+    assert callable(build_train_valid_test_datasets_for_huggingface)
+    assert callable(build_train_valid_test_datasets) and callable(get_tokenizer)
+    assert callable(mpu.broadcast_data)
 
 
 def test_trained_vocabulary_is_reproducible(tmp_path):
