@@ -78,6 +78,19 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in (part.strip() for part in SENTENCE_END.split(text)) if s]
 
 
+def _encode(tokenizer, pieces: list[str]) -> list[list[int]]:
+    """Token ids of each non-empty piece. Rust-backed tokenizers get one batched call per
+    document: with short sentences the Python wrapper around each call, not the tokenizer,
+    was most of the time (about 2x overall)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        ids = [e.ids for e in backend.encode_batch(pieces, add_special_tokens=False)] \
+            if pieces else []
+    else:
+        ids = [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
+    return [s for s in ids if s]
+
+
 class Encoder:
     """Per worker: parse a line, tokenize each key (by sentence or whole), append EOD."""
 
@@ -104,8 +117,7 @@ class Encoder:
         for key in self.args.json_keys:
             text = str(record[key])
             pieces = split_sentences(text) if self.args.split_sentences else [text]
-            ids = [Encoder.tokenizer.encode(p, add_special_tokens=False) for p in pieces]
-            ids = [s for s in ids if s]
+            ids = _encode(Encoder.tokenizer, pieces)
             if ids and self.args.append_eod:
                 ids[-1].append(Encoder.eod)
             out[key] = ids
