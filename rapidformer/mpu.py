@@ -41,5 +41,6 @@ def broadcast_data(keys: list[str], data: dict, datatype: torch.dtype) -> dict:
         value = torch.as_tensor(data[key])
         if value.dtype != datatype:
             raise InputError(f"mpu.broadcast_data: '{key}' is {value.dtype}, expected {datatype}")
-        out[key] = value.to(device)
+        # from pinned memory the copy is asynchronous: no wait for the queued GPU work
+        out[key] = value.to(device, non_blocking=True)
     return out

@@ -53,20 +53,24 @@ def test_bert_pretraining_black_box(tmp_path, pretraining_data):
 
 
 @pytest.mark.slow
-def test_gpt_pretraining_resumes_with_the_same_next_samples(tmp_path, pretraining_data):
+@pytest.mark.parametrize("kind", ["gpt", "bert"])
+def test_pretraining_resumes_with_the_same_next_samples(tmp_path, pretraining_data, kind):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    args = [*gpt_args(pretraining_data), "trainer.train_iters=24"]
+    build = gpt_args if kind == "gpt" else bert_args
+    args = [*build(pretraining_data), "trainer.train_iters=16", "trainer.log_interval=1",
+            "data.num_workers=1"]
     assert_ok(run_cli([*args, f"trainer.output_dir={straight}"], cwd=tmp_path))
-    assert_ok(run_cli([*args, "trainer.exit_interval=12", f"trainer.output_dir={split}"],
+    assert_ok(run_cli([*args, "trainer.exit_interval=8", f"trainer.output_dir={split}"],
                       cwd=tmp_path))
-    assert sorted(train_losses(split)) == list(range(1, 13))
+    assert sorted(train_losses(split)) == list(range(1, 9))
     assert_ok(run_cli([*args, "trainer.resume=auto", f"trainer.output_dir={split}"], cwd=tmp_path))
     first, second = train_losses(straight), train_losses(split)
-    assert first[24] < first[1] - 1.0, first  # the causal LM learns
-    for step in range(13, 25):
+    assert first[16] < first[1] - 0.5, first  # it learns
+    for step in range(9, 17):
         assert second[step] == pytest.approx(first[step], rel=1e-5, abs=1e-6), step
-    tests = [r for r in read_metrics(straight) if "test/loss" in r]
-    assert len(tests) == 1 and tests[0]["test/ppl"] > 1
+    if kind == "gpt":  # 90,5,5: a test split, scored once at the end
+        tests = [r for r in read_metrics(straight) if "test/loss" in r]
+        assert len(tests) == 1 and tests[0]["test/ppl"] > 1
 
 
 @pytest.mark.slow

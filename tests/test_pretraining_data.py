@@ -118,6 +118,9 @@ def test_bert_samples(pretraining_data, bert_tokenizer, tmp_path):
     assert 0.12 < masked / real < 0.18            # 15 % of the word pieces
     assert 0.7 < mask_token / masked < 0.9         # 80 % of them shown as [MASK]
     assert 0.35 < np.mean(nsp) < 0.65 and set(nsp) == {0, 1}  # both kinds of pairs
+    # random replacement tokens are drawn by position in inv_vocab: it must not depend on the
+    # process (a Rust tokenizer's vocab comes in hash order)
+    assert list(t.inv_vocab) == sorted(t.inv_vocab)
     # deterministic: the same seed gives the same samples (from the index cache)
     again, _, _ = build_bert_datasets(pretraining_data["bert"], t, "980,20", [400, 40, 0], 64,
                                       0.15, 0.1, seed=5, path_to_cache=tmp_path)

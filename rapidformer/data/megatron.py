@@ -72,7 +72,10 @@ class MegatronTokenizer:
     def from_hf(cls, tokenizer, eod: int | None) -> "MegatronTokenizer":
         vocab = tokenizer.get_vocab()
         digest = hashlib.sha256("\n".join(sorted(vocab)).encode()).hexdigest()[:16]
-        return cls(vocab_size=len(tokenizer), inv_vocab={i: t for t, i in vocab.items()},
+        # ordered by id: megatron-core draws BERT's random replacement tokens by position in
+        # this dict, and a Rust tokenizer's vocab comes in hash order, other in every process
+        inv_vocab = {i: t for t, i in sorted(vocab.items(), key=lambda item: item[1])}
+        return cls(vocab_size=len(tokenizer), inv_vocab=inv_vocab,
                    eod=eod, cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id,
                    mask=tokenizer.mask_token_id, hf_pad=tokenizer.pad_token_id or 0,
                    name=f"{type(tokenizer).__name__}-{len(vocab)}-{digest}", hf=tokenizer)

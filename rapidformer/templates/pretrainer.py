@@ -172,7 +172,10 @@ class PreTrainer:
         sampler = PretrainingBatchSampler(len(dataset), consumed_samples, t.micro_batch_size,
                                           engine.rank, engine.world_size)
         workers = self.cfg.data.num_workers
+        # the loader's own generator: iter() would otherwise draw worker seeds from the global
+        # RNG, and a resumed run would then see other dropout masks than an uninterrupted one
         loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
+                            generator=torch.Generator().manual_seed(t.seed),
                             num_workers=workers, pin_memory=engine.device.type == "cuda",
                             persistent_workers=workers > 0,
                             prefetch_factor=4 if workers > 0 else None)
