@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rapidformer.__main__ import HYDRA_FLAGS_WITH_VALUE
 from rapidformer.__main__ import main as hydra_main
+from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE
 
 # Hydra's own flags that may appear in a forwarded command line
@@ -86,7 +87,6 @@ TASKS = {"sequence_classification": "sequence_classification",
          "pretraining": "bert_pretraining", "bert_pretraining": "bert_pretraining",
          "causal_lm": "causal_lm", "casual_lm": "causal_lm"}
 LATER_TASKS = {"token_classification", "question_answering", "masked_lm", "seq2seq_lm"}
-PRETRAINING_TASKS = {"bert_pretraining", "causal_lm"}
 # tokenizer type -> lowercasing (None: the tokenizer's own)
 TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False,
                    "GPT2BPETokenizer": None, "HuggingFaceTokenizer": None}

@@ -8,6 +8,7 @@ from pathlib import Path
 from rapidformer import engine as engine_module
 from rapidformer.config.args import activate
 from rapidformer.config.schema import RunConfig
+from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError, NotAvailableError
 
 log = logging.getLogger("rapidformer")
@@ -27,6 +28,10 @@ def check_available(cfg: RunConfig) -> None:
                                                and torch.cuda.is_available())
     check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
     check_fsdp_precision(cfg)
+    if cfg.task.name in PRETRAINING_TASKS and not cfg.user_script:
+        from rapidformer.data.megatron import require_megatron_core
+
+        require_megatron_core()
 
 
 def run(cfg: RunConfig, run_dir: str, resolved: dict):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rapidformer.errors import InputError
+from rapidformer.errors import InputError, NotAvailableError
 
 log = logging.getLogger("rapidformer")
 # megatron-core's import warns that its optional fused kernels (Transformer Engine, Apex) are
@@ -86,6 +86,15 @@ class MegatronTokenizer:
         return {"class": "rapidformer.MegatronTokenizer", "name": self.name}
 
 
+def require_megatron_core() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or \
+            importlib.util.find_spec("megatron.core") is None:
+        raise NotAvailableError("pretraining data needs megatron-core, which is not installed: "
+                                "pip install -e '.[megatron]' (or 'megatron-core>=0.16,<0.17')")
+
+
 def check_data_impl(data_impl: str) -> None:
     if data_impl not in DATA_IMPLS:
         raise InputError(f"data.impl={data_impl}: megatron-core reads only the mmap format "
@@ -96,6 +105,7 @@ def check_data_impl(data_impl: str) -> None:
 
 def data_prefixes(data_path: str | list) -> list[str]:
     """The dataset prefixes of `data.path`: one prefix, or Megatron's 'w1 prefix1 w2 prefix2'."""
+    require_megatron_core()
     parts = data_path.split() if isinstance(data_path, str) else [str(p) for p in data_path]
     if not parts:
         raise InputError("data.path is empty: give the prefix that rapidformer-preprocess-data "
