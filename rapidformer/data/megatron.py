@@ -35,8 +35,8 @@ log = logging.getLogger("rapidformer")
 # megatron-core's import warns that its optional fused kernels (Transformer Engine, Apex) are
 # missing; its datasets do not use them
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-# its dataset builder logs every step at INFO (a summary is logged here instead)
-logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+# its import and dataset builder log every step at INFO (a summary is logged here instead)
+logging.getLogger("megatron").setLevel(logging.WARNING)
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 # the vocabulary check reads at most this many tokens of each file (a few hundred MB)
