@@ -76,11 +76,10 @@ SWITCHES = {
     "--mmap-warmup": "data.mmap_warmup=true",
     "--eod-mask-loss": "data.eod_mask_loss=true",
     "--reset-position-ids": "data.reset_position_ids=true",
+    "--checkpoint-activations": "trainer.checkpoint_activations=true",
 }
 # seed flags whose feature arrives later: refused by name, with what it needs
-NOT_YET = {
-    "--checkpoint-activations": "activation recompute",
-}
+NOT_YET: dict[str, str] = {}
 # the seed's task names -> task options; `pretraining` is the seed's BERT pretraining, and its
 # docs spell causal LM both ways
 TASKS = {"sequence_classification": "sequence_classification",
@@ -114,7 +113,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-path", "--dataset-path", dest="data_path")
     parser.add_argument("--dataset-name", dest="data_name")
     parser.add_argument("--vocab-file", "--vocab", dest="vocab_file")
-    parser.add_argument("--checkpoint-activations", action="store_true")
     parser.add_argument("--print-hydra", action="store_true")
     return parser
 
@@ -134,8 +132,7 @@ def translate(argv: list[str]) -> tuple[list[str], list[str], bool]:
                 i += 1
         elif arg.startswith("-"):
             seed_args.append(arg)
-            if (name in VALUE_FLAGS or name not in {*SWITCHES, "--print-hydra",
-                                                     "--checkpoint-activations"}) \
+            if (name in VALUE_FLAGS or name not in {*SWITCHES, "--print-hydra"}) \
                     and "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 seed_args.append(argv[i + 1])
                 i += 1

@@ -21,6 +21,7 @@ from rapidformer.accelerators.graph import apply_graph, unwrap
 from rapidformer.accelerators.memory import (CHECKPOINT_TAG, ZERO_STAGES, consolidated_state_dict,
                                              deepspeed_config, import_deepspeed)
 from rapidformer.accelerators.precision import MixedPrecision
+from rapidformer.accelerators.recompute import enable_recompute
 from rapidformer.config.args import active
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
@@ -116,6 +117,8 @@ class RapidformerEngine:
         """
         t = self.cfg.trainer
         model = model_obj.to(self.device)
+        if t.checkpoint_activations:  # before any wrapper: it hooks the model's own layers
+            enable_recompute(model)
         self.num_parameters = sum(p.numel() for p in model.parameters())
         log.info("model parameters: %d (%.1fM)", self.num_parameters, self.num_parameters / 1e6)
         self.ddp = self.ds = self.fsdp = None

@@ -62,13 +62,14 @@ def test_seed_pretraining_command_translates():
                      "scheduler.decay_iters=2000", "trainer.train_iters=100",
                      "data.mmap_warmup=true", "data.max_seq_length=512"):
         assert expected in overrides, expected
+    _, recompute, _ = translate(["--checkpoint-activations", "--lr", "1e-4"])
+    assert recompute == ["trainer.checkpoint_activations=true", "trainer.lr=1e-4"]
     _, gpt, _ = translate(["--task", "casual_lm"])
     assert gpt == ["task=causal_lm"]
 
 
 @pytest.mark.parametrize("argv,message,code", [
     (["--micro-bach-size", "16"], "--micro-bach-size (did you mean --micro-batch-size?)", 2),
-    (["--checkpoint-activations"], "--checkpoint-activations needs activation recompute", 3),
     (["--task", "masked_lm"], "--task masked_lm is not available in this version yet", 3),
     (["--task", "sequence_clasification"], "unknown task", 2),
     (["--tokenizer-type", "GPT2Tokenizer"], "--tokenizer-type GPT2Tokenizer: unknown", 2),

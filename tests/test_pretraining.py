@@ -123,3 +123,20 @@ def test_bad_pretraining_input_stops_with_one_message(tmp_path, pretraining_data
                      cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_activation_recompute_gives_the_same_losses(tmp_path, pretraining_data):
+    """Recompute replays each layer in the backward pass (with its dropout masks): the same
+    losses as keeping the activations."""
+    args = [*gpt_args(pretraining_data), "trainer.train_iters=6", "trainer.export_hf=false",
+            "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+    plain, recompute = tmp_path / "plain", tmp_path / "recompute"
+    assert_ok(run_cli([*args, f"trainer.output_dir={plain}"], cwd=tmp_path))
+    result = assert_ok(run_cli([*args, "trainer.checkpoint_activations=true",
+                                f"trainer.output_dir={recompute}"], cwd=tmp_path))
+    assert "activation recompute: on" in result.stdout + result.stderr
+    a, b = train_losses(plain), train_losses(recompute)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step

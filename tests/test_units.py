@@ -173,3 +173,16 @@ def test_cuda_device_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible"):
         pick_device("cuda")
     assert pick_device("auto").type == "cpu"
+
+
+def test_activation_recompute_hooks_hugging_face_layers_and_refuses_others():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rapidformer.accelerators.recompute import enable_recompute
+    from rapidformer.errors import ConfigError
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50))
+    enable_recompute(model)
+    assert model.is_gradient_checkpointing and model.config.use_cache is False
+    with pytest.raises(ConfigError, match="Linear does not support activation recompute"):
+        enable_recompute(torch.nn.Linear(2, 2))

@@ -63,6 +63,7 @@ class Args:
         self.vocab_file = m.tokenizer
         self.merge_file = m.merge_file
         self.eval_iters = t.eval_iters
+        self.checkpoint_activations = t.checkpoint_activations
         self.data_name = self.dataset_name = d.subset
         self.seq_length = self.max_seq_length = d.max_seq_length
         self.num_labels = cfg.task.num_labels

@@ -156,6 +156,9 @@ class TrainerConfig:
     clip_grad: float = 1.0
     seed: int = 42
     deterministic: bool = False
+    # recompute each layer's activations in the backward pass (the seed's
+    # --checkpoint-activations): less memory, about a third more compute
+    checkpoint_activations: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_interval: int = 10
     # null: evaluate at the end of every epoch (PreTrainer: at the end of training)
