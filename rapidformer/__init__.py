@@ -17,6 +17,7 @@ _EXPORTS = {
     "build_train_valid_test_datasets_for_huggingface": "rapidformer.templates.pretrainer",
     "build_train_valid_test_datasets": "rapidformer.templates.pretrainer",
     "get_tokenizer": "rapidformer.tokenizer",
+    "get_ltor_masks_and_position_ids": "rapidformer.data.masks",
     "get_args": "rapidformer.config.args",
     "get_logger": "rapidformer.observability",
     "get_timers": "rapidformer.observability",

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rapidformer import checkpoint
+from rapidformer.accelerators import parallel
 from rapidformer.accelerators.fsdp import (DCP_DIR, full_state_dict, load_shards, save_shards,
                                            shard_model, transformer_blocks)
 from rapidformer.accelerators.graph import apply_graph, unwrap
@@ -98,6 +99,8 @@ class RapidformerEngine:
         self.device = pick_device(cfg.trainer.device)
         self.rank, self.world_size = init_distributed(self.device, cfg.launcher.collective_timeout)
         seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+        # megatron-core models: tensor/pipeline groups; data parallelism takes the other ranks
+        self.parallel = parallel.initialize(cfg, self.device) if parallel.is_megatron(cfg) else None
         self.precision = MixedPrecision(cfg.precision, self.device)
         self.model = self.optimizer = self.lr_scheduler = None
         ENGINES_CREATED += 1
@@ -105,6 +108,13 @@ class RapidformerEngine:
     @property
     def is_main_process(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel index, the data-parallel size): who reads which batch."""
+        if self.parallel is not None:
+            return self.parallel.dp_rank, self.parallel.dp
+        return self.rank, self.world_size
 
     # --- building -------------------------------------------------------------------------
     def compose(self, model_obj: torch.nn.Module, optimizer=None, lr_scheduler=None,
@@ -117,8 +127,8 @@ class RapidformerEngine:
         """
         t = self.cfg.trainer
         model = model_obj.to(self.device)
-        if t.checkpoint_activations:  # before any wrapper: it hooks the model's own layers
-            enable_recompute(model)
+        if t.checkpoint_activations and self.parallel is None:  # megatron-core: in its config
+            enable_recompute(model)  # before any wrapper: it hooks the model's own layers
         self.num_parameters = sum(p.numel() for p in model.parameters())
         log.info("model parameters: %d (%.1fM)", self.num_parameters, self.num_parameters / 1e6)
         self.ddp = self.ds = self.fsdp = None
@@ -131,6 +141,9 @@ class RapidformerEngine:
             log.info("memory=fsdp: FSDP2 over %d transformer blocks", len(transformer_blocks(model)))
         if optimizer is None:
             optimizer = build_optimizer(model, self.cfg.optim, t.lr, t.weight_decay, self.device)
+        if self.parallel is not None:
+            # megatron-core's schedule calls this after the last backward of a step
+            model.config.finalize_model_grads_func = parallel.finalize_grads
         if lr_scheduler is None:
             if lr_scheduler_fn is not None:
                 lr_scheduler = lr_scheduler_fn(optimizer=optimizer)
@@ -152,7 +165,7 @@ class RapidformerEngine:
             self._ds_skipped = 0  # DeepSpeed's count of overflow-skipped steps at the last step
             self.model, self.optimizer, self.lr_scheduler = self.ds, optimizer, lr_scheduler
             return self.ds, optimizer, lr_scheduler
-        if self.world_size > 1 and self.fsdp is None:
+        if self.world_size > 1 and self.fsdp is None and self.parallel is None:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -214,8 +227,11 @@ class RapidformerEngine:
                     "stepped": stepped}
         clip = self.cfg.trainer.clip_grad
         self.precision.unscale_(self.optimizer)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if self.parallel is not None:  # the norm over every tensor/pipeline shard
+            grad_norm = parallel.clip_grad_norm(self.model, clip)
+        else:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor norm over all shards
             grad_norm = grad_norm.full_tensor()
         stepped = self.precision.step(self.optimizer)
@@ -259,7 +275,7 @@ class RapidformerEngine:
             rng = [None] * self.world_size
             dist.all_gather_object(rng, rng_state())
         path = self.checkpoint_root / f"step_{step:08d}"
-        sharded = self.ds is not None or self.fsdp is not None
+        sharded = self.ds is not None or self.fsdp is not None or self.parallel is not None
         if sharded:
             # every rank writes its shards into the temporary directory first
             tmp = checkpoint.temp_dir(self.checkpoint_root, step)
@@ -270,6 +286,10 @@ class RapidformerEngine:
             if self.ds is not None:
                 self.ds.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
                 tensors = {"rng.pt": {"ranks": rng}}
+            elif self.parallel is not None:
+                parallel.save_shards(self.model, self.optimizer, tmp, self.rank)
+                tensors = {"scheduler.pt": self.lr_scheduler.state_dict(),
+                           "rng.pt": {"ranks": rng}}
             else:
                 save_shards(self.fsdp, self.optimizer, tmp / DCP_DIR)
                 tensors = {"scheduler.pt": self.lr_scheduler.state_dict() if self.lr_scheduler else {},
@@ -285,11 +305,17 @@ class RapidformerEngine:
         if self.is_main_process:
             path = checkpoint.save(self.checkpoint_root, step, tensors,
                                    {**state, "world_size": self.world_size,
-                                    "memory": self.cfg.memory.name}, extra,
+                                    "memory": self.cfg.memory.name, **self._layout()}, extra,
                                    self.cfg.trainer.keep_last, prepared=sharded)
             log.info("saved checkpoint %s", path)
         self.barrier()
         return path
+
+    def _layout(self) -> dict:
+        if self.parallel is None:
+            return {}
+        return {"tensor_parallel": self.parallel.tp, "pipeline_parallel": self.parallel.pp,
+                "world_size": self.world_size}
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -327,7 +353,16 @@ class RapidformerEngine:
             raise InputError(f"checkpoint {path} was written with memory={saved_memory}, this "
                              f"run has memory={self.cfg.memory.name}; resume with the same memory "
                              f"mode (export it with its own mode first to change modes)")
-        if self.ds is not None:
+        if self.parallel is not None:
+            saved = {k: state.get(k) for k in self._layout()}
+            if saved != self._layout():
+                raise InputError(f"checkpoint {path} was written with {saved}, this run has "
+                                 f"{self._layout()}; resume with the same tensor/pipeline layout "
+                                 f"and number of processes (resharding Megatron checkpoints is not "
+                                 f"built yet)")
+            parallel.load_shards(self.model, self.optimizer, path, self.rank)
+            self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
+        elif self.ds is not None:
             self.ds.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
         else:
             if self.fsdp is not None:

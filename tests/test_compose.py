@@ -21,6 +21,13 @@ REQUIRED.update({
     ("task", "causal_lm"): [*BERT_PRETRAINING, *GPT_PRETRAINING],
     ("data", "megatron"): ["task=bert_pretraining", *BERT_PRETRAINING],
 })
+MEGATRON_GPT = ["task=causal_lm", *BERT_PRETRAINING, *GPT_PRETRAINING[1:], "trainer.export_hf=false"]
+REQUIRED.update({
+    ("model", "megatron_gpt"): [*MEGATRON_GPT, "model=megatron_gpt"],
+    ("model", "megatron_gpt_tiny"): [*MEGATRON_GPT, "model=megatron_gpt_tiny"],
+    ("parallelism", "tp2"): [*MEGATRON_GPT, "model=megatron_gpt_tiny", "launcher.nproc_per_node=2"],
+    ("parallelism", "pp2"): [*MEGATRON_GPT, "model=megatron_gpt_tiny", "launcher.nproc_per_node=2"],
+})
 # recipes whose data the user gives: the mmap prefix and the vocabulary it was made with
 RECIPE_REQUIRED = {"bert_pretrain": ["data.path=corpus_text_sentence", "model.tokenizer=vocab.txt"],
                    "gpt_pretrain": ["data.path=corpus_text_document", "model.tokenizer=vocab.json",

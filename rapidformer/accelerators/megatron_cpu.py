@@ -1,9 +1,11 @@
 """megatron-core on CPU, for tests and laptops: the one place that bends it.
 
 megatron-core's models, schedules and gradient buffers assume a GPU: they allocate on
-`torch.cuda.current_device()`, call `torch.cuda.synchronize()`, and keep the tensor-parallel
-RNG streams (dropout inside and outside tensor-parallel regions) as CUDA generator states. On a
-CPU-only run `enable()` maps these onto the CPU: the current device is "cpu", synchronize does
+`torch.cuda.current_device()` or `device="cuda"`, call `.cuda()` and `torch.cuda.synchronize()`,
+and keep the tensor-parallel RNG streams (dropout inside and outside tensor-parallel regions) as
+CUDA generator states. On a CPU-only run `enable()` maps these onto the CPU: the current device
+is "cpu", tensors asked for on "cuda" are made on the CPU (a torch function mode for `.cuda()`
+and `.to("cuda")`, a dispatch mode for factories like `torch.ones(device="cuda")`), synchronize does
 nothing (CPU ops are synchronous), and the RNG tracker keeps and forks torch's CPU generator
 state. It is called only when the run's device is the CPU, and refuses to act when a GPU is
 visible, so it never touches a GPU run.
@@ -13,6 +15,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _ENABLED = False
 
@@ -32,7 +36,42 @@ def enable() -> None:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     mrandom.CudaRNGStatesTracker.fork = _fork
+    # factories asked for "cuda" (also inside autograd Functions and recomputed layers, where
+    # torch function modes are off) are rewritten at the dispatcher; torch's lazy CUDA start,
+    # which would refuse them first, has nothing to start
+    torch.cuda._lazy_init = lambda: None
+    _FactoriesToCpu().__enter__()  # both stay on for the process: a CPU-only run has no
+    _CudaToCpu().__enter__()       # CUDA tensors
     _ENABLED = True
+
+
+def _is_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or \
+        (isinstance(device, torch.device) and device.type == "cuda")
+
+
+class _FactoriesToCpu(TorchDispatchMode):
+    """aten factory calls with a CUDA device run on the CPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return func(*args, **kwargs)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """`device="cuda"`, `.cuda()` and `.to("cuda")` give CPU tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

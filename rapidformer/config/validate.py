@@ -190,6 +190,7 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"data.path is empty but data.source={d.source}; set data.path to "
                  f"{what[d.source]}")
     p.extend(_pretraining_problems(cfg))
+    p.extend(_megatron_problems(cfg))
     if d.source == "synthetic":
         positive("data.synthetic_train_size", d.synthetic_train_size)
         positive("data.synthetic_eval_size", d.synthetic_eval_size)
@@ -274,4 +275,34 @@ def _pretraining_problems(cfg: RunConfig) -> list[str]:
         p.append(f"data.mask_prob={d.mask_prob} must be in (0, 1), e.g. 0.15")
     if not 0 <= d.short_seq_prob <= 1:
         p.append(f"data.short_seq_prob={d.short_seq_prob} must be in [0, 1], e.g. 0.1")
+    return p
+
+
+def _megatron_problems(cfg: RunConfig) -> list[str]:
+    """megatron-core models: what their layout needs, and what is not built for them yet."""
+    m, par = cfg.model, cfg.parallelism
+    if not m.arch.startswith("megatron"):
+        return []
+    p: list[str] = []
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if m.arch != "megatron_gpt":
+        p.append(f"model.arch={m.arch}: the Megatron model built so far is megatron_gpt")
+    if cfg.task.name != "causal_lm" and not cfg.user_script:
+        p.append(f"model={m.name} is a GPT: use task=causal_lm (or +recipe=gpt_pretrain)")
+    if tp >= 1 and m.num_attention_heads % tp:
+        p.append(f"model.num_attention_heads={m.num_attention_heads} does not divide by "
+                 f"parallelism.tensor_model_parallel_size={tp}")
+    if pp >= 1 and m.num_layers % pp:
+        p.append(f"model.num_layers={m.num_layers} does not divide by "
+                 f"parallelism.pipeline_model_parallel_size={pp}")
+    if cfg.memory.name != "none":
+        p.append(f"memory={cfg.memory.name} with a Megatron model is not built yet (megatron-core's "
+                 f"distributed optimizer is the planned way); use memory=none")
+    if cfg.precision.dtype == "fp16":
+        p.append("precision=fp16 with a Megatron model is not built yet; use precision=bf16")
+    if cfg.graph.name != "eager":
+        p.append(f"graph={cfg.graph.name} with a Megatron model is not built yet; use graph=eager")
+    if cfg.trainer.export_hf:
+        p.append("trainer.export_hf=true: exporting a Megatron model to a Hugging Face directory is "
+                 "not built yet; set trainer.export_hf=false (checkpoints are saved)")
     return p

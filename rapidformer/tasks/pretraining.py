@@ -46,6 +46,14 @@ class BertPretrainer(_MegatronDataPretrainer):
 
 
 class CausalLMPretrainer(_MegatronDataPretrainer):
+    def model_optimizer_lr_scheduler_provider(self):
+        if self.engine.parallel is None:
+            return super().model_optimizer_lr_scheduler_provider()
+        from rapidformer.models.megatron import build_megatron_gpt
+
+        tokenizer = load_pretraining_tokenizer(self.cfg.model)
+        return build_megatron_gpt(self.cfg, tokenizer.vocab_size), None, None
+
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         d = self.cfg.data
         check_data_impl(d.impl)
@@ -57,8 +65,25 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(GPT_KEYS, next(data_iterator), torch.int64)
+        if self.engine.parallel is not None:
+            return megatron_gpt_forward(model, data)
         logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"]).logits
         # the labels are shifted already (Megatron's samples), so no second shift as in
         # Hugging Face's own LM loss; -100 marks the masked positions (EOD, padding)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                  data["labels"].flatten(), ignore_index=-100)
+
+
+def megatron_gpt_forward(model, data: dict):
+    """megatron-core's (output, loss_func) for a GPTModel: the last pipeline stage returns the
+    per-token loss (vocabulary-parallel cross entropy), earlier stages their hidden states."""
+    labels = data["labels"]
+    mask = (labels != -100).float()
+    output = model(data["input_ids"], data["position_ids"], None, labels=labels.clamp(min=0))
+
+    def loss_func(per_token_loss):
+        loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+        # a copy: the schedule divides the returned loss in place by the micro-batch count
+        return loss, {"loss": loss.detach().clone()}
+
+    return output, loss_func

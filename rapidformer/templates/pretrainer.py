@@ -83,12 +83,13 @@ class PreTrainer:
             raise ConfigError(["the PreTrainer counts iterations, not epochs: set "
                                "trainer.train_iters (the seed's --train-iters)"])
         total_iters = t.train_iters
-        accumulation = t.global_batch_size // (t.micro_batch_size * engine.world_size)
+        _, dp_size = engine.data_parallel
+        accumulation = t.global_batch_size // (t.micro_batch_size * dp_size)
         num_samples = megatron_num_samples(total_iters, t.eval_interval, t.eval_iters,
                                            t.global_batch_size)
         log.info("asking the dataset provider for %s train/valid/test samples", num_samples)
         train_ds, valid_ds, test_ds = self.train_valid_test_datasets_provider(num_samples)
-        if train_ds is None or len(train_ds) < t.micro_batch_size * engine.world_size:
+        if train_ds is None or len(train_ds) < t.micro_batch_size * dp_size:
             raise InputError(f"the training dataset has {0 if train_ds is None else len(train_ds)} "
                              f"samples, fewer than one micro-batch per process; add data or "
                              f"give training a larger share of data.split")
@@ -109,16 +110,22 @@ class PreTrainer:
                  accumulation, t.micro_batch_size, self.cfg.precision.dtype, engine.device)
 
         window = _Window()
-        train_iter.window = window
+        train_iter.window = window if engine.parallel is None or engine.parallel.counts_input \
+            else None
         last_eval_step = -1
         while state.step < total_iters:
             model.train()
-            for micro in range(accumulation):
-                with engine.accumulating(last_micro_batch=micro == accumulation - 1):
-                    with engine.autocast():
-                        loss = self.run_forward_step(train_iter, model)
-                    engine.backward(loss, accumulation_steps=accumulation)
-                window.add_micro(loss.detach())
+            if engine.parallel is not None:  # megatron-core's schedule runs the micro-batches
+                with engine.autocast():
+                    for loss in self._megatron_steps(train_iter, model, accumulation):
+                        window.add_micro(loss)
+            else:
+                for micro in range(accumulation):
+                    with engine.accumulating(last_micro_batch=micro == accumulation - 1):
+                        with engine.autocast():
+                            loss = self.run_forward_step(train_iter, model)
+                        engine.backward(loss, accumulation_steps=accumulation)
+                    window.add_micro(loss.detach())
             result = engine.step()
             state.step += 1
             state.consumed_train_samples += t.global_batch_size
@@ -165,12 +172,13 @@ class PreTrainer:
         if dataset is None or len(dataset) == 0:
             return None
         engine, t = self.engine, self.cfg.trainer
-        if len(dataset) < t.micro_batch_size * engine.world_size:
-            log.warning("a dataset of %d samples is smaller than one micro-batch per process: "
-                        "skipped", len(dataset))
+        dp_rank, dp_size = engine.data_parallel
+        if len(dataset) < t.micro_batch_size * dp_size:
+            log.warning("a dataset of %d samples is smaller than one micro-batch per "
+                        "data-parallel rank: skipped", len(dataset))
             return None
         sampler = PretrainingBatchSampler(len(dataset), consumed_samples, t.micro_batch_size,
-                                          engine.rank, engine.world_size)
+                                          dp_rank, dp_size)
         workers = self.cfg.data.num_workers
         # the loader's own generator: iter() would otherwise draw worker seeds from the global
         # RNG, and a resumed run would then see other dropout masks than an uninterrupted one
@@ -189,21 +197,52 @@ class PreTrainer:
         if data_iterator is None or t.eval_iters == 0:
             return {}
         micro_batches = t.eval_iters * t.global_batch_size // (t.micro_batch_size
-                                                               * engine.world_size)
+                                                               * engine.data_parallel[1])
         model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=engine.device)
+        # (sum of micro-batch losses, their count): with pipeline stages only the last has them
+        total = torch.zeros(2, dtype=torch.float64, device=engine.device)
         with torch.no_grad(), engine.autocast():
-            for _ in range(micro_batches):
-                total += self.run_forward_step(data_iterator, model).detach().double()
+            if engine.parallel is not None:
+                for loss in self._megatron_steps(data_iterator, model, micro_batches,
+                                                 forward_only=True):
+                    total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64)])
+            else:
+                for _ in range(micro_batches):
+                    loss = self.run_forward_step(data_iterator, model).detach().double()
+                    total += torch.stack([loss, torch.ones_like(loss)])
         model.train()
         if name == "validation":
             state.consumed_valid_samples += t.eval_iters * t.global_batch_size
-        loss = float(engine.all_reduce_sum(total)) / (micro_batches * engine.world_size)
+        loss_sum, count = engine.all_reduce_sum(total).tolist()
+        loss = loss_sum / count
         results = {f"{name}/loss": loss, f"{name}/ppl": math.exp(min(loss, 50.0))}
         sink.write(state.step, results)
         log.info("%s at iteration %d: loss %.4f, perplexity %.2f", name, state.step, loss,
                  results[f"{name}/ppl"])
         return results
+
+    def _megatron_steps(self, data_iterator, model, num_microbatches: int,
+                        forward_only: bool = False) -> list:
+        """One step's micro-batches through megatron-core's schedule (1F1B over pipeline
+        stages); the micro-batch losses on the last stage, none elsewhere."""
+        from rapidformer.accelerators.parallel import forward_backward
+
+        t = self.cfg.trainer
+
+        def forward_step(iterator, chunk):
+            result = self.run_forward_step(iterator, chunk)
+            if isinstance(result, tuple):  # megatron-core's (output, loss_func)
+                return result
+            if self.engine.parallel.pp > 1:
+                raise RapidformerError(
+                    "with pipeline parallelism run_forward_step must return megatron-core's "
+                    "(output_tensor, loss_func) pair: each stage passes its output on, and only "
+                    "the last computes the loss")
+            return result, lambda loss: (loss, {"loss": loss.detach().clone()})
+
+        losses = forward_backward(forward_step, data_iterator, model, num_microbatches,
+                                  self.cfg.data.max_seq_length, t.micro_batch_size, forward_only)
+        return [entry["loss"].detach().float() for entry in losses]
 
     def _save(self, state: PretrainState) -> None:
         tokenizer = self.tokenizer

@@ -1,0 +1,71 @@
+"""megatron-core models built from the model group: a GPT (`model=megatron_gpt`) with
+megatron-core's tensor-parallel layers and this rank's share of the pipeline stages."""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from rapidformer.config.schema import ModelConfig, RunConfig
+
+log = logging.getLogger("rapidformer")
+# the embedding table is padded so that it splits evenly over tensor-parallel ranks and keeps
+# GEMMs aligned (Megatron's --make-vocab-size-divisible-by); the padded ids never occur in data
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
+    """A multiple of 128 and of the tensor-parallel size. Megatron pads to 128 x TP, so its
+    vocabulary (and its losses) change with the layout; this size is the same for any TP that
+    divides 128, so a layout reproduces another."""
+    step = math.lcm(VOCAB_MULTIPLE, tensor_parallel)
+    return -(-vocab_size // step) * step
+
+
+def transformer_config(cfg: RunConfig):
+    from megatron.core.transformer import TransformerConfig
+
+    m, p = cfg.model, cfg.parallelism
+    recompute = {}
+    if cfg.trainer.checkpoint_activations:
+        # Megatron's --checkpoint-activations: every layer recomputed in the backward pass
+        recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
+                     "recompute_num_layers": 1}
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.intermediate_size,
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        init_method_std=m.initializer_range,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        pipeline_dtype=torch.float32, use_cpu_initialization=True, **recompute)
+
+
+def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
+    """A GPT of megatron-core's local layers (Transformer Engine's when it is installed), tied
+    input and output embeddings as GPT-2, weights the same whatever the layout."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from rapidformer.accelerators.parallel import layout_independent_init
+
+    m: ModelConfig = cfg.model
+    config = transformer_config(cfg)
+    spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+            if gpt_layer_specs.HAVE_TE else gpt_layer_specs.get_gpt_layer_local_spec())
+    vocab = padded_vocab_size(vocab_size, cfg.parallelism.tensor_model_parallel_size)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
+                     max_sequence_length=m.max_position_embeddings,
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=True)
+    layout_independent_init(model, m.initializer_range, m.num_layers)
+    log.info("megatron-core GPT: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
+             "%s layers; this rank: pipeline stage %d of %d, tensor shard %d of %d",
+             m.num_layers, m.hidden_size, m.num_attention_heads, vocab, vocab_size,
+             "Transformer Engine" if gpt_layer_specs.HAVE_TE else "local",
+             ps.get_pipeline_model_parallel_rank() + 1, ps.get_pipeline_model_parallel_world_size(),
+             ps.get_tensor_model_parallel_rank() + 1, ps.get_tensor_model_parallel_world_size())
+    return model

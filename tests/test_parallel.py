@@ -1,0 +1,131 @@
+"""megatron-core tensor and pipeline parallelism on 2 gloo processes: layouts give the losses of
+one process, recompute and resume keep them, the seed's white-box Megatron script runs, and
+what is not built for Megatron models is refused before work."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidformer.config.compose import compose, resolve
+from rapidformer.errors import ConfigError
+from tests.conftest import assert_ok, run_cli, train_losses
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def megatron_args(data: dict) -> list[str]:
+    return ["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", f"data.path={data['gpt']}",
+            f"model.tokenizer={data['gpt2_vocab']}", f"model.merge_file={data['merges']}",
+            "data.max_seq_length=64", "data.num_workers=0", "trainer.micro_batch_size=4",
+            "trainer.global_batch_size=16", "trainer.lr=3e-3", "trainer.train_iters=6",
+            "trainer.log_interval=1", "trainer.eval_iters=1", "trainer.export_hf=false",
+            "trainer.progress_bar=false", "trainer.tensorboard=false"]
+
+
+def assert_same_losses(a: dict, b: dict, rel: float = 1e-4) -> None:
+    assert sorted(a) == sorted(b) and a
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=rel), (step, a, b)
+
+
+@pytest.mark.slow
+def test_tensor_and_pipeline_parallel_give_the_losses_of_one_process(tmp_path, pretraining_data):
+    runs = {}
+    for name, extra in {"one": [], "tp2": ["parallelism=tp2", "launcher.nproc_per_node=2"],
+                        "pp2": ["parallelism=pp2", "launcher.nproc_per_node=2"],
+                        "dp2": ["launcher.nproc_per_node=2"]}.items():
+        out = tmp_path / name
+        assert_ok(run_cli([*megatron_args(pretraining_data), *extra,
+                           f"trainer.output_dir={out}"], cwd=tmp_path))
+        runs[name] = train_losses(out)
+    assert runs["one"][6] < runs["one"][1] - 0.5  # it learns
+    for name in ("tp2", "pp2", "dp2"):
+        assert_same_losses(runs["one"], runs[name])
+
+
+@pytest.mark.slow
+def test_pipeline_recompute_and_resume_keep_the_losses(tmp_path, pretraining_data):
+    args = [*megatron_args(pretraining_data), "parallelism=pp2", "launcher.nproc_per_node=2",
+            "model.hidden_dropout=0.1"]
+    straight, recompute, split = tmp_path / "straight", tmp_path / "recompute", tmp_path / "split"
+    assert_ok(run_cli([*args, f"trainer.output_dir={straight}"], cwd=tmp_path))
+    assert_ok(run_cli([*args, "trainer.checkpoint_activations=true",
+                       f"trainer.output_dir={recompute}"], cwd=tmp_path))
+    assert_same_losses(train_losses(straight), train_losses(recompute), rel=1e-5)
+    assert_ok(run_cli([*args, "trainer.exit_interval=3", f"trainer.output_dir={split}"],
+                      cwd=tmp_path))
+    assert_ok(run_cli([*args, "trainer.resume=auto", f"trainer.output_dir={split}"], cwd=tmp_path))
+    assert_same_losses(train_losses(straight), train_losses(split), rel=1e-5)
+    # another layout cannot read these shards: one clear sentence, nothing written
+    result = run_cli([*megatron_args(pretraining_data), "parallelism=tp2",
+                      "launcher.nproc_per_node=2", "trainer.resume=auto", "trainer.train_iters=8",
+                      f"trainer.output_dir={split}"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "resume with the same tensor/pipeline layout" in result.stderr
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step_00000003",
+                                                                      "step_00000006"]
+
+
+@pytest.mark.slow
+def test_seed_white_box_megatron_gpt_script(tmp_path, pretraining_data):
+    run = tmp_path / "run"
+    script = REPO / "examples" / "rapidformer_pretrain_megatron_gpt_trainer.py"
+    d = pretraining_data
+    assert_ok(run_cli([
+        "--user-script", str(script), "--tensor-model-parallel-size", "2", "--num-layers", "4",
+        "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
+        "--global-batch-size", "16", "--seq-length", "64", "--tokenizer-type", "GPT2BPETokenizer",
+        "--max-position-embeddings", "64", "--train-iters", "4", "--data-path", d["gpt"],
+        "--vocab-file", str(d["gpt2_vocab"]), "--merge-file", str(d["merges"]),
+        "--data-impl", "mmap", "--split", "980,20", "--lr", "1e-3", "--lr-decay-style", "linear",
+        "--lr-warmup-fraction", ".01", "--log-interval", "1", "--eod-mask-loss", "--save", str(run),
+        "model=megatron_gpt", "trainer.export_hf=false", "launcher.nproc_per_node=2",
+        "trainer.eval_iters=1", "data.num_workers=0", "trainer.progress_bar=false"],
+        cwd=tmp_path, module="rapidformer.cli"))
+    assert sorted(train_losses(run)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallelism=tp2", "model.num_attention_heads=3", "model.hidden_size=63"],
+     "model.num_attention_heads=3 does not divide by parallelism.tensor_model_parallel_size=2"),
+    (["parallelism=pp2", "model.num_layers=3"],
+     "model.num_layers=3 does not divide by parallelism.pipeline_model_parallel_size=2"),
+    (["memory=zero1"], "memory=zero1 with a Megatron model is not built yet"),
+    (["precision=fp16"], "precision=fp16 with a Megatron model is not built yet"),
+    (["trainer.export_hf=true"], "exporting a Megatron model to a Hugging Face directory"),
+    (["model=gpt2_tiny", "parallelism=tp2"], "needs a Megatron model"),
+])
+def test_megatron_settings_refused_before_work(overrides, message):
+    base = ["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=corpus_text_document",
+            "model.tokenizer=vocab.json", "model.merge_file=merges.txt", "trainer.export_hf=false",
+            "launcher.nproc_per_node=2"]
+    with pytest.raises(ConfigError, match="") as info:
+        resolve(compose([*base, *overrides]), "out")
+    assert message in str(info.value)
+
+
+def test_ltor_masks_match_megatron_core():
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from rapidformer import get_ltor_masks_and_position_ids
+
+    data = torch.tensor([[5, 0, 7, 8, 0, 9], [1, 2, 3, 0, 4, 5]])
+    for reset_pos, reset_att, eod_mask in [(False, False, True), (True, True, True),
+                                           (True, False, False)]:
+        attention, loss_mask, positions = get_ltor_masks_and_position_ids(
+            data, 0, reset_pos, reset_att, eod_mask)
+        for b in range(2):
+            theirs = _get_ltor_masks_and_position_ids(data[b], 0, reset_pos, reset_att,
+                                                      eod_mask, True)
+            assert torch.equal(loss_mask[b], theirs[1].float())
+            assert torch.equal(positions[b], theirs[2])
+            assert torch.equal(attention[b if reset_att else 0, 0], theirs[0][0])
+
+
+def test_padded_vocabulary_does_not_depend_on_the_layout():
+    from rapidformer.models.megatron import padded_vocab_size
+
+    assert padded_vocab_size(50257, 1) == padded_vocab_size(50257, 8) == 50304
+    assert padded_vocab_size(328, 2) == 384 and padded_vocab_size(384, 4) == 384
