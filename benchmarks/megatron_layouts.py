@@ -1,0 +1,118 @@
+"""Tensor, pipeline and data parallelism for a megatron-core GPT, side by side with one GPU.
+
+    python benchmarks/megatron_layouts.py                  # GPT 1.3B shape, bf16, 2 GPUs
+    python benchmarks/megatron_layouts.py --layouts one tp2 --model megatron_gpt_tiny \
+        --hidden 64 --layers 4 --heads 4 --seq 64 --iters 4   # a smoke run (CPU)
+
+Each layout is one real run of `python -m rapidformer +recipe=gpt_pretrain model=megatron_gpt`
+on generated document-level mmap data: one process on one GPU (the baseline), TP=2, PP=2, and
+DP=2 over 2 GPUs. Reads tokens/s, peak memory (rank 0) and the loss from metrics.jsonl, and
+computes MFU from the model's FLOPs per token (6 x parameters + attention) against the GPU's
+dense bf16 peak. Writes docs/benchmarks/megatron_layouts.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus, write_gpt2_bpe
+from rapidformer.preprocess_data import main as preprocess
+
+LAYOUTS = {"one": (1, "dp"), "tp2": (2, "tp2"), "pp2": (2, "pp2"), "dp2": (2, "dp")}
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
+    """Training FLOPs per token: 6 x (transformer + embedding parameters) plus attention's
+    scores and weighted sum (12 x layers x hidden x seq for forward and backward)."""
+    params = 12 * layers * hidden ** 2 + vocab * hidden
+    return 6 * params + 12 * layers * hidden * seq
+
+
+def run(name: str, work: Path, args, data: dict) -> dict:
+    nproc, parallelism = LAYOUTS[name]
+    out = work / f"run_{name}"
+    command = [sys.executable, "-m", "rapidformer", "+recipe=gpt_pretrain",
+               f"model={args.model}", f"model.hidden_size={args.hidden}",
+               f"model.num_layers={args.layers}", f"model.num_attention_heads={args.heads}",
+               f"model.intermediate_size={4 * args.hidden}",
+               f"model.max_position_embeddings={args.seq}", f"data.max_seq_length={args.seq}",
+               f"data.path={data['prefix']}", f"model.tokenizer={data['vocab']}",
+               f"model.merge_file={data['merges']}", f"precision={args.precision}",
+               f"parallelism={parallelism}", f"launcher.nproc_per_node={nproc}",
+               f"trainer.micro_batch_size={args.micro}",
+               f"trainer.global_batch_size={args.global_batch}",
+               f"trainer.train_iters={args.iters}", "trainer.log_interval=5",
+               "trainer.eval_iters=0", "trainer.export_hf=false", "trainer.progress_bar=false",
+               "trainer.save_interval=1000000", f"trainer.output_dir={out}"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        return {"layout": name, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r][1:]  # the first window holds warm-up
+    tokens_per_s = sum(r["tokens_per_s"] for r in steps) / len(steps)
+    return {"layout": name, "gpus": nproc, "tokens_per_s": round(tokens_per_s),
+            "tokens_per_s_per_gpu": round(tokens_per_s / nproc),
+            "peak_mem_gb_rank0": round(max(r.get("peak_mem_gb", 0.0) for r in steps), 2),
+            "final_loss": round(steps[-1]["loss"], 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--model", default="megatron_gpt")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--mb", type=float, default=30.0, help="generated corpus, MiB")
+    parser.add_argument("--out", default="docs/benchmarks/megatron_layouts.json")
+    args = parser.parse_args()
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in device), None)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rapidformer-megatron-") as temp:
+        work = Path(temp)
+        corpus = write_corpus(work / "corpus.json", target_bytes=int(args.mb * 2**20))
+        vocab, merges = write_gpt2_bpe(list(iter_documents(VOCAB_SAMPLE_DOCS)), work / "gpt2")
+        preprocess(["--input", corpus["path"], "--output-prefix", str(work / "gpt"),
+                    "--vocab-file", str(vocab), "--merge-file", str(merges),
+                    "--tokenizer-type", "GPT2BPETokenizer", "--append-eod",
+                    "--workers", str(min(8, os.cpu_count() or 1))])
+        data = {"prefix": str(work / "gpt_text_document"), "vocab": vocab, "merges": merges}
+        vocab_size = len(json.loads(Path(vocab).read_text()))
+        per_token = flops_per_token(args.layers, args.hidden, args.seq, vocab_size)
+        for name in args.layouts:
+            row = run(name, work, args, data)
+            if peak and "tokens_per_s" in row:
+                row["mfu"] = round(row["tokens_per_s_per_gpu"] * per_token / peak, 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"date": datetime.date.today().isoformat(), "device": device,
+              "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                        "seq": args.seq, "vocab": vocab_size,
+                        "params": 12 * args.layers * args.hidden ** 2 + vocab_size * args.hidden},
+              "micro_batch": args.micro, "global_batch": args.global_batch,
+              "iterations": args.iters, "precision": args.precision,
+              "flops_per_token": per_token, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    if any("error" in r for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
