@@ -10,7 +10,7 @@ model" — is megatron-core's GPT built from the run's model settings.
         --data-path PREFIX_text_document --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \
         --data-impl mmap --split 980,20 --lr 1e-3 --lr-decay-style linear --weight-decay 1e-2 \
         --clip-grad 1.0 --lr-warmup-fraction .01 --log-interval 1 \
-        model=megatron_gpt trainer.export_hf=false launcher.nproc_per_node=2
+        model=megatron_gpt launcher.nproc_per_node=2
 
 `run_forward_step` returns the loss, as the seed's does; with pipeline parallelism it must
 return megatron-core's (output_tensor, loss_func) pair instead (docs/parallelism.md).

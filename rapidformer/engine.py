@@ -139,6 +139,9 @@ class RapidformerEngine:
                                    "model_optimizer_lr_scheduler_provider"])
             model = self.fsdp = shard_model(model, self.cfg, self.device)
             log.info("memory=fsdp: FSDP2 over %d transformer blocks", len(transformer_blocks(model)))
+        if optimizer is None and self.parallel is not None and self.cfg.memory.name == "zero1":
+            optimizer = parallel.build_zero1_optimizer(model, self.cfg.optim, t.lr,
+                                                       t.weight_decay, self.device)
         if optimizer is None:
             optimizer = build_optimizer(model, self.cfg.optim, t.lr, t.weight_decay, self.device)
         if self.parallel is not None:
@@ -154,7 +157,7 @@ class RapidformerEngine:
                                        "to build the lr schedule; pass total_iters=N or "
                                        "lr_scheduler_fn"])
                 lr_scheduler = build_scheduler(optimizer, self.cfg.scheduler, total, t.lr)
-        if self.cfg.memory.name in ZERO_STAGES:
+        if self.cfg.memory.name in ZERO_STAGES and self.parallel is None:
             deepspeed = import_deepspeed(self.device)
             accumulation = t.global_batch_size // (t.micro_batch_size * self.world_size)
             config = deepspeed_config(self.cfg, accumulation, self.device)
@@ -311,6 +314,16 @@ class RapidformerEngine:
         self.barrier()
         return path
 
+    def _megatron_as_gpt2(self, model, tokenizer):
+        from rapidformer.models.megatron_export import gather_full_state, to_hf_gpt2
+
+        full = gather_full_state(model, self.cfg.model.num_layers)  # collective
+        if full is None:
+            return None
+        vocab = full["embedding.word_embeddings.weight"].shape[0]
+        eod = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        return to_hf_gpt2(full, self.cfg, vocab, eod)
+
     def _layout(self) -> dict:
         if self.parallel is None:
             return {}
@@ -387,6 +400,10 @@ class RapidformerEngine:
         """One consolidated Hugging Face `save_pretrained` directory (fp32), written atomically
         at run_dir/hf_model by rank 0. Under ZeRO the weights come from checkpoint `step`."""
         model = self.ds.module if self.ds is not None else unwrap(self.model)
+        if self.parallel is not None:  # megatron-core GPT -> GPT-2, gathered on rank 0
+            model = self._megatron_as_gpt2(model, tokenizer)
+            if model is None:
+                return None
         if not hasattr(model, "save_pretrained"):
             log.info("the model is not a Hugging Face model: no hf_model export")
             return None

@@ -167,15 +167,58 @@ def forward_backward(forward_step, data_iterator, model, num_microbatches: int,
 
 def save_shards(model: torch.nn.Module, optimizer, directory, rank: int) -> None:
     """Every rank writes its own shard of the model and optimizer (resume needs the same
-    layout: the shards are cut by tensor and pipeline rank)."""
+    layout: the shards are cut by tensor and pipeline rank). A ZeRO-1 optimizer's state is
+    first gathered on the data-parallel group's first rank, whose file carries it for all."""
+    from megatron.core import parallel_state as ps
+
     shard_dir = directory / "megatron"
     shard_dir.mkdir(exist_ok=True)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+    if _local(optimizer) is not optimizer:
+        optimizer.consolidate_state_dict(to=0)  # collective over the data-parallel group
+        optim_state = optimizer.state_dict() if ps.get_data_parallel_rank() == 0 else None
+    else:
+        optim_state = optimizer.state_dict()
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    # the tracker's streams drive dropout inside tensor-parallel regions: resumed runs continue
+    # them rather than restart from the seed
+    torch.save({"model": model.state_dict(), "optimizer": optim_state,
+                "rng_tracker": get_cuda_rng_tracker().get_states()},
                shard_dir / f"rank{rank:05d}.pt")
 
 
 def load_shards(model: torch.nn.Module, optimizer, directory, rank: int) -> None:
+    from megatron.core import parallel_state as ps
+
     state = torch.load(directory / "megatron" / f"rank{rank:05d}.pt", map_location="cpu",
                        weights_only=False)
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
     model.load_state_dict(state["model"])
+    get_cuda_rng_tracker().set_states(state["rng_tracker"])
+    if _local(optimizer) is not optimizer:  # each replica keeps its part of the group's state
+        source = directory / "megatron" / f"rank{ps.get_data_parallel_src_rank():05d}.pt"
+        state = torch.load(source, map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
+
+
+def _local(optimizer):
+    """The optimizer whose state this rank holds (a ZeRO-1 optimizer's own shard)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def build_zero1_optimizer(model: torch.nn.Module, o, lr: float, weight_decay: float,
+                          device: torch.device):
+    """memory=zero1 for a Megatron model: AdamW whose state is sharded over the data-parallel
+    replicas (torch's ZeroRedundancyOptimizer: each replica steps its share of the parameters
+    and broadcasts them), on top of the tensor/pipeline sharding."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from rapidformer.optim import fused_available, parameter_groups
+
+    fused = o.fused == "on" or (o.fused == "auto" and fused_available(device))
+    return ZeroRedundancyOptimizer(parameter_groups(model, weight_decay),
+                                   optimizer_class=torch.optim.AdamW,
+                                   process_group=ps.get_data_parallel_group(), lr=lr,
+                                   betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
