@@ -6,7 +6,7 @@
 
 Each layout is one real run of `python -m rapidformer +recipe=gpt_pretrain model=megatron_gpt`
 on generated document-level mmap data: one process on one GPU (the baseline), TP=2, PP=2, and
-DP=2 over 2 GPUs. Reads tokens/s, peak memory (rank 0) and the loss from metrics.jsonl, and
+DP=2 over 2 GPUs (and DP=2 with memory=zero1: `--layouts dp2 dp2_zero1`). Reads tokens/s, peak memory (rank 0) and the loss from metrics.jsonl, and
 computes MFU from the model's FLOPs per token (6 x parameters + attention) against the GPU's
 dense bf16 peak. Writes docs/benchmarks/megatron_layouts.json.
 """
@@ -24,7 +24,10 @@ from pathlib import Path
 from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus, write_gpt2_bpe
 from rapidformer.preprocess_data import main as preprocess
 
-LAYOUTS = {"one": (1, "dp"), "tp2": (2, "tp2"), "pp2": (2, "pp2"), "dp2": (2, "dp")}
+# layout -> (processes, overrides)
+LAYOUTS = {"one": (1, ["parallelism=dp"]), "tp2": (2, ["parallelism=tp2"]),
+           "pp2": (2, ["parallelism=pp2"]), "dp2": (2, ["parallelism=dp"]),
+           "dp2_zero1": (2, ["parallelism=dp", "memory=zero1"])}
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
@@ -36,7 +39,7 @@ def flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
 
 
 def run(name: str, work: Path, args, data: dict) -> dict:
-    nproc, parallelism = LAYOUTS[name]
+    nproc, layout = LAYOUTS[name]
     out = work / f"run_{name}"
     command = [sys.executable, "-m", "rapidformer", "+recipe=gpt_pretrain",
                f"model={args.model}", f"model.hidden_size={args.hidden}",
@@ -45,7 +48,7 @@ def run(name: str, work: Path, args, data: dict) -> dict:
                f"model.max_position_embeddings={args.seq}", f"data.max_seq_length={args.seq}",
                f"data.path={data['prefix']}", f"model.tokenizer={data['vocab']}",
                f"model.merge_file={data['merges']}", f"precision={args.precision}",
-               f"parallelism={parallelism}", f"launcher.nproc_per_node={nproc}",
+               *layout, f"launcher.nproc_per_node={nproc}",
                f"trainer.micro_batch_size={args.micro}",
                f"trainer.global_batch_size={args.global_batch}",
                f"trainer.train_iters={args.iters}", "trainer.log_interval=5",
@@ -65,7 +68,8 @@ def run(name: str, work: Path, args, data: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=["one", "tp2", "pp2", "dp2"],
+                        choices=list(LAYOUTS))
     parser.add_argument("--model", default="megatron_gpt")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=24)
