@@ -183,6 +183,8 @@ def test_activation_recompute_hooks_hugging_face_layers_and_refuses_others():
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50))
     enable_recompute(model)
-    assert model.is_gradient_checkpointing and model.config.use_cache is False
+    on = model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") \
+        else model.is_gradient_checkpointing
+    assert on and model.config.use_cache is False
     with pytest.raises(ConfigError, match="Linear does not support activation recompute"):
         enable_recompute(torch.nn.Linear(2, 2))

@@ -205,7 +205,7 @@ class PreTrainer:
             if engine.parallel is not None:
                 for loss in self._megatron_steps(data_iterator, model, micro_batches,
                                                  forward_only=True):
-                    total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64)])
+                    total += torch.stack([loss.double(), torch.ones_like(loss, dtype=torch.float64)])
             else:
                 for _ in range(micro_batches):
                     loss = self.run_forward_step(data_iterator, model).detach().double()
