@@ -172,3 +172,21 @@ def test_padded_vocabulary_does_not_depend_on_the_layout():
 
     assert padded_vocab_size(50257, 1) == padded_vocab_size(50257, 8) == 50304
     assert padded_vocab_size(328, 2) == 384 and padded_vocab_size(384, 4) == 384
+
+
+@pytest.mark.slow
+def test_zero1_replicas_resume_from_their_own_optimizer_shards(tmp_path, pretraining_data):
+    args = [*megatron_args(pretraining_data), "launcher.nproc_per_node=2", "memory=zero1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert_ok(run_cli([*args, f"trainer.output_dir={straight}"], cwd=tmp_path))
+    assert_ok(run_cli([*args, "trainer.exit_interval=3", f"trainer.output_dir={split}"],
+                      cwd=tmp_path))
+    shards = sorted((split / "checkpoints" / "step_00000003" / "megatron").iterdir())
+    assert [p.name for p in shards] == ["rank00000.pt", "rank00001.pt"]
+    # each replica saved only its share of the Adam state; together they cover every parameter
+    optimizers = [torch.load(p, weights_only=False)["optimizer"] for p in shards]
+    owned = [len(o["state"]) for o in optimizers]
+    assert all(owned) and sum(owned) == sum(len(g["params"])
+                                            for g in optimizers[0]["param_groups"])
+    assert_ok(run_cli([*args, "trainer.resume=auto", f"trainer.output_dir={split}"], cwd=tmp_path))
+    assert_same_losses(train_losses(straight), train_losses(split), rel=1e-5)

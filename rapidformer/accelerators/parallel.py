@@ -167,39 +167,37 @@ def forward_backward(forward_step, data_iterator, model, num_microbatches: int,
 
 def save_shards(model: torch.nn.Module, optimizer, directory, rank: int) -> None:
     """Every rank writes its own shard of the model and optimizer (resume needs the same
-    layout: the shards are cut by tensor and pipeline rank). A ZeRO-1 optimizer's state is
-    first gathered on the data-parallel group's first rank, whose file carries it for all."""
-    from megatron.core import parallel_state as ps
+    layout: the shards are cut by tensor, pipeline and, under ZeRO-1, data-parallel rank) and
+    its tensor-parallel RNG streams (dropout inside tensor-parallel regions)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     shard_dir = directory / "megatron"
     shard_dir.mkdir(exist_ok=True)
-    if _local(optimizer) is not optimizer:
-        optimizer.consolidate_state_dict(to=0)  # collective over the data-parallel group
-        optim_state = optimizer.state_dict() if ps.get_data_parallel_rank() == 0 else None
-    else:
-        optim_state = optimizer.state_dict()
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    # the tracker's streams drive dropout inside tensor-parallel regions: resumed runs continue
-    # them rather than restart from the seed
-    torch.save({"model": model.state_dict(), "optimizer": optim_state,
+    torch.save({"model": model.state_dict(), "optimizer": _optimizer_shard(optimizer),
                 "rng_tracker": get_cuda_rng_tracker().get_states()},
                shard_dir / f"rank{rank:05d}.pt")
 
 
 def load_shards(model: torch.nn.Module, optimizer, directory, rank: int) -> None:
-    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = torch.load(directory / "megatron" / f"rank{rank:05d}.pt", map_location="cpu",
                        weights_only=False)
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     model.load_state_dict(state["model"])
     get_cuda_rng_tracker().set_states(state["rng_tracker"])
-    if _local(optimizer) is not optimizer:  # each replica keeps its part of the group's state
-        source = directory / "megatron" / f"rank{ps.get_data_parallel_src_rank():05d}.pt"
-        state = torch.load(source, map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
+
+
+def _optimizer_shard(optimizer) -> dict:
+    """The optimizer's state dict; for ZeRO-1 only this replica's share, in the layout its
+    `load_state_dict` reads (global indices, other replicas' entries absent): no gathering of
+    the whole state through object collectives, which does not scale to large models."""
+    if _local(optimizer) is optimizer:
+        return optimizer.state_dict()
+    shard = torch.optim.Optimizer.state_dict(optimizer)  # the groups, with global indices
+    index = optimizer._param_to_index  # torch's own global indexing of the parameters
+    shard["state"] = {index[param]: value for param, value in optimizer.optim.state.items()}
+    return shard
 
 
 def _local(optimizer):
