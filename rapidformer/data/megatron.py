@@ -103,8 +103,8 @@ def check_data_impl(data_impl: str) -> None:
                          f"data.impl=mmap")
 
 
-def data_prefixes(data_path: str | list) -> list[str]:
-    """The dataset prefixes of `data.path`: one prefix, or Megatron's 'w1 prefix1 w2 prefix2'."""
+def _blend(data_path) -> tuple[list[str], list[float] | None]:
+    """(prefixes, weights) of `data.path`: one prefix, or Megatron's 'w1 prefix1 w2 prefix2'."""
     require_megatron_core()
     parts = data_path.split() if isinstance(data_path, str) else [str(p) for p in data_path]
     if not parts:
@@ -112,7 +112,17 @@ def data_prefixes(data_path: str | list) -> list[str]:
                          "printed, e.g. data.path=data/corpus_text_sentence")
     from megatron.core.datasets.utils import get_blend_from_list
 
-    return get_blend_from_list(parts)[0]
+    return get_blend_from_list(parts)
+
+
+def _open_all(prefixes: list[str], vocab_size: int, skip_warmup: bool) -> list:
+    """Every prefix's files checked (whole, this vocabulary), opened once, warmed if asked."""
+    indexed = []
+    for prefix in prefixes:
+        indexed.append(open_indexed(prefix, vocab_size))
+        if not skip_warmup:
+            warm_up(prefix)
+    return indexed
 
 
 def open_indexed(prefix: str, vocab_size: int | None = None):
@@ -186,12 +196,12 @@ def _process_group():
         dist.destroy_process_group()
 
 
-def _build(dataset_cls, config, prefixes: list[str], sizes: list[int]):
+def _build(dataset_cls, config, indexed: list, sizes: list[int]):
     """The three splits; an empty split (no documents or no samples asked) is None."""
     from megatron.core.datasets.blended_megatron_dataset_builder import \
         BlendedMegatronDatasetBuilder
 
-    documents = min(len(open_indexed(p)) for p in prefixes)
+    documents = min(len(dataset) for dataset in indexed)
     for i, bookends in enumerate(config.split_matrix):
         if bookends is None:
             continue
@@ -237,25 +247,23 @@ def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: 
         raise InputError(f"mask_prob={masked_lm_prob} must be in (0, 1), e.g. 0.15")
     if not 0 <= short_seq_prob <= 1:
         raise InputError(f"short_seq_prob={short_seq_prob} must be in [0, 1], e.g. 0.1")
-    prefixes = data_prefixes(data_path)
-    for prefix in prefixes:
-        indexed = open_indexed(prefix, tokenizer.vocab_size)
-        if binary_head and not np.any(np.diff(indexed.document_indices) > 1):
+    blend = _blend(data_path)
+    indexed = _open_all(blend[0], tokenizer.vocab_size, skip_warmup)
+    for prefix, dataset in zip(blend[0], indexed):
+        if binary_head and not np.any(np.diff(dataset.document_indices) > 1):
             raise InputError(f"{prefix} has one sentence per document, but next-sentence "
                              f"prediction pairs sentences of a document: preprocess with "
                              f"--split-sentences (a '_sentence' prefix), or set "
                              f"binary_head=False")
-        if not skip_warmup:
-            warm_up(prefix)
     config = BERTMaskedWordPieceDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=_blend(data_path),
+        random_seed=seed, sequence_length=seq_length, blend=blend,
         split=splits_string, path_to_cache=_cache_dir(path_to_cache), tokenizer=tokenizer,
         masking_probability=masked_lm_prob, short_sequence_probability=short_seq_prob,
         # Megatron-LM's pretrain_bert.py settings
         masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
         masking_use_longer_ngrams=False, masking_use_geometric_distribution=False,
         classification_head=binary_head)
-    splits = _build(BERTMaskedWordPieceDataset, config, prefixes, num_samples)
+    splits = _build(BERTMaskedWordPieceDataset, config, indexed, num_samples)
     return tuple(None if d is None else BertSamples(d, tokenizer.hf_pad) for d in splits)
 
 
@@ -269,24 +277,15 @@ def build_gpt_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: s
     if tokenizer.eod is None:
         raise InputError("GPT pretraining needs an end-of-document token; the tokenizer has "
                          "none (GPT-2 vocabularies have <|endoftext|>)")
-    prefixes = data_prefixes(data_path)
-    for prefix in prefixes:
-        open_indexed(prefix, tokenizer.vocab_size)
-        if not skip_warmup:
-            warm_up(prefix)
+    blend = _blend(data_path)
+    indexed = _open_all(blend[0], tokenizer.vocab_size, skip_warmup)
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=_blend(data_path),
+        random_seed=seed, sequence_length=seq_length, blend=blend,
         split=splits_string, path_to_cache=_cache_dir(path_to_cache), tokenizer=tokenizer,
         reset_position_ids=reset_position_ids, reset_attention_mask=False,
         eod_mask_loss=eod_mask_loss, create_attention_mask=False)
-    splits = _build(GPTDataset, config, prefixes, num_samples)
+    splits = _build(GPTDataset, config, indexed, num_samples)
     return tuple(None if d is None else GPTSamples(d) for d in splits)
-
-
-def _blend(data_path):
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    return get_blend_from_list(data_path.split() if isinstance(data_path, str) else data_path)
 
 
 class BertSamples(torch.utils.data.Dataset):

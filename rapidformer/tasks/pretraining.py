@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rapidformer import mpu
-from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets, check_data_impl
+from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets
 from rapidformer.models.hf import build_pretraining_model
 from rapidformer.templates.pretrainer import PreTrainer
 from rapidformer.tokenizer import load_pretraining_tokenizer
@@ -33,8 +33,7 @@ class _MegatronDataPretrainer(PreTrainer):
 
 class BertPretrainer(_MegatronDataPretrainer):
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        d = self.cfg.data
-        check_data_impl(d.impl)
+        d = self.cfg.data  # data.impl is checked with the config
         return build_bert_datasets(d.path, self._tokenizer(), d.split,
                                    train_val_test_num_samples, d.max_seq_length, d.mask_prob,
                                    d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
@@ -55,8 +54,7 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
         return build_megatron_gpt(self.cfg, tokenizer.vocab_size), None, None
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
-        d = self.cfg.data
-        check_data_impl(d.impl)
+        d = self.cfg.data  # data.impl is checked with the config
         return build_gpt_datasets(d.path, self._tokenizer(), d.split, train_val_test_num_samples,
                                   d.max_seq_length, self.cfg.trainer.seed,
                                   eod_mask_loss=d.eod_mask_loss,
