@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from rapidformer import checkpoint
-from rapidformer.accelerators import parallel
+from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, parallel
 from rapidformer.accelerators.fsdp import (DCP_DIR, full_state_dict, load_shards, save_shards,
                                            shard_model, transformer_blocks)
 from rapidformer.accelerators.graph import apply_graph, unwrap
 from rapidformer.accelerators.memory import (CHECKPOINT_TAG, ZERO_STAGES, consolidated_state_dict,
                                              deepspeed_config, import_deepspeed)
-from rapidformer.accelerators.precision import MixedPrecision
+from rapidformer.accelerators.precision import MixedPrecision, check_device_supports
 from rapidformer.accelerators.recompute import enable_recompute
 from rapidformer.config.args import active
 from rapidformer.config.schema import RunConfig
@@ -101,7 +101,11 @@ class RapidformerEngine:
         seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
         # megatron-core models: tensor/pipeline groups; data parallelism takes the other ranks
         self.parallel = parallel.initialize(cfg, self.device) if parallel.is_megatron(cfg) else None
-        self.precision = MixedPrecision(cfg.precision, self.device)
+        if self.parallel is not None:  # megatron-core's optimizer owns the precision
+            check_device_supports(cfg.precision, self.device)
+            self.precision = megatron_optimizer.MegatronPrecision(cfg.precision.dtype)
+        else:
+            self.precision = MixedPrecision(cfg.precision, self.device)
         self.model = self.optimizer = self.lr_scheduler = None
         ENGINES_CREATED += 1
 
@@ -139,14 +143,16 @@ class RapidformerEngine:
                                    "model_optimizer_lr_scheduler_provider"])
             model = self.fsdp = shard_model(model, self.cfg, self.device)
             log.info("memory=fsdp: FSDP2 over %d transformer blocks", len(transformer_blocks(model)))
-        if optimizer is None and self.parallel is not None and self.cfg.memory.name == "zero1":
-            optimizer = parallel.build_zero1_optimizer(model, self.cfg.optim, t.lr,
-                                                       t.weight_decay, self.device)
+        if self.parallel is not None:
+            if optimizer is not None:
+                raise ConfigError(["a Megatron model trains with megatron-core's optimizer, "
+                                   "built from optim.* and precision.*: return None for the "
+                                   "optimizer from model_optimizer_lr_scheduler_provider"])
+            model = megatron_optimizer.wrap_model(model, self.cfg)
+            optimizer = self.precision.optimizer = megatron_optimizer.build_optimizer(model,
+                                                                                      self.cfg)
         if optimizer is None:
             optimizer = build_optimizer(model, self.cfg.optim, t.lr, t.weight_decay, self.device)
-        if self.parallel is not None:
-            # megatron-core's schedule calls this after the last backward of a step
-            model.config.finalize_model_grads_func = parallel.finalize_grads
         if lr_scheduler is None:
             if lr_scheduler_fn is not None:
                 lr_scheduler = lr_scheduler_fn(optimizer=optimizer)
@@ -228,13 +234,16 @@ class RapidformerEngine:
             self.precision.skipped_steps = skipped
             return {"grad_norm": torch.tensor(float(norm) if norm is not None else float("nan")),
                     "stepped": stepped}
+        if self.parallel is not None:  # megatron-core: unscale, clip over every shard, step
+            stepped, grad_norm = self.precision.step(self.optimizer)
+            if stepped:
+                self.lr_scheduler.step()
+            megatron_optimizer.zero_grad(self.model, self.optimizer)
+            return {"grad_norm": torch.tensor(grad_norm), "stepped": stepped}
         clip = self.cfg.trainer.clip_grad
         self.precision.unscale_(self.optimizer)
-        if self.parallel is not None:  # the norm over every tensor/pipeline shard
-            grad_norm = parallel.clip_grad_norm(self.model, clip)
-        else:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor norm over all shards
             grad_norm = grad_norm.full_tensor()
         stepped = self.precision.step(self.optimizer)
@@ -273,10 +282,10 @@ class RapidformerEngine:
 
     def save_checkpoint(self, step: int, state: dict, extra=None) -> Path:
         """Rank 0 writes the (replicated) states and every rank's RNG; the others wait."""
-        rng = [rng_state()]
+        rng = [self._rng_state()]
         if self.world_size > 1:
             rng = [None] * self.world_size
-            dist.all_gather_object(rng, rng_state())
+            dist.all_gather_object(rng, self._rng_state())
         path = self.checkpoint_root / f"step_{step:08d}"
         sharded = self.ds is not None or self.fsdp is not None or self.parallel is not None
         if sharded:
@@ -290,8 +299,9 @@ class RapidformerEngine:
                 self.ds.save_checkpoint(str(tmp), tag=CHECKPOINT_TAG)
                 tensors = {"rng.pt": {"ranks": rng}}
             elif self.parallel is not None:
-                parallel.save_shards(self.model, self.optimizer, tmp, self.rank)
+                megatron_checkpoint.save(self.model, self.optimizer, tmp)
                 tensors = {"scheduler.pt": self.lr_scheduler.state_dict(),
+                           "precision.pt": self.precision.state_dict(),
                            "rng.pt": {"ranks": rng}}
             else:
                 save_shards(self.fsdp, self.optimizer, tmp / DCP_DIR)
@@ -314,6 +324,14 @@ class RapidformerEngine:
         self.barrier()
         return path
 
+    def _rng_state(self) -> dict:
+        state = rng_state()
+        if self.parallel is not None:  # dropout inside tensor-parallel regions
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            state["megatron_tracker"] = get_cuda_rng_tracker().get_states()
+        return state
+
     def _megatron_as_gpt2(self, model, tokenizer):
         from rapidformer.models.megatron_export import gather_full_state, to_hf_gpt2
 
@@ -328,7 +346,7 @@ class RapidformerEngine:
         if self.parallel is None:
             return {}
         return {"tensor_parallel": self.parallel.tp, "pipeline_parallel": self.parallel.pp,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "precision": self.cfg.precision.dtype}
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -366,15 +384,15 @@ class RapidformerEngine:
             raise InputError(f"checkpoint {path} was written with memory={saved_memory}, this "
                              f"run has memory={self.cfg.memory.name}; resume with the same memory "
                              f"mode (export it with its own mode first to change modes)")
+        same_layout = all(state.get(k) == v for k, v in self._layout().items())
         if self.parallel is not None:
-            saved = {k: state.get(k) for k in self._layout()}
-            if saved != self._layout():
-                raise InputError(f"checkpoint {path} was written with {saved}, this run has "
-                                 f"{self._layout()}; resume with the same tensor/pipeline layout "
-                                 f"and number of processes (resharding Megatron checkpoints is not "
-                                 f"built yet)")
-            parallel.load_shards(self.model, self.optimizer, path, self.rank)
+            problem = megatron_checkpoint.reshard_problem(
+                state, self._layout(), megatron_optimizer.uses_distributed_optimizer(self.cfg))
+            if problem:
+                raise InputError(f"checkpoint {path} cannot be resumed by this run: {problem}")
+            megatron_checkpoint.load(self.model, self.optimizer, path)
             self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
+            self.precision.load_state_dict(checkpoint.load(path, "precision.pt"))
         elif self.ds is not None:
             self.ds.load_checkpoint(str(path), tag=CHECKPOINT_TAG)
         else:
@@ -387,12 +405,17 @@ class RapidformerEngine:
                 self.lr_scheduler.load_state_dict(checkpoint.load(path, "scheduler.pt"))
             self.precision.load_state_dict(checkpoint.load(path, "precision.pt"))
         ranks = checkpoint.load(path, "rng.pt")["ranks"]
-        if len(ranks) == self.world_size:
+        if len(ranks) == self.world_size and same_layout:
             set_rng_state(ranks[self.rank])
+            if "megatron_tracker" in ranks[self.rank]:
+                from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+                get_cuda_rng_tracker().set_states(ranks[self.rank]["megatron_tracker"])
         else:
-            log.warning("checkpoint %s was written by %d processes, this run has %d: random "
-                        "streams (dropout) restart from the seed", path, len(ranks),
-                        self.world_size)
+            log.warning("checkpoint %s was written by %d processes (%s), this run has %d (%s): "
+                        "random streams (dropout) restart from the seed", path, len(ranks),
+                        {k: state.get(k) for k in self._layout()}, self.world_size,
+                        self._layout())
         log.info("resumed from %s (step %d)", path, state["step"])
         return state
 
@@ -401,7 +424,7 @@ class RapidformerEngine:
         at run_dir/hf_model by rank 0. Under ZeRO the weights come from checkpoint `step`."""
         model = self.ds.module if self.ds is not None else unwrap(self.model)
         if self.parallel is not None:  # megatron-core GPT -> GPT-2, gathered on rank 0
-            model = self._megatron_as_gpt2(model, tokenizer)
+            model = self._megatron_as_gpt2(megatron_optimizer.unwrap(model), tokenizer)
             if model is None:
                 return None
         if not hasattr(model, "save_pretrained"):

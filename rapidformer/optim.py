@@ -62,5 +62,35 @@ def lr_multiplier(step: int, s: SchedulerConfig, total_iters: int, lr: float) ->
 
 
 def build_scheduler(optimizer, s: SchedulerConfig, total_iters: int, lr: float):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, s, total_iters, lr))
+    multiplier = lambda step: lr_multiplier(step, s, total_iters, lr)  # noqa: E731
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+    return ParamGroupSchedule(optimizer, multiplier, lr)
+
+
+class ParamGroupSchedule:
+    """The same schedule for an optimizer that is not a torch Optimizer (megatron-core's, which
+    torch's schedulers refuse): it sets the lr of every parameter group, as LambdaLR does."""
+
+    def __init__(self, optimizer, multiplier, lr: float):
+        self.optimizer, self.multiplier, self.base_lr = optimizer, multiplier, lr
+        self.last_epoch = 0
+        self._apply()
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base_lr * self.multiplier(self.last_epoch)
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch = state["last_epoch"]
+        self._apply()

@@ -30,7 +30,8 @@ def import_deepspeed(device: torch.device):
 
 
 def check_zero_precision(cfg: RunConfig, device_type: str) -> None:
-    if cfg.memory.name in ZERO_STAGES and cfg.precision.dtype == "fp16" and device_type == "cpu":
+    if cfg.memory.name in ZERO_STAGES and cfg.precision.dtype == "fp16" and device_type == "cpu" \
+            and not cfg.model.arch.startswith("megatron"):  # megatron-core's optimizer, not DeepSpeed
         raise ConfigError([f"precision=fp16 with memory={cfg.memory.name}: DeepSpeed has no fp16 "
                            f"on a CPU; use precision=bf16 or fp32, or run on a GPU"])
 

@@ -295,15 +295,14 @@ def _megatron_problems(cfg: RunConfig) -> list[str]:
     if pp >= 1 and m.num_layers % pp:
         p.append(f"model.num_layers={m.num_layers} does not divide by "
                  f"parallelism.pipeline_model_parallel_size={pp}")
-    if cfg.memory.name not in ("none", "zero1"):
-        p.append(f"memory={cfg.memory.name} with a Megatron model is not built yet (tensor and "
-                 f"pipeline parallelism shard the model already); use memory=zero1 (optimizer "
-                 f"state sharded over data-parallel replicas) or memory=none")
+    if cfg.memory.name not in ("none", "zero1", "zero2"):
+        p.append(f"memory={cfg.memory.name} with a Megatron model is not supported: tensor and "
+                 f"pipeline parallelism shard the weights already, and megatron-core's own FSDP "
+                 f"is not wired here; use memory=zero1 or zero2 (megatron-core's distributed "
+                 f"optimizer) or memory=none")
     if cfg.memory.offload_optimizer or cfg.memory.offload_params:
         p.append("memory.offload_optimizer/offload_params with a Megatron model is not built yet; "
                  "set them to false")
-    if cfg.precision.dtype == "fp16":
-        p.append("precision=fp16 with a Megatron model is not built yet; use precision=bf16")
     if cfg.graph.name != "eager":
         p.append(f"graph={cfg.graph.name} with a Megatron model is not built yet; use graph=eager")
     return p
