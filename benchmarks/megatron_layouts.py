@@ -6,7 +6,9 @@
 
 Each layout is one real run of `python -m rapidformer +recipe=gpt_pretrain model=megatron_gpt`
 on generated document-level mmap data: one process on one GPU (the baseline), TP=2, PP=2, and
-DP=2 over 2 GPUs (and DP=2 with memory=zero1: `--layouts dp2 dp2_zero1`). Reads tokens/s, peak memory (rank 0) and the loss from metrics.jsonl, and
+DP=2 over 2 GPUs; also DP=2 with megatron-core's distributed optimizer (`dp2_zero1`) and fp16
+with dynamic loss scaling (`one_fp16`, `tp2_fp16`). Reads tokens/s, peak memory (rank 0) and the
+loss from metrics.jsonl, and
 computes MFU from the model's FLOPs per token (6 x parameters + attention) against the GPU's
 dense bf16 peak. Writes docs/benchmarks/megatron_layouts.json.
 """
@@ -16,6 +18,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +30,9 @@ from rapidformer.preprocess_data import main as preprocess
 # layout -> (processes, overrides)
 LAYOUTS = {"one": (1, ["parallelism=dp"]), "tp2": (2, ["parallelism=tp2"]),
            "pp2": (2, ["parallelism=pp2"]), "dp2": (2, ["parallelism=dp"]),
-           "dp2_zero1": (2, ["parallelism=dp", "memory=zero1"])}
+           "dp2_zero1": (2, ["parallelism=dp", "memory=zero1"]),
+           "one_fp16": (1, ["parallelism=dp", "precision=fp16"]),
+           "tp2_fp16": (2, ["parallelism=tp2", "precision=fp16"])}
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
@@ -47,23 +52,39 @@ def run(name: str, work: Path, args, data: dict) -> dict:
                f"model.intermediate_size={4 * args.hidden}",
                f"model.max_position_embeddings={args.seq}", f"data.max_seq_length={args.seq}",
                f"data.path={data['prefix']}", f"model.tokenizer={data['vocab']}",
-               f"model.merge_file={data['merges']}", f"precision={args.precision}",
+               f"model.merge_file={data['merges']}",
+               *([] if any(o.startswith("precision=") for o in layout)
+                 else [f"precision={args.precision}"]),
                *layout, f"launcher.nproc_per_node={nproc}",
                f"trainer.micro_batch_size={args.micro}",
                f"trainer.global_batch_size={args.global_batch}",
                f"trainer.train_iters={args.iters}", "trainer.log_interval=5",
                "trainer.eval_iters=0", "trainer.export_hf=false", "trainer.progress_bar=false",
-               "trainer.save_interval=1000000", f"trainer.output_dir={out}"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        return {"layout": name, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:300]}
+               "trainer.save_last=false", f"trainer.output_dir={out}"]
+    log_path = Path(args.logs or work) / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        # its own session: a layout that hangs is killed with all its worker processes
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            returncode = process.wait(timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return {"layout": name, "error": f"no result within {args.run_timeout} s "
+                                             f"(log: {log_path})"}
+    if returncode != 0:
+        lines = log_path.read_text().strip().splitlines() or ["?"]
+        return {"layout": name, "error": lines[-1][:300]}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r][1:]  # the first window holds warm-up
     tokens_per_s = sum(r["tokens_per_s"] for r in steps) / len(steps)
     return {"layout": name, "gpus": nproc, "tokens_per_s": round(tokens_per_s),
             "tokens_per_s_per_gpu": round(tokens_per_s / nproc),
             "peak_mem_gb_rank0": round(max(r.get("peak_mem_gb", 0.0) for r in steps), 2),
-            "final_loss": round(steps[-1]["loss"], 4)}
+            "final_loss": round(steps[-1]["loss"], 4),
+            **({"skipped_steps": steps[-1]["skipped_steps"]} if "skipped_steps" in steps[-1] else {})}
 
 
 def main() -> None:
@@ -81,6 +102,8 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--mb", type=float, default=30.0, help="generated corpus, MiB")
     parser.add_argument("--out", default="docs/benchmarks/megatron_layouts.json")
+    parser.add_argument("--logs", default=None, help="keep each layout's log here")
+    parser.add_argument("--run-timeout", type=int, default=900, help="seconds per layout")
     args = parser.parse_args()
     import torch
 
@@ -98,21 +121,23 @@ def main() -> None:
         data = {"prefix": str(work / "gpt_text_document"), "vocab": vocab, "merges": merges}
         vocab_size = len(json.loads(Path(vocab).read_text()))
         per_token = flops_per_token(args.layers, args.hidden, args.seq, vocab_size)
+        result = {"date": datetime.date.today().isoformat(), "device": device,
+                  "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                            "seq": args.seq, "vocab": vocab_size,
+                            "params": 12 * args.layers * args.hidden ** 2
+                            + vocab_size * args.hidden},
+                  "micro_batch": args.micro, "global_batch": args.global_batch,
+                  "iterations": args.iters, "precision": args.precision,
+                  "flops_per_token": per_token, "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         for name in args.layouts:
             row = run(name, work, args, data)
             if peak and "tokens_per_s" in row:
                 row["mfu"] = round(row["tokens_per_s_per_gpu"] * per_token / peak, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"date": datetime.date.today().isoformat(), "device": device,
-              "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-                        "seq": args.seq, "vocab": vocab_size,
-                        "params": 12 * args.layers * args.hidden ** 2 + vocab_size * args.hidden},
-              "micro_batch": args.micro, "global_batch": args.global_batch,
-              "iterations": args.iters, "precision": args.precision,
-              "flops_per_token": per_token, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+            # after every layout: a run cut short still leaves the rows it measured
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
     if any("error" in r for r in rows):
         sys.exit(1)

@@ -205,13 +205,13 @@ def test_megatron_half_precision_follows_fp32(tmp_path, pretraining_data):
     dynamic loss scale, here with the distributed optimizer over 2 replicas)."""
     args = megatron_args(pretraining_data)
     runs = {}
-    for name, extra in {"fp32": [], "bf16_tp2": ["precision=bf16", "parallelism=tp2",
+    for name, extra in {"fp32": [], "bf16_pp2": ["precision=bf16", "parallelism=pp2",
                                                  "launcher.nproc_per_node=2"],
                         "fp16_zero2": ["precision=fp16", "memory=zero2",
                                        "launcher.nproc_per_node=2"]}.items():
         assert_ok(run_cli([*args, *extra, f"trainer.output_dir={tmp_path / name}"], cwd=tmp_path))
         runs[name] = train_losses(tmp_path / name)
-    assert_same_losses(runs["fp32"], runs["bf16_tp2"], rel=2e-2)
+    assert_same_losses(runs["fp32"], runs["bf16_pp2"], rel=2e-2)
     assert_same_losses(runs["fp32"], runs["fp16_zero2"], rel=5e-3)
     scales = [r["loss_scale"] for r in read_metrics(tmp_path / "fp16_zero2") if "loss" in r]
     assert scales and scales[0] == 65536.0

@@ -170,6 +170,9 @@ class TrainerConfig:
     # stop (after saving a checkpoint) once the iteration is a multiple of this (Megatron's name)
     exit_interval: Optional[int] = None
     keep_last: int = 2
+    # false: no checkpoint when training ends (benchmarks: a 1B model with its optimizer state
+    # writes about 17 GB); interval and exit checkpoints are still written
+    save_last: bool = True
     output_dir: str = "outputs/run"
     # null: start fresh; auto: newest complete checkpoint in output_dir; else a checkpoint dir
     resume: Optional[str] = None

@@ -221,6 +221,11 @@ def check_values(cfg: RunConfig) -> list[str]:
     if cfg.memory.name != "none" and cfg.graph.name == "compile":
         p.append(f"graph=compile with memory={cfg.memory.name} is not supported yet; use "
                  f"graph=eager with memory={cfg.memory.name}, or graph=compile with memory=none")
+    if not cfg.trainer.save_last and cfg.trainer.export_hf and cfg.memory.name in ("zero1", "zero2", "zero3") \
+            and not m.arch.startswith("megatron"):
+        p.append(f"trainer.save_last=false with trainer.export_hf=true and memory={cfg.memory.name}: "
+                 f"the export reads DeepSpeed's final checkpoint; keep trainer.save_last=true or set "
+                 f"trainer.export_hf=false")
     if cfg.memory.name == "fsdp" and (cfg.memory.offload_optimizer and not cfg.memory.offload_params):
         p.append("memory.offload_optimizer=true with memory=fsdp needs memory.offload_params=true "
                  "(FSDP offloads parameters and optimizer state together)")

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from rapidformer.accelerators.precision import DTYPES
 from rapidformer.config.schema import ModelConfig, RunConfig
 
 log = logging.getLogger("rapidformer")
@@ -39,7 +40,9 @@ def transformer_config(cfg: RunConfig):
         init_method_std=m.initializer_range,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        pipeline_dtype=torch.float32, use_cpu_initialization=True, **recompute)
+        # what stages send each other: the weights' dtype (Float16Module casts to bf16/fp16);
+        # a mismatch would make the receiving stage wait for bytes that never come
+        pipeline_dtype=DTYPES[cfg.precision.dtype], use_cpu_initialization=True, **recompute)
 
 
 def build_megatron_gpt(cfg: RunConfig, vocab_size: int):

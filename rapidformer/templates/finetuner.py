@@ -209,7 +209,8 @@ class Finetuner:
             metrics = self.evaluate(model, self.build_data_loader(test_ds, collate_fn=collate_fn))
             sink.write(state.step, {f"test/{k}": v for k, v in metrics.items()})
             log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        if not (self.engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
+        if self.cfg.trainer.save_last and \
+                not (self.engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
             self._save(state)
         if self.cfg.trainer.export_hf:
             self.engine.export_hf(self.tokenizer, step=state.step)

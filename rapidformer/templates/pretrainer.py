@@ -158,7 +158,7 @@ class PreTrainer:
         if last_eval_step != state.step:
             self._evaluate("validation", model, valid_iter, state, sink)
         self._evaluate("test", model, self.build_data_iterator(test_ds, 0), state, sink)
-        if not (engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
+        if t.save_last and not (engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
             self._save(state)
         if t.export_hf:
             engine.export_hf(self.tokenizer, step=state.step)
