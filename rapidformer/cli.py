@@ -77,6 +77,7 @@ SWITCHES = {
     "--eod-mask-loss": "data.eod_mask_loss=true",
     "--reset-position-ids": "data.reset_position_ids=true",
     "--checkpoint-activations": "trainer.checkpoint_activations=true",
+    "--sequence-parallel": "parallelism.sequence_parallel=true",
 }
 # seed flags whose feature arrives later: refused by name, with what it needs
 NOT_YET: dict[str, str] = {}

@@ -39,15 +39,20 @@ def test_tensor_and_pipeline_parallel_give_the_losses_of_one_process(tmp_path, p
     runs, exported = {}, {}
     for name, extra in {"one": [], "tp2": ["parallelism=tp2", "launcher.nproc_per_node=2"],
                         "pp2": ["parallelism=pp2", "launcher.nproc_per_node=2"],
+                        "tp2_sp": ["parallelism=tp2", "parallelism.sequence_parallel=true",
+                                   "launcher.nproc_per_node=2"],
                         "dp2": ["launcher.nproc_per_node=2"],
                         "dp2_zero1": ["launcher.nproc_per_node=2", "memory=zero1"]}.items():
         out = tmp_path / name
-        assert_ok(run_cli([*megatron_args(pretraining_data), *extra, "trainer.export_hf=true",
-                           f"trainer.output_dir={out}"], cwd=tmp_path))
+        result = assert_ok(run_cli([*megatron_args(pretraining_data), *extra,
+                                    "trainer.export_hf=true", f"trainer.output_dir={out}"],
+                                   cwd=tmp_path))
+        assert ("local layers, sequence parallel;" in result.stderr + result.stdout) == \
+            (name == "tp2_sp")
         runs[name] = train_losses(out)
         exported[name] = GPT2LMHeadModel.from_pretrained(out / "hf_model").state_dict()
     assert runs["one"][6] < runs["one"][1] - 0.5  # it learns
-    for name in ("tp2", "pp2", "dp2", "dp2_zero1"):
+    for name in ("tp2", "tp2_sp", "pp2", "dp2", "dp2_zero1"):
         assert_same_losses(runs["one"], runs[name])
         # the shards of every layout gather into the same GPT-2
         for key, value in exported["one"].items():
@@ -93,11 +98,14 @@ def test_pipeline_recompute_and_resume_keep_the_losses(tmp_path, pretraining_dat
     # memory=zero1: the optimizer shards are saved and restored per rank too
     args = [*megatron_args(pretraining_data), "parallelism=pp2", "launcher.nproc_per_node=2",
             "model.hidden_dropout=0.1", "memory=zero1"]
-    straight, recompute, split = tmp_path / "straight", tmp_path / "recompute", tmp_path / "split"
+    straight, split = tmp_path / "straight", tmp_path / "split"
     assert_ok(run_cli([*args, f"trainer.output_dir={straight}"], cwd=tmp_path))
-    assert_ok(run_cli([*args, "trainer.checkpoint_activations=true",
-                       f"trainer.output_dir={recompute}"], cwd=tmp_path))
-    assert_same_losses(train_losses(straight), train_losses(recompute), rel=1e-5)
+    for granularity in ("full", "selective"):
+        recompute = tmp_path / granularity
+        assert_ok(run_cli([*args, "trainer.checkpoint_activations=true",
+                           f"trainer.recompute_granularity={granularity}",
+                           f"trainer.output_dir={recompute}"], cwd=tmp_path))
+        assert_same_losses(train_losses(straight), train_losses(recompute), rel=1e-5)
     assert_ok(run_cli([*args, "trainer.exit_interval=3", f"trainer.output_dir={split}"],
                       cwd=tmp_path))
     assert_ok(run_cli([*args, "trainer.resume=auto", f"trainer.output_dir={split}"], cwd=tmp_path))
@@ -142,6 +150,11 @@ def test_seed_white_box_megatron_gpt_script(tmp_path, pretraining_data):
     (["memory=zero1", "memory.offload_optimizer=true"], "offload_optimizer/offload_params with a "
                                                         "Megatron model is not built yet"),
     (["model=gpt2_tiny", "parallelism=tp2"], "needs a Megatron model"),
+    (["parallelism.sequence_parallel=true"], "it needs a Megatron model with "
+                                             "parallelism.tensor_model_parallel_size >= 2"),
+    (["model=gpt2_tiny", "trainer.checkpoint_activations=true",
+      "trainer.recompute_granularity=selective"], "trainer.recompute_granularity=selective is "
+                                                  "megatron-core's"),
 ])
 def test_megatron_settings_refused_before_work(overrides, message):
     base = ["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=corpus_text_document",

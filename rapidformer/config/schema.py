@@ -112,6 +112,9 @@ class ParallelismConfig:
     name: str = "dp"
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Megatron's --sequence-parallel: with TP > 1, layer norms and dropout work on 1/TP of the
+    # sequence on each rank (less activation memory; the same losses)
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -159,6 +162,9 @@ class TrainerConfig:
     # recompute each layer's activations in the backward pass (the seed's
     # --checkpoint-activations): less memory, about a third more compute
     checkpoint_activations: bool = False
+    # Megatron models: full (every layer, the seed's --checkpoint-activations) or selective
+    # (only attention's scores and softmax: most of the memory for a few % of compute)
+    recompute_granularity: Literal["full", "selective"] = "full"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_interval: int = 10
     # null: evaluate at the end of every epoch (PreTrainer: at the end of training)

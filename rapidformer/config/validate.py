@@ -204,6 +204,16 @@ def check_values(cfg: RunConfig) -> list[str]:
     par = cfg.parallelism
     positive("parallelism.tensor_model_parallel_size", par.tensor_model_parallel_size)
     positive("parallelism.pipeline_model_parallel_size", par.pipeline_model_parallel_size)
+    if par.sequence_parallel and (par.tensor_model_parallel_size < 2
+                                  or not m.arch.startswith("megatron")):
+        p.append(f"parallelism.sequence_parallel=true splits the sequence over tensor-parallel "
+                 f"ranks: it needs a Megatron model with parallelism.tensor_model_parallel_size "
+                 f">= 2 (this run: model={m.name}, {par.tensor_model_parallel_size})")
+    if cfg.trainer.checkpoint_activations and cfg.trainer.recompute_granularity == "selective" \
+            and not m.arch.startswith("megatron"):
+        p.append(f"trainer.recompute_granularity=selective is megatron-core's; model={m.name} is a "
+                 f"Hugging Face model, which recomputes whole layers: use "
+                 f"trainer.recompute_granularity=full")
     if (par.tensor_model_parallel_size > 1 or par.pipeline_model_parallel_size > 1) \
             and not m.arch.startswith("megatron"):
         p.append(f"parallelism (tensor {par.tensor_model_parallel_size} x pipeline "

@@ -29,10 +29,12 @@ def transformer_config(cfg: RunConfig):
 
     m, p = cfg.model, cfg.parallelism
     recompute = {}
-    if cfg.trainer.checkpoint_activations:
+    if cfg.trainer.checkpoint_activations and cfg.trainer.recompute_granularity == "full":
         # Megatron's --checkpoint-activations: every layer recomputed in the backward pass
         recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                      "recompute_num_layers": 1}
+    elif cfg.trainer.checkpoint_activations:  # attention's core (scores, softmax) only
+        recompute = {"recompute_granularity": "selective"}
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.intermediate_size,
@@ -40,9 +42,37 @@ def transformer_config(cfg: RunConfig):
         init_method_std=m.initializer_range,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
         # what stages send each other: the weights' dtype (Float16Module casts to bf16/fp16);
         # a mismatch would make the receiving stage wait for bytes that never come
         pipeline_dtype=DTYPES[cfg.precision.dtype], use_cpu_initialization=True, **recompute)
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm for megatron-core's local layers under sequence parallelism. Each
+    tensor-parallel rank normalizes its slice of the sequence, so the weights' gradients are
+    partial sums: the `sequence_parallel` mark makes megatron-core's finalize_model_grads
+    all-reduce them over the tensor-parallel group (what apex's and Transformer Engine's norms
+    do; megatron-core's torch wrapper refuses sequence parallelism instead)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(config, local_spec):
+    """Transformer Engine's layers when installed; else megatron-core's local layers, whose
+    norms become SequenceParallelLayerNorm under sequence parallelism."""
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    if not config.sequence_parallel:
+        return local_spec
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        setattr(local_spec.submodules, name, SequenceParallelLayerNorm)
+    return TransformerBlockSubmodules(layer_specs=[local_spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelLayerNorm)
 
 
 def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
@@ -57,7 +87,8 @@ def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
     m: ModelConfig = cfg.model
     config = transformer_config(cfg)
     spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-            if gpt_layer_specs.HAVE_TE else gpt_layer_specs.get_gpt_layer_local_spec())
+            if gpt_layer_specs.HAVE_TE
+            else layer_spec(config, gpt_layer_specs.get_gpt_layer_local_spec()))
     vocab = padded_vocab_size(vocab_size, cfg.parallelism.tensor_model_parallel_size)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                      max_sequence_length=m.max_position_embeddings,
@@ -66,9 +97,10 @@ def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
                      share_embeddings_and_output_weights=True)
     layout_independent_init(model, m.initializer_range, m.num_layers)
     log.info("megatron-core GPT: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
-             "%s layers; this rank: pipeline stage %d of %d, tensor shard %d of %d",
+             "%s layers%s; this rank: pipeline stage %d of %d, tensor shard %d of %d",
              m.num_layers, m.hidden_size, m.num_attention_heads, vocab, vocab_size,
              "Transformer Engine" if gpt_layer_specs.HAVE_TE else "local",
+             ", sequence parallel" if config.sequence_parallel else "",
              ps.get_pipeline_model_parallel_rank() + 1, ps.get_pipeline_model_parallel_world_size(),
              ps.get_tensor_model_parallel_rank() + 1, ps.get_tensor_model_parallel_world_size())
     return model
