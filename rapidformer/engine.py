@@ -423,6 +423,11 @@ class RapidformerEngine:
         """One consolidated Hugging Face `save_pretrained` directory (fp32), written atomically
         at run_dir/hf_model by rank 0. Under ZeRO the weights come from checkpoint `step`."""
         model = self.ds.module if self.ds is not None else unwrap(self.model)
+        if self.parallel is not None and self.cfg.model.arch != "megatron_gpt":
+            log.warning("trainer.export_hf: converting model.arch=%s to a Hugging Face model is "
+                        "not built (only megatron_gpt -> GPT-2); its weights are in the "
+                        "checkpoints under %s", self.cfg.model.arch, self.checkpoint_root)
+            return None
         if self.parallel is not None:  # megatron-core GPT -> GPT-2, gathered on rank 0
             model = self._megatron_as_gpt2(megatron_optimizer.unwrap(model), tokenizer)
             if model is None:

@@ -25,6 +25,9 @@ MEGATRON_GPT = ["task=causal_lm", *BERT_PRETRAINING, *GPT_PRETRAINING[1:], "trai
 REQUIRED.update({
     ("model", "megatron_gpt"): [*MEGATRON_GPT, "model=megatron_gpt"],
     ("model", "megatron_gpt_tiny"): [*MEGATRON_GPT, "model=megatron_gpt_tiny"],
+    ("model", "megatron_bert"): ["task=bert_pretraining", *BERT_PRETRAINING, "model=megatron_bert"],
+    ("model", "megatron_bert_tiny"): ["task=bert_pretraining", *BERT_PRETRAINING,
+                                      "model=megatron_bert_tiny"],
     ("parallelism", "tp2"): [*MEGATRON_GPT, "model=megatron_gpt_tiny", "launcher.nproc_per_node=2"],
     ("parallelism", "pp2"): [*MEGATRON_GPT, "model=megatron_gpt_tiny", "launcher.nproc_per_node=2"],
 })

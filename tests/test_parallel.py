@@ -228,3 +228,27 @@ def test_megatron_half_precision_follows_fp32(tmp_path, pretraining_data):
     assert_same_losses(runs["fp32"], runs["fp16_zero2"], rel=5e-3)
     scales = [r["loss_scale"] for r in read_metrics(tmp_path / "fp16_zero2") if "loss" in r]
     assert scales and scales[0] == 65536.0
+
+
+@pytest.mark.slow
+def test_megatron_bert_layouts_give_the_losses_of_one_process(tmp_path, pretraining_data):
+    """model=megatron_bert (masked LM + next sentence) with the seed's BERT recipe: TP=2 and
+    PP=2 follow one process."""
+    d = pretraining_data
+    args = ["+recipe=bert_pretrain", "model=megatron_bert_tiny", f"data.path={d['bert']}",
+            f"model.tokenizer={d['vocab']}", "data.max_seq_length=64", "data.num_workers=0",
+            "trainer.micro_batch_size=8", "trainer.global_batch_size=16", "trainer.lr=2e-3",
+            "trainer.train_iters=6", "trainer.log_interval=1", "trainer.eval_iters=1",
+            "trainer.progress_bar=false", "trainer.tensorboard=false"]
+    runs = {}
+    for name, extra in {"one": [], "tp2": ["parallelism=tp2", "launcher.nproc_per_node=2"],
+                        "pp2": ["parallelism=pp2", "launcher.nproc_per_node=2"]}.items():
+        result = assert_ok(run_cli([*args, *extra, f"trainer.output_dir={tmp_path / name}"],
+                                   cwd=tmp_path))
+        runs[name] = train_losses(tmp_path / name)
+    assert "megatron-core BERT: 4 layers" in result.stderr + result.stdout
+    assert "converting model.arch=megatron_bert to a Hugging Face model is not built" in \
+        result.stderr + result.stdout
+    assert runs["one"][6] < runs["one"][1] - 0.3  # masked LM + NSP learn
+    for name in ("tp2", "pp2"):
+        assert_same_losses(runs["one"], runs[name])

@@ -300,10 +300,16 @@ def _megatron_problems(cfg: RunConfig) -> list[str]:
         return []
     p: list[str] = []
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    if m.arch != "megatron_gpt":
-        p.append(f"model.arch={m.arch}: the Megatron model built so far is megatron_gpt")
-    if cfg.task.name != "causal_lm" and not cfg.user_script:
-        p.append(f"model={m.name} is a GPT: use task=causal_lm (or +recipe=gpt_pretrain)")
+    tasks = {"megatron_gpt": ("causal_lm", "a GPT", "gpt_pretrain"),
+             "megatron_bert": ("bert_pretraining", "a BERT", "bert_pretrain")}
+    if m.arch not in tasks:
+        p.append(f"model.arch={m.arch}: the Megatron models are {' and '.join(tasks)}")
+    elif cfg.task.name != tasks[m.arch][0] and not cfg.user_script:
+        task, what, recipe = tasks[m.arch]
+        p.append(f"model={m.name} is {what}: use task={task} (or +recipe={recipe})")
+    if m.arch == "megatron_bert" and par.sequence_parallel:
+        p.append("parallelism.sequence_parallel=true is built for model=megatron_gpt; "
+                 "megatron_bert runs without it")
     if tp >= 1 and m.num_attention_heads % tp:
         p.append(f"model.num_attention_heads={m.num_attention_heads} does not divide by "
                  f"parallelism.tensor_model_parallel_size={tp}")

@@ -39,8 +39,18 @@ class BertPretrainer(_MegatronDataPretrainer):
                                    d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
                                    skip_warmup=not d.mmap_warmup)
 
+    def model_optimizer_lr_scheduler_provider(self):
+        if self.engine.parallel is None:
+            return super().model_optimizer_lr_scheduler_provider()
+        from rapidformer.models.megatron import build_megatron_bert
+
+        tokenizer = load_pretraining_tokenizer(self.cfg.model)
+        return build_megatron_bert(self.cfg, tokenizer.vocab_size), None, None
+
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(BERT_KEYS, next(data_iterator), torch.int64)
+        if self.engine.parallel is not None:
+            return megatron_bert_forward(model, data)
         return model(**data).loss
 
 
@@ -82,6 +92,27 @@ def megatron_gpt_forward(model, data: dict):
     def loss_func(per_token_loss):
         loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
         # a copy: the schedule divides the returned loss in place by the micro-batch count
+        return loss, {"loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def megatron_bert_forward(model, data: dict):
+    """megatron-core's (output, loss_func) for a BertModel: masked-LM loss over the masked
+    positions plus next-sentence cross entropy (Megatron-LM's pretrain_bert; the sum is what
+    Hugging Face's BertForPreTraining reports as its loss)."""
+    labels = data["labels"]
+    mask = (labels != -100).float()
+    output = model(data["input_ids"], data["attention_mask"],
+                   tokentype_ids=data["token_type_ids"], lm_labels=labels.clamp(min=0))
+
+    def loss_func(output):
+        per_token_loss, binary_logits = output
+        lm_loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+        nsp_loss = torch.nn.functional.cross_entropy(binary_logits.float().view(-1, 2),
+                                                     data["next_sentence_label"].view(-1),
+                                                     ignore_index=-1)
+        loss = lm_loss + nsp_loss
         return loss, {"loss": loss.detach().clone()}
 
     return output, loss_func
