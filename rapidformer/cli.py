@@ -78,6 +78,8 @@ SWITCHES = {
     "--reset-position-ids": "data.reset_position_ids=true",
     "--checkpoint-activations": "trainer.checkpoint_activations=true",
     "--sequence-parallel": "parallelism.sequence_parallel=true",
+    # Megatron-LM's name for its distributed optimizer (memory=zero1 on Megatron models)
+    "--use-distributed-optimizer": "memory=zero1",
 }
 # seed flags whose feature arrives later: refused by name, with what it needs
 NOT_YET: dict[str, str] = {}

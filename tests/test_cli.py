@@ -64,6 +64,8 @@ def test_seed_pretraining_command_translates():
         assert expected in overrides, expected
     _, recompute, _ = translate(["--checkpoint-activations", "--lr", "1e-4"])
     assert recompute == ["trainer.checkpoint_activations=true", "trainer.lr=1e-4"]
+    _, megatron, _ = translate(["--sequence-parallel", "--use-distributed-optimizer"])
+    assert megatron == ["parallelism.sequence_parallel=true", "memory=zero1"]
     _, gpt, _ = translate(["--task", "casual_lm"])
     assert gpt == ["task=causal_lm"]
 
