@@ -26,6 +26,7 @@ from rapidformer.accelerators.recompute import enable_recompute
 from rapidformer.config.args import active
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
+from rapidformer.flops import ModelFlops, model_shape
 from rapidformer.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("rapidformer")
@@ -133,8 +134,12 @@ class RapidformerEngine:
         model = model_obj.to(self.device)
         if t.checkpoint_activations and self.parallel is None:  # megatron-core: in its config
             enable_recompute(model)  # before any wrapper: it hooks the model's own layers
-        self.num_parameters = sum(p.numel() for p in model.parameters())
+        self.num_parameters = (parallel.count_parameters(model) if self.parallel is not None
+                               else sum(p.numel() for p in model.parameters() if p.requires_grad))
         log.info("model parameters: %d (%.1fM)", self.num_parameters, self.num_parameters / 1e6)
+        layers, hidden = model_shape(model, self.cfg.model.num_layers, self.cfg.model.hidden_size)
+        self.model_flops = ModelFlops(self.num_parameters, layers, hidden, self.device,
+                                      self.world_size)
         self.ddp = self.ds = self.fsdp = None
         if self.cfg.memory.name == "fsdp":
             if optimizer is not None:

@@ -19,7 +19,8 @@ def test_quickstart_default_command(tmp_path):
     metrics = read_metrics(run)
     evals = [m for m in metrics if "validation/accuracy" in m]
     assert evals[-1]["validation/accuracy"] >= 0.9, evals
-    assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s"} <= set(metrics[0])
+    assert {"loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s",
+            "tflops_per_device"} <= set(metrics[0])
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tensorboard").iterdir())
     assert (run / "config.yaml").is_file() and (run / "data" / "train.jsonl").is_file()
     checkpoints = sorted((run / "checkpoints").iterdir())

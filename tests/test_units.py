@@ -188,3 +188,35 @@ def test_activation_recompute_hooks_hugging_face_layers_and_refuses_others():
     assert on and model.config.use_cache is False
     with pytest.raises(ConfigError, match="Linear does not support activation recompute"):
         enable_recompute(torch.nn.Linear(2, 2))
+
+
+def test_model_flops_follow_the_palm_formula():
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+    from rapidformer.flops import ModelFlops, flops_per_token, model_shape
+
+    # GPT-2 124M at seq 1024, by hand: 6 x 124,439,808 + 12 x 12 layers x 768 x 1024
+    assert flops_per_token(124_439_808, 12, 768, 1024) == 746_638_848 + 113_246_208
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=3, n_head=2, vocab_size=50))
+    assert model_shape(gpt2, 99, 99) == (3, 32)
+    bert = BertModel(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32, vocab_size=50))
+    assert model_shape(bert, 99, 99) == (2, 16)
+    assert model_shape(torch.nn.Linear(2, 2), 5, 7) == (5, 7)  # no config: the run's settings
+    # 2 devices share the window's 1000 tokens/s at mean length 16; a CPU has no peak: no MFU
+    record = ModelFlops(100, 2, 8, torch.device("cpu"), 2).record(1000.0, 16.0)
+    assert record == {"tflops_per_device": 1000 * (600 + 12 * 2 * 8 * 16) / 2 / 1e12}
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12),
+                                       ("NVIDIA L4", 121e12), ("Tesla V100-SXM2-32GB", None)])
+def test_mfu_peak_comes_from_the_gpu_name(monkeypatch, name, peak):
+    from rapidformer import flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert flops.peak_flops(torch.device("cuda", 0)) == peak
+    assert flops.peak_flops(torch.device("cpu")) is None
+    if peak:
+        mfu = flops.ModelFlops(10**9, 24, 2048, torch.device("cuda", 0), 1).record(1e4, 2048)["mfu"]
+        assert mfu == pytest.approx(1e4 * (6e9 + 12 * 24 * 2048 * 2048) / peak)

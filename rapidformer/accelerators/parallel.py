@@ -109,3 +109,26 @@ def forward_backward(forward_step, data_iterator, model, num_microbatches: int,
         forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
         num_microbatches=num_microbatches, seq_length=seq_length,
         micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """The whole model's parameters from this rank's shard: summed over the tensor- and
+    pipeline-parallel ranks, with parameters replicated across tensor-parallel ranks and the
+    last stage's copy of a tied embedding counted once. Collective over the model-parallel
+    group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    tied_copy = model.shared_embedding_or_output_weight() if (
+        getattr(model, "share_embeddings_and_output_weights", False)
+        and ps.get_pipeline_model_parallel_world_size() > 1
+        and ps.is_pipeline_last_stage() and not ps.is_pipeline_first_stage()) else None
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    local = sum(p.numel() for p in model.parameters() if p is not tied_copy and
+                (param_is_not_tensor_parallel_duplicate(p) or tp_rank == 0))
+    total = torch.tensor([local], dtype=torch.int64)
+    if ps.get_model_parallel_group().size() > 1:
+        if dist.get_backend(ps.get_model_parallel_group()) == "nccl":
+            total = total.cuda()
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return int(total.item())

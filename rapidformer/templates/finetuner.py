@@ -263,6 +263,8 @@ class _Window:
                   "grad_norm": float(self.grad_norm),
                   "samples_per_s": samples / elapsed,
                   "tokens_per_s": tokens / elapsed,
+                  # model FLOPs at the window's mean sequence length (rapidformer/flops.py)
+                  **engine.model_flops.record(tokens / elapsed, tokens / max(samples, 1)),
                   # share of this rank's wall time spent blocked on input: the loader must keep
                   # it near zero
                   "data_wait_frac": self.data_wait / elapsed}
