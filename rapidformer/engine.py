@@ -18,7 +18,7 @@ from rapidformer import checkpoint
 from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, parallel
 from rapidformer.accelerators.fsdp import (DCP_DIR, full_state_dict, load_shards, save_shards,
                                            shard_model, transformer_blocks)
-from rapidformer.accelerators.graph import apply_graph, unwrap
+from rapidformer.accelerators.graph import apply_graph, compile_blocks, unwrap
 from rapidformer.accelerators.memory import (CHECKPOINT_TAG, ZERO_STAGES, consolidated_state_dict,
                                              deepspeed_config, import_deepspeed)
 from rapidformer.accelerators.precision import MixedPrecision, check_device_supports
@@ -140,6 +140,7 @@ class RapidformerEngine:
         layers, hidden = model_shape(model, self.cfg.model.num_layers, self.cfg.model.hidden_size)
         self.model_flops = ModelFlops(self.num_parameters, layers, hidden, self.device,
                                       self.world_size)
+        model = compile_blocks(model, self.cfg.graph)  # inside whatever wraps the model next
         self.ddp = self.ds = self.fsdp = None
         if self.cfg.memory.name == "fsdp":
             if optimizer is not None:

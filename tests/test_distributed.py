@@ -46,6 +46,20 @@ MEMORY_LOG = {"zero1": "DeepSpeed ZeRO stage 1", "zero2": "DeepSpeed ZeRO stage 
               "zero3": "DeepSpeed ZeRO stage 3", "fsdp": "memory=fsdp: FSDP2 over 2 transformer blocks"}
 
 
+@pytest.mark.parametrize("memory", ["none", "fsdp", "zero3"])
+def test_regional_compile_on_two_processes_gives_the_single_process_losses(
+        tmp_path, single_process_losses, memory):
+    """graph=compile compiles each transformer block inside DDP, FSDP2 and DeepSpeed."""
+    run = tmp_path / memory
+    result = assert_ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}",
+                                "graph=compile", f"trainer.output_dir={run}"], cwd=tmp_path))
+    assert "graph=compile: 2 transformer blocks compiled (regional)" in result.stdout + result.stderr
+    single, compiled = single_process_losses["fp32"], train_losses(run)
+    assert sorted(compiled) == sorted(single)
+    for step, loss in single.items():
+        assert compiled[step] == pytest.approx(loss, abs=1e-4), step
+
+
 @pytest.mark.parametrize("memory", ["zero1", "zero2", "zero3", "fsdp"])
 def test_memory_modes_give_the_single_process_losses(tmp_path, single_process_losses, memory):
     run = tmp_path / memory

@@ -113,11 +113,14 @@ def test_missing_data_and_missing_column_fail_clearly(tmp_path, pairs_dir):
     assert "no column 'target' (data.label_column)" in column.stderr
 
 
-def test_compile_gives_the_eager_losses(tmp_path):
+@pytest.mark.parametrize("scope,log", [("blocks", "2 transformer blocks compiled (regional)"),
+                                       ("model", "the whole model compiled")])
+def test_compile_gives_the_eager_losses(tmp_path, scope, log):
     args = [*FAST, "trainer.train_iters=3", "trainer.export_hf=false"]
     assert_ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'eager'}"], cwd=tmp_path))
-    assert_ok(run_cli([*args, "graph=compile", f"trainer.output_dir={tmp_path / 'compiled'}"],
-                cwd=tmp_path))
+    result = assert_ok(run_cli([*args, "graph=compile", f"graph.scope={scope}",
+                                f"trainer.output_dir={tmp_path / 'compiled'}"], cwd=tmp_path))
+    assert f"graph=compile: {log}" in result.stdout + result.stderr
     eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2, 3}
     for step in eager:

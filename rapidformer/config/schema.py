@@ -120,6 +120,9 @@ class ParallelismConfig:
 @dataclass
 class GraphConfig:
     name: Literal["eager", "compile", "ort"] = "eager"
+    # compile: each transformer block (regional: compile time independent of depth; works with
+    # DDP, FSDP2 and ZeRO) or the whole model (DDP only)
+    scope: Literal["blocks", "model"] = "blocks"
     mode: Optional[str] = None
     fullgraph: bool = False
     dynamic: Optional[bool] = None
