@@ -1,0 +1,33 @@
+"""The speed suite's runner in --smoke mode: every workload and system runs on a CPU, the rows
+carry what docs/benchmarks needs, and the markdown table replaces its previous version."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import assert_ok
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_suite_smoke_writes_results_and_table(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nearlier text\n")
+    for _ in range(2):  # the second run replaces the first table
+        assert_ok(subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--smoke",
+                                  "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                                 timeout=300, cwd=REPO))
+    rows = json.loads((tmp_path / "benchmarks" / "results.json").read_text())
+    assert {(r["workload"], r["system"]) for r in rows} == {
+        (w, s) for w in ("bert_mlm", "gpt2_124m", "gpt_1p3b", "bert_mrpc")
+        for s in ("hf-eager", "rapidformer-eager", "rapidformer-fp32")}
+    for row in rows:
+        assert {"workload", "system", "tokens_per_s", "mfu", "peak_mem_gb", "gpu", "date",
+                "versions"} <= set(row)
+        assert row["tokens_per_s"] > 0 and row["mfu"] is None  # a CPU has no peak in the table
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nearlier text\n")
+    assert text.count("<!-- suite:start -->") == 1 and text.count("| bert_mrpc | hf-eager |") == 1
+    assert "Framework overhead, bert_mlm: rapidformer-eager is" in text
