@@ -239,3 +239,15 @@ def test_multirun_runs_every_job_and_summarizes(tmp_path):
                                     for r in failed)
     assert "sweep summary (4 jobs, 2 failed)" in result.stdout
     assert (sweep / "summary.md").read_text().startswith("| job | overrides | status")
+
+
+def test_length_grouping_cuts_the_padding_that_is_computed(tmp_path):
+    args = [*FAST, "trainer.export_hf=false", "data.synthetic_train_size=512"]
+    padding = {}
+    for grouped in ("false", "true"):
+        out = tmp_path / grouped
+        assert_ok(run_cli([*args, f"data.group_by_length={grouped}",
+                           f"trainer.output_dir={out}"], cwd=tmp_path))
+        records = [r for r in read_metrics(out) if "padding_frac" in r]
+        padding[grouped] = sum(r["padding_frac"] for r in records) / len(records)
+    assert padding["true"] < padding["false"] / 3, padding

@@ -220,3 +220,29 @@ def test_mfu_peak_comes_from_the_gpu_name(monkeypatch, name, peak):
     if peak:
         mfu = flops.ModelFlops(10**9, 24, 2048, torch.device("cuda", 0), 1).record(1e4, 2048)["mfu"]
         assert mfu == pytest.approx(1e4 * (6e9 + 12 * 24 * 2048 * 2048) / peak)
+
+
+def test_length_grouped_sampler_pads_less_and_resumes():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 120, (1000,), generator=generator).tolist()
+    kwargs = dict(num_samples=1000, global_batch_size=64, world_size=2, shuffle=True, seed=3)
+
+    def micro_batches(sampler):
+        order = list(sampler)
+        return [order[i:i + 8] for i in range(0, len(order), 8)]
+
+    def padding(batches):
+        slots = sum(8 * max(lengths[i] for i in b) for b in batches)
+        return 1 - sum(lengths[i] for b in batches for i in b) / slots
+
+    plain = [ResumableSampler(rank=r, **kwargs) for r in (0, 1)]
+    grouped = [ResumableSampler(rank=r, lengths=lengths, micro_batch_size=8, **kwargs)
+               for r in (0, 1)]
+    both = [i for s in grouped for i in s]
+    assert len(both) == len(set(both)) == sum(len(s) for s in plain) == 15 * 64
+    assert padding([b for s in grouped for b in micro_batches(s)]) < 0.1 < \
+        padding([b for s in plain for b in micro_batches(s)])
+    # the order is a function of (seed, epoch): a resumed sampler continues it exactly
+    resumed = ResumableSampler(rank=1, lengths=lengths, micro_batch_size=8, **kwargs)
+    resumed.set_epoch(0, start_step=5)
+    assert list(resumed) == list(grouped[1])[5 * 32:]

@@ -72,6 +72,11 @@ class DataConfig:
     text_b_column: Optional[str] = "sentence2"
     label_column: str = "label"
     max_seq_length: int = 128
+    # fine-tuning: each micro-batch takes examples of similar length (within windows of 16
+    # global batches), so less compute goes to padding. Off by default: on the quickstart it cut
+    # padding from 20 % to 2 % but final accuracy from 0.985 to 0.875 (length and label are
+    # correlated there, and a step of one micro-batch then sees one length; docs/benchmarks.md)
+    group_by_length: bool = False
     num_workers: int = 0
     # --- Megatron pretraining data (data.source=megatron) ---
     # the seed's --data-impl; megatron-core reads mmap only ("infer" is accepted as mmap)

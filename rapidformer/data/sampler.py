@@ -15,7 +15,8 @@ class ResumableSampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, global_batch_size: int, rank: int = 0,
-                 world_size: int = 1, shuffle: bool = True, seed: int = 0):
+                 world_size: int = 1, shuffle: bool = True, seed: int = 0,
+                 lengths: list[int] | None = None, micro_batch_size: int | None = None):
         if global_batch_size % world_size:
             raise ValueError("global_batch_size must be a multiple of world_size")
         self.num_samples = num_samples
@@ -26,6 +27,10 @@ class ResumableSampler(Sampler[int]):
         self.seed = seed
         self.epoch = 0
         self.start_step = 0
+        # length grouping: each micro-batch holds examples of similar length (less padding)
+        self.lengths, self.micro = lengths, micro_batch_size
+        if lengths is not None and (micro_batch_size is None or len(lengths) != num_samples):
+            raise ValueError("length grouping needs one length per sample and the micro batch")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -41,12 +46,34 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
+        if self.lengths is not None:
+            order = self._group_by_length(order, torch.Generator().manual_seed(
+                self.seed + self.epoch + 1))
         for step in range(self.start_step, self.steps_per_epoch):
             first = step * self.global_batch_size + self.rank * self.per_rank
             yield from order[first:first + self.per_rank]
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.per_rank
+
+    def _group_by_length(self, order: list[int], generator: torch.Generator) -> list[int]:
+        """Within windows of GROUP_WINDOW global batches: sort by length, cut into micro-batches,
+        and shuffle the micro-batches. Every micro-batch (the unit that is padded) holds
+        neighbours in length, while each step still mixes micro-batches from the whole window —
+        unlike sorting whole steps, the gradient of a step is not biased to one length."""
+        window = GROUP_WINDOW * self.global_batch_size
+        grouped = []
+        for start in range(0, len(order), window):
+            chunk = sorted(order[start:start + window], key=lambda i: self.lengths[i])
+            micros = [chunk[i:i + self.micro] for i in range(0, len(chunk), self.micro)]
+            full = [m for m in micros if len(m) == self.micro]
+            for position in torch.randperm(len(full), generator=generator).tolist():
+                grouped.extend(full[position])
+            grouped.extend(i for m in micros if len(m) < self.micro for i in m)
+        return grouped
+
+
+GROUP_WINDOW = 16  # global batches per length-grouping window (HF's megabatch is 50 micro)
 
 
 class PretrainingBatchSampler:

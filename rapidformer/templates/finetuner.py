@@ -61,6 +61,17 @@ class Finetuner:
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.engine.gather(tensor)
 
+    def _lengths(self, dataset) -> list[int] | None:
+        """Token counts for data.group_by_length, from the dataset's input_ids column."""
+        if not self.cfg.data.group_by_length:
+            return None
+        names = getattr(dataset, "column_names", None) or []
+        if "input_ids" not in names:
+            log.info("data.group_by_length: the training dataset has no input_ids column; "
+                     "micro-batches are not grouped by length")
+            return None
+        return [len(ids) for ids in dataset["input_ids"]]
+
     def build_data_loader(self, dataset, shuffle: bool = False, collate_fn=None,
                           batch_size: int | None = None):
         """A loader over this rank's share of `dataset` whose batches arrive on the device."""
@@ -91,7 +102,9 @@ class Finetuner:
         model, optimizer, lr_scheduler = self.model_optimizer_lr_scheduler_provider()
 
         sampler = ResumableSampler(len(train_ds), t.global_batch_size, engine.rank,
-                                   engine.world_size, shuffle=True, seed=t.seed)
+                                   engine.world_size, shuffle=True, seed=t.seed,
+                                   lengths=self._lengths(train_ds),
+                                   micro_batch_size=t.micro_batch_size)
         if sampler.steps_per_epoch == 0:
             raise InputError(f"the training split has {len(train_ds)} examples, fewer than one "
                              f"global batch (trainer.global_batch_size={t.global_batch_size}); "
@@ -229,6 +242,7 @@ class _Window:
     def reset(self):
         self.loss_sum, self.micro, self.steps, self.skipped = 0.0, 0, 0, 0
         self.samples, self.tokens, self.grad_norm = 0, 0, None
+        self.slots = 0  # token positions computed, padding included
         self.data_wait = 0.0  # seconds blocked waiting for the next batch
         self.started = time.perf_counter()
 
@@ -243,6 +257,7 @@ class _Window:
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         if ids is not None:
             self.samples += ids.shape[0]
+            self.slots += ids.numel()
             self.tokens = self.tokens + (mask.sum() if mask is not None else ids.numel())
 
     def add_step(self, result):
@@ -256,8 +271,9 @@ class _Window:
             torch.as_tensor(self.loss_sum, dtype=torch.float64, device=engine.device),
             torch.as_tensor(float(self.micro), dtype=torch.float64, device=engine.device),
             torch.as_tensor(float(self.samples), dtype=torch.float64, device=engine.device),
-            torch.as_tensor(self.tokens, dtype=torch.float64, device=engine.device)])).tolist()
-        loss_sum, micro, samples, tokens = totals
+            torch.as_tensor(self.tokens, dtype=torch.float64, device=engine.device),
+            torch.as_tensor(float(self.slots), dtype=torch.float64, device=engine.device)])).tolist()
+        loss_sum, micro, samples, tokens, slots = totals
         record = {"loss": loss_sum / max(micro, 1),
                   "lr": optimizer.param_groups[0]["lr"],
                   "grad_norm": float(self.grad_norm),
@@ -267,7 +283,9 @@ class _Window:
                   **engine.model_flops.record(tokens / elapsed, tokens / max(samples, 1)),
                   # share of this rank's wall time spent blocked on input: the loader must keep
                   # it near zero
-                  "data_wait_frac": self.data_wait / elapsed}
+                  "data_wait_frac": self.data_wait / elapsed,
+                  # share of the computed token positions that were padding
+                  "padding_frac": 1.0 - tokens / slots if slots else 0.0}
         if engine.precision.loss_scale is not None:
             record["loss_scale"] = engine.precision.loss_scale
             record["skipped_steps"] = engine.precision.skipped_steps
