@@ -42,6 +42,21 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def gpu_math_settings(cfg: RunConfig) -> dict:
+    """cuBLAS/cuDNN switches for this run: TF32 (trainer.tf32; null: with mixed precision only)
+    and cuDNN autotuning (off when the run must be deterministic)."""
+    t = cfg.trainer
+    tf32 = t.tf32 if t.tf32 is not None else cfg.precision.dtype != "fp32"
+    return {"tf32": tf32, "cudnn_benchmark": not t.deterministic}
+
+
+def apply_gpu_math_settings(cfg: RunConfig) -> None:
+    settings = gpu_math_settings(cfg)
+    torch.backends.cuda.matmul.allow_tf32 = settings["tf32"]
+    torch.backends.cudnn.allow_tf32 = settings["tf32"]
+    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -100,6 +115,8 @@ class RapidformerEngine:
         self.device = pick_device(cfg.trainer.device)
         self.rank, self.world_size = init_distributed(self.device, cfg.launcher.collective_timeout)
         seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
+        if self.device.type == "cuda":
+            apply_gpu_math_settings(cfg)
         # megatron-core models: tensor/pipeline groups; data parallelism takes the other ranks
         self.parallel = parallel.initialize(cfg, self.device) if parallel.is_megatron(cfg) else None
         if self.parallel is not None:  # megatron-core's optimizer owns the precision

@@ -246,3 +246,16 @@ def test_length_grouped_sampler_pads_less_and_resumes():
     resumed = ResumableSampler(rank=1, lengths=lengths, micro_batch_size=8, **kwargs)
     resumed.set_epoch(0, start_step=5)
     assert list(resumed) == list(grouped[1])[5 * 32:]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], {"tf32": False, "cudnn_benchmark": True}),                      # fp32 means fp32
+    (["precision=bf16"], {"tf32": True, "cudnn_benchmark": True}),
+    (["precision=fp16", "trainer.tf32=false"], {"tf32": False, "cudnn_benchmark": True}),
+    (["trainer.tf32=true", "trainer.deterministic=true"], {"tf32": True, "cudnn_benchmark": False}),
+])
+def test_gpu_math_settings_follow_precision_and_determinism(overrides, expected):
+    from rapidformer.engine import gpu_math_settings
+
+    _, cfg = resolve(compose(overrides), "out")
+    assert gpu_math_settings(cfg) == expected

@@ -167,6 +167,10 @@ class TrainerConfig:
     clip_grad: float = 1.0
     seed: int = 42
     deterministic: bool = False
+    # TF32 tensor cores for fp32 matmuls and convolutions on GPUs. null: on with bf16/fp16 (the
+    # few fp32 matmuls left outside autocast lose nothing that matters), off with fp32 (which
+    # then means fp32)
+    tf32: Optional[bool] = None
     # recompute each layer's activations in the backward pass (the seed's
     # --checkpoint-activations): less memory, about a third more compute
     checkpoint_activations: bool = False
