@@ -9,7 +9,7 @@ from rapidformer import engine as engine_module
 from rapidformer.config.args import activate
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import PRETRAINING_TASKS
-from rapidformer.errors import InputError, NotAvailableError
+from rapidformer.errors import InputError
 
 log = logging.getLogger("rapidformer")
 
@@ -19,11 +19,10 @@ def check_available(cfg: RunConfig) -> None:
     import torch
 
     from rapidformer.accelerators.fsdp import check_fsdp_precision
+    from rapidformer.accelerators.graph import refuse_ort
     from rapidformer.accelerators.memory import check_zero_precision
 
-    if cfg.graph.name == "ort":
-        raise NotAvailableError("graph=ort (ONNX Runtime training) is not available in this "
-                                "version yet; use graph=compile or graph=eager")
+    refuse_ort(cfg.graph)
     on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
                                                and torch.cuda.is_available())
     check_zero_precision(cfg, "cuda" if on_gpu else "cpu")

@@ -88,6 +88,7 @@ def test_seed_command_with_unbuilt_accelerators_stops_clearly(tmp_path):
     result = run_cli(SEED_FINETUNE, cwd=tmp_path, module="rapidformer.cli")
     assert result.returncode == 3
     assert "not available in this version yet" in result.stderr
+    assert "trains only with torch 2.4-2.6 (this environment: torch 2." in result.stderr
     assert "Traceback" not in result.stderr
 
 

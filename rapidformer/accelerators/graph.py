@@ -25,16 +25,17 @@ def _compile_kwargs(g: GraphConfig) -> dict:
     return kwargs
 
 
-def _refuse_ort(g: GraphConfig) -> None:
+def refuse_ort(g: GraphConfig) -> None:
     if g.name == "ort":
         raise NotAvailableError(
-            "graph=ort (ONNX Runtime training) is not available in this version yet; use "
-            "graph=compile or graph=eager")
+            f"graph=ort (ONNX Runtime training) is not available in this version yet; its last "
+            f"release (onnxruntime-training 1.19.2) trains only with torch 2.4-2.6 (this "
+            f"environment: torch {torch.__version__}); use graph=compile or graph=eager")
 
 
 def compile_blocks(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
     """graph=compile, scope=blocks: before any wrapper (DDP, FSDP2, DeepSpeed)."""
-    _refuse_ort(g)
+    refuse_ort(g)
     if g.name != "compile" or g.scope != "blocks":
         return model
     from rapidformer.accelerators.fsdp import transformer_blocks
@@ -52,7 +53,7 @@ def compile_blocks(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
 
 def apply_graph(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
     """graph=compile, scope=model: around the (DDP-wrapped) model."""
-    _refuse_ort(g)
+    refuse_ort(g)
     if g.name != "compile" or g.scope != "model":
         return model
     log.info("graph=compile: the whole model compiled")
