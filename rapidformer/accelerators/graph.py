@@ -52,8 +52,8 @@ def compile_blocks(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
 
 
 def apply_graph(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
-    """graph=compile, scope=model: around the (DDP-wrapped) model."""
-    refuse_ort(g)
+    """graph=compile, scope=model: around the (DDP-wrapped) model (after compile_blocks, which
+    has refused graph=ort)."""
     if g.name != "compile" or g.scope != "model":
         return model
     log.info("graph=compile: the whole model compiled")

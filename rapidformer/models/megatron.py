@@ -83,8 +83,6 @@ def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from rapidformer.accelerators.parallel import layout_independent_init
-
     m: ModelConfig = cfg.model
     config = transformer_config(cfg)
     spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
@@ -96,45 +94,43 @@ def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=True)
-    layout_independent_init(model, m.initializer_range, m.num_layers)
-    log.info("megatron-core GPT: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
-             "%s layers%s; this rank: pipeline stage %d of %d, tensor shard %d of %d",
-             m.num_layers, m.hidden_size, m.num_attention_heads, vocab, vocab_size,
-             "Transformer Engine" if gpt_layer_specs.HAVE_TE else "local",
-             ", sequence parallel" if config.sequence_parallel else "",
-             ps.get_pipeline_model_parallel_rank() + 1, ps.get_pipeline_model_parallel_world_size(),
-             ps.get_tensor_model_parallel_rank() + 1, ps.get_tensor_model_parallel_world_size())
-    return model
+    return _initialized(model, "GPT", m, vocab, vocab_size, gpt_layer_specs.HAVE_TE)
 
 
 def build_megatron_bert(cfg: RunConfig, vocab_size: int):
     """megatron-core's BERT (masked LM head and the next-sentence binary head over the pooled
     first token, token-type embeddings, output layer tied to the word embedding as in
     Megatron-LM's BERT), weights the same whatever the layout."""
-    import copy
-
     from megatron.core import parallel_state as ps
     from megatron.core.models.bert import bert_layer_specs
     from megatron.core.models.bert.bert_model import BertModel
-
-    from rapidformer.accelerators.parallel import layout_independent_init
 
     m: ModelConfig = cfg.model
     config = transformer_config(cfg)
     have_te = getattr(bert_layer_specs, "HAVE_TE", False)
     spec = (bert_layer_specs.get_bert_layer_with_transformer_engine_spec() if have_te
-            else copy.deepcopy(bert_layer_specs.bert_layer_local_spec))
+            else bert_layer_specs.bert_layer_local_spec)
     vocab = padded_vocab_size(vocab_size, cfg.parallelism.tensor_model_parallel_size)
     model = BertModel(config=config, num_tokentypes=2, transformer_layer_spec=spec,
                       vocab_size=vocab, max_sequence_length=m.max_position_embeddings,
                       pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage(),
                       share_embeddings_and_output_weights=True, add_binary_head=True)
+    return _initialized(model, "BERT", m, vocab, vocab_size, have_te)
+
+
+def _initialized(model, kind: str, m: ModelConfig, vocab: int, vocab_size: int, have_te: bool):
+    """The built model with its layout-independent weights, and one log line describing it."""
+    from megatron.core import parallel_state as ps
+
+    from rapidformer.accelerators.parallel import layout_independent_init
+
     layout_independent_init(model, m.initializer_range, m.num_layers)
-    log.info("megatron-core BERT: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
-             "%s layers; this rank: pipeline stage %d of %d, tensor shard %d of %d",
-             m.num_layers, m.hidden_size, m.num_attention_heads, vocab, vocab_size,
+    log.info("megatron-core %s: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
+             "%s layers%s; this rank: pipeline stage %d of %d, tensor shard %d of %d",
+             kind, m.num_layers, m.hidden_size, m.num_attention_heads, vocab, vocab_size,
              "Transformer Engine" if have_te else "local",
+             ", sequence parallel" if model.config.sequence_parallel else "",
              ps.get_pipeline_model_parallel_rank() + 1, ps.get_pipeline_model_parallel_world_size(),
              ps.get_tensor_model_parallel_rank() + 1, ps.get_tensor_model_parallel_world_size())
     return model

@@ -12,6 +12,7 @@ import torch
 from rapidformer import mpu
 from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets
 from rapidformer.models.hf import build_pretraining_model
+from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
 from rapidformer.templates.pretrainer import PreTrainer
 from rapidformer.tokenizer import load_pretraining_tokenizer
 
@@ -25,27 +26,24 @@ class _MegatronDataPretrainer(PreTrainer):
         self.tokenizer = tokenizer.hf  # saved with checkpoints and the export
         return tokenizer
 
+    build_megatron_model = None  # the megatron-core builder for model=megatron_*
+
     def model_optimizer_lr_scheduler_provider(self):
-        model = build_pretraining_model(self.cfg.model, self.cfg.task.name,
-                                        load_pretraining_tokenizer(self.cfg.model))
-        return model, None, None
+        tokenizer = load_pretraining_tokenizer(self.cfg.model)
+        if self.engine.parallel is not None:
+            return type(self).build_megatron_model(self.cfg, tokenizer.vocab_size), None, None
+        return build_pretraining_model(self.cfg.model, self.cfg.task.name, tokenizer), None, None
 
 
 class BertPretrainer(_MegatronDataPretrainer):
+    build_megatron_model = build_megatron_bert
+
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         d = self.cfg.data  # data.impl is checked with the config
         return build_bert_datasets(d.path, self._tokenizer(), d.split,
                                    train_val_test_num_samples, d.max_seq_length, d.mask_prob,
                                    d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
                                    skip_warmup=not d.mmap_warmup)
-
-    def model_optimizer_lr_scheduler_provider(self):
-        if self.engine.parallel is None:
-            return super().model_optimizer_lr_scheduler_provider()
-        from rapidformer.models.megatron import build_megatron_bert
-
-        tokenizer = load_pretraining_tokenizer(self.cfg.model)
-        return build_megatron_bert(self.cfg, tokenizer.vocab_size), None, None
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(BERT_KEYS, next(data_iterator), torch.int64)
@@ -55,13 +53,7 @@ class BertPretrainer(_MegatronDataPretrainer):
 
 
 class CausalLMPretrainer(_MegatronDataPretrainer):
-    def model_optimizer_lr_scheduler_provider(self):
-        if self.engine.parallel is None:
-            return super().model_optimizer_lr_scheduler_provider()
-        from rapidformer.models.megatron import build_megatron_gpt
-
-        tokenizer = load_pretraining_tokenizer(self.cfg.model)
-        return build_megatron_gpt(self.cfg, tokenizer.vocab_size), None, None
+    build_megatron_model = build_megatron_gpt
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         d = self.cfg.data  # data.impl is checked with the config
@@ -90,9 +82,7 @@ def megatron_gpt_forward(model, data: dict):
     output = model(data["input_ids"], data["position_ids"], None, labels=labels.clamp(min=0))
 
     def loss_func(per_token_loss):
-        loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
-        # a copy: the schedule divides the returned loss in place by the micro-batch count
-        return loss, {"loss": loss.detach().clone()}
+        return _reported(_masked_mean(per_token_loss, mask))
 
     return output, loss_func
 
@@ -108,11 +98,19 @@ def megatron_bert_forward(model, data: dict):
 
     def loss_func(output):
         per_token_loss, binary_logits = output
-        lm_loss = (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
         nsp_loss = torch.nn.functional.cross_entropy(binary_logits.float().view(-1, 2),
                                                      data["next_sentence_label"].view(-1),
                                                      ignore_index=-1)
-        loss = lm_loss + nsp_loss
-        return loss, {"loss": loss.detach().clone()}
+        return _reported(_masked_mean(per_token_loss, mask) + nsp_loss)
 
     return output, loss_func
+
+
+def _masked_mean(per_token_loss, mask):
+    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _reported(loss):
+    """megatron-core's loss_func result; the logged value is a copy because the schedule divides
+    the returned loss in place by the micro-batch count."""
+    return loss, {"loss": loss.detach().clone()}
