@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from _report import finish
 
 BATCH = 16
 
@@ -70,11 +71,7 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "device": device,
               "cpus": os.cpu_count(), "torch": torch.__version__, "hidden": args.hidden,
               "steps": args.steps, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    if any("error" in r for r in rows):
-        sys.exit(1)
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from _report import write_report
+
 from rapidformer.data.corpus import (VOCAB_SAMPLE_DOCS, iter_documents, write_corpus,
                                      write_gpt2_bpe, write_wordpiece_vocab)
 from rapidformer.data.megatron import MegatronTokenizer, build_bert_datasets, build_gpt_datasets
@@ -106,8 +108,7 @@ def main() -> None:
                           "torch": torch.__version__},
               "corpus_mb": args.mb, "documents": data["corpus"]["documents"],
               "micro_batch_size": args.micro, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_report(args.out, result)
     print(f"wrote {args.out}")
 
 

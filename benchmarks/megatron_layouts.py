@@ -24,7 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _report import finish, write_report
+
 from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus, write_gpt2_bpe
+from rapidformer.flops import flops_per_token, peak_flops
 from rapidformer.preprocess_data import main as preprocess
 
 # layout -> (processes, overrides)
@@ -33,14 +36,11 @@ LAYOUTS = {"one": (1, ["parallelism=dp"]), "tp2": (2, ["parallelism=tp2"]),
            "dp2_zero1": (2, ["parallelism=dp", "memory=zero1"]),
            "one_fp16": (1, ["parallelism=dp", "precision=fp16"]),
            "tp2_fp16": (2, ["parallelism=tp2", "precision=fp16"])}
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
-def flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> float:
-    """Training FLOPs per token: 6 x (transformer + embedding parameters) plus attention's
-    scores and weighted sum (12 x layers x hidden x seq for forward and backward)."""
-    params = 12 * layers * hidden ** 2 + vocab * hidden
-    return 6 * params + 12 * layers * hidden * seq
+def gpt_parameters(layers: int, hidden: int, vocab: int) -> int:
+    """Transformer blocks (12 x hidden^2 each) plus the tied embedding."""
+    return 12 * layers * hidden ** 2 + vocab * hidden
 
 
 def run(name: str, work: Path, args, data: dict) -> dict:
@@ -108,7 +108,7 @@ def main() -> None:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in device), None)
+    peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-megatron-") as temp:
         work = Path(temp)
@@ -120,16 +120,14 @@ def main() -> None:
                     "--workers", str(min(8, os.cpu_count() or 1))])
         data = {"prefix": str(work / "gpt_text_document"), "vocab": vocab, "merges": merges}
         vocab_size = len(json.loads(Path(vocab).read_text()))
-        per_token = flops_per_token(args.layers, args.hidden, args.seq, vocab_size)
+        params = gpt_parameters(args.layers, args.hidden, vocab_size)
+        per_token = flops_per_token(params, args.layers, args.hidden, args.seq)
         result = {"date": datetime.date.today().isoformat(), "device": device,
                   "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-                            "seq": args.seq, "vocab": vocab_size,
-                            "params": 12 * args.layers * args.hidden ** 2
-                            + vocab_size * args.hidden},
+                            "seq": args.seq, "vocab": vocab_size, "params": params},
                   "micro_batch": args.micro, "global_batch": args.global_batch,
                   "iterations": args.iters, "precision": args.precision,
                   "flops_per_token": per_token, "rows": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         for name in args.layouts:
             row = run(name, work, args, data)
             if peak and "tokens_per_s" in row:
@@ -137,10 +135,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             # after every layout: a run cut short still leaves the rows it measured
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    if any("error" in r for r in rows):
-        sys.exit(1)
+            write_report(args.out, result)
+    finish(args.out, result)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _report import finish
+
 from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus
 from rapidformer.data.corpus import write_wordpiece_vocab
 from rapidformer.preprocess_data import main as preprocess
@@ -76,11 +78,7 @@ def main() -> None:
     result = {"date": datetime.date.today().isoformat(), "device": device,
               "cpu_count": os.cpu_count(), "recipe": "bert_pretrain", "precision": args.precision,
               "iterations": args.iters, "corpus_mb": args.mb, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    if any("error" in r for r in rows):
-        sys.exit(1)
+    finish(args.out, result)
 
 
 if __name__ == "__main__":
