@@ -113,6 +113,14 @@ def worker_main(config_file: str) -> None:
             raise
         print(f"rapidformer: error (rank {rank}): {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    # The run is complete: files closed, process group left together. Skip the interpreter's
+    # teardown, where a native thread of the collective library has been seen to abort a
+    # finished worker (SIGABRT, "terminate called without an active exception") and with it
+    # a successful job.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
