@@ -28,6 +28,7 @@ from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
 from rapidformer.flops import ModelFlops, model_shape
 from rapidformer.optim import build_optimizer, build_scheduler
+from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
 
 log = logging.getLogger("rapidformer")
 ENGINES_CREATED = 0  # the user-script runner checks that a script built one
@@ -125,6 +126,7 @@ class RapidformerEngine:
         else:
             self.precision = MixedPrecision(cfg.precision, self.device)
         self.model = self.optimizer = self.lr_scheduler = None
+        self._kv_cache_was_on = False  # set by compose
         ENGINES_CREATED += 1
 
     @property
@@ -149,6 +151,7 @@ class RapidformerEngine:
         """
         t = self.cfg.trainer
         model = model_obj.to(self.device)
+        self._kv_cache_was_on = training_without_kv_cache(model)
         if t.checkpoint_activations and self.parallel is None:  # megatron-core: in its config
             enable_recompute(model)  # before any wrapper: it hooks the model's own layers
         self.num_parameters = (parallel.count_parameters(model) if self.parallel is not None
@@ -157,7 +160,7 @@ class RapidformerEngine:
         layers, hidden = model_shape(model, self.cfg.model.num_layers, self.cfg.model.hidden_size)
         self.model_flops = ModelFlops(self.num_parameters, layers, hidden, self.device,
                                       self.world_size)
-        model = compile_blocks(model, self.cfg.graph)  # inside whatever wraps the model next
+        model = compile_blocks(model, self.cfg.graph, self.cfg.memory.name)  # inside whatever wraps the model next
         self.ddp = self.ds = self.fsdp = None
         if self.cfg.memory.name == "fsdp":
             if optimizer is not None:
@@ -202,7 +205,7 @@ class RapidformerEngine:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = self.ddp = DistributedDataParallel(model, device_ids=ids)
-        model = apply_graph(model, self.cfg.graph)
+        model = apply_graph(model, self.cfg.graph, self.cfg.memory.name)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         return model, optimizer, lr_scheduler
 
@@ -466,7 +469,8 @@ class RapidformerEngine:
         shutil.rmtree(tmp, ignore_errors=True)
         if self.ds is not None:
             state_dict = consolidated_state_dict(str(self.checkpoint_root / f"step_{step:08d}"))
-        model.save_pretrained(str(tmp), state_dict=state_dict)
+        with kv_cache_as_configured(model, self._kv_cache_was_on):
+            model.save_pretrained(str(tmp), state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         shutil.rmtree(final, ignore_errors=True)

@@ -47,13 +47,16 @@ MEMORY_LOG = {"zero1": "DeepSpeed ZeRO stage 1", "zero2": "DeepSpeed ZeRO stage 
 
 
 @pytest.mark.parametrize("memory", ["none", "fsdp", "zero3"])
-def test_regional_compile_on_two_processes_gives_the_single_process_losses(
+def test_compile_on_two_processes_gives_the_single_process_losses(
         tmp_path, single_process_losses, memory):
-    """graph=compile compiles each transformer block inside DDP, FSDP2 and DeepSpeed."""
+    """graph=compile (scope=auto): the whole model inside DDP, each transformer block inside
+    FSDP2 and DeepSpeed."""
     run = tmp_path / memory
     result = assert_ok(run_cli([*SMALL, "launcher.nproc_per_node=2", f"memory={memory}",
                                 "graph=compile", f"trainer.output_dir={run}"], cwd=tmp_path))
-    assert "graph=compile: 2 transformer blocks compiled (regional)" in result.stdout + result.stderr
+    expected = ("the whole model compiled" if memory == "none"
+                else "2 transformer blocks compiled (regional)")
+    assert f"graph=compile: {expected}" in result.stdout + result.stderr
     single, compiled = single_process_losses["fp32"], train_losses(run)
     assert sorted(compiled) == sorted(single)
     for step, loss in single.items():

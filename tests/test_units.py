@@ -185,7 +185,7 @@ def test_activation_recompute_hooks_hugging_face_layers_and_refuses_others():
     enable_recompute(model)
     on = model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") \
         else model.is_gradient_checkpointing
-    assert on and model.config.use_cache is False
+    assert on
     with pytest.raises(ConfigError, match="Linear does not support activation recompute"):
         enable_recompute(torch.nn.Linear(2, 2))
 
@@ -259,3 +259,26 @@ def test_gpu_math_settings_follow_precision_and_determinism(overrides, expected)
 
     _, cfg = resolve(compose(overrides), "out")
     assert gpu_math_settings(cfg) == expected
+
+
+def test_training_runs_without_the_kv_cache_and_the_export_keeps_it(tmp_path):
+    """A decoder's KV cache is built in every forward unless turned off: memory for nothing in
+    training, and per-layer recompiles under regional compile. The exported config keeps it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rapidformer.engine import RapidformerEngine
+
+    _, cfg = resolve(compose(["model=bert_tiny", "trainer.train_iters=2", "trainer.device=cpu",
+                              "trainer.export_hf=true"]), str(tmp_path))
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50))
+    ids = torch.randint(0, 50, (2, 8))
+    assert model(input_ids=ids).past_key_values is not None  # transformers' default
+    engine = RapidformerEngine(cfg=cfg, run_dir=tmp_path)
+    model, _, _ = engine.compose(model)
+    out = model(input_ids=ids, labels=ids)
+    assert out.past_key_values is None and model.config.use_cache is False
+    engine.backward(out.loss)
+    engine.step()
+    exported = engine.export_hf()
+    assert json.loads((exported / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False  # still training

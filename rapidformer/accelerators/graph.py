@@ -1,10 +1,11 @@
 """Graph optimization: eager, or torch.compile.
 
-graph.scope=blocks (the default) compiles each transformer block in place (regional
-compilation): the blocks are identical, so the first one's compiled code serves the rest and
-compile time does not grow with depth, and the blocks are what FSDP2 shards and DeepSpeed
-partitions, so both keep working around them. graph.scope=model compiles the whole module
-(embeddings, head and loss too: more fusion, longer compile), with DDP only.
+graph.scope=auto (the default) compiles the whole model where nothing shards it (one process or
+DDP) and each transformer block where FSDP2 or DeepSpeed does. The whole-model compile also
+fuses the embeddings, the head and the loss (on one H200, BERT-base MLM: 1.25x the tokens/s of
+the per-block compile, docs/benchmarks.md); the per-block (regional) compile keeps compile time
+independent of depth (the identical blocks share one compiled graph) and leaves the blocks for
+FSDP2 to shard and DeepSpeed to partition. graph.scope=blocks / model choose one.
 """
 from __future__ import annotations
 
@@ -33,10 +34,17 @@ def refuse_ort(g: GraphConfig) -> None:
             f"environment: torch {torch.__version__}); use graph=compile or graph=eager")
 
 
-def compile_blocks(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
+def compile_scope(g: GraphConfig, memory: str) -> str:
+    """graph.scope, with auto decided: the whole model unless FSDP2 or DeepSpeed shard it."""
+    if g.scope != "auto":
+        return g.scope
+    return "model" if memory == "none" else "blocks"
+
+
+def compile_blocks(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch.nn.Module:
     """graph=compile, scope=blocks: before any wrapper (DDP, FSDP2, DeepSpeed)."""
     refuse_ort(g)
-    if g.name != "compile" or g.scope != "blocks":
+    if g.name != "compile" or compile_scope(g, memory) != "blocks":
         return model
     from rapidformer.accelerators.fsdp import transformer_blocks
 
@@ -51,10 +59,10 @@ def compile_blocks(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
     return model
 
 
-def apply_graph(model: torch.nn.Module, g: GraphConfig) -> torch.nn.Module:
+def apply_graph(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch.nn.Module:
     """graph=compile, scope=model: around the (DDP-wrapped) model (after compile_blocks, which
     has refused graph=ort)."""
-    if g.name != "compile" or g.scope != "model":
+    if g.name != "compile" or compile_scope(g, memory) != "model":
         return model
     log.info("graph=compile: the whole model compiled")
     return torch.compile(model, **_compile_kwargs(g))

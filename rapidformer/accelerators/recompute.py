@@ -25,6 +25,4 @@ def enable_recompute(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if getattr(model.config, "use_cache", False):
-        model.config.use_cache = False  # a KV cache is useless in training and clashes with it
     log.info("activation recompute: on (Hugging Face gradient checkpointing, per layer)")

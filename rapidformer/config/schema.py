@@ -125,9 +125,10 @@ class ParallelismConfig:
 @dataclass
 class GraphConfig:
     name: Literal["eager", "compile", "ort"] = "eager"
-    # compile: each transformer block (regional: compile time independent of depth; works with
-    # DDP, FSDP2 and ZeRO) or the whole model (DDP only)
-    scope: Literal["blocks", "model"] = "blocks"
+    # compile: the whole model (DDP only; fuses embeddings, head and loss too) or each
+    # transformer block (regional: compile time independent of depth; works with FSDP2 and
+    # ZeRO); auto = model unless FSDP2/ZeRO shard it
+    scope: Literal["auto", "blocks", "model"] = "auto"
     mode: Optional[str] = None
     fullgraph: bool = False
     dynamic: Optional[bool] = None

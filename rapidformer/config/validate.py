@@ -231,7 +231,7 @@ def check_values(cfg: RunConfig) -> list[str]:
     if cfg.memory.name != "none" and cfg.graph.name == "compile" and cfg.graph.scope == "model":
         p.append(f"graph.scope=model with memory={cfg.memory.name}: the whole-model compile "
                  f"wraps what {'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed'} shards; "
-                 f"use graph.scope=blocks (the default), which compiles each transformer block")
+                 f"use graph.scope=blocks (or auto, the default), which compiles each transformer block")
     if not cfg.trainer.save_last and cfg.trainer.export_hf and cfg.memory.name in ("zero1", "zero2", "zero3") \
             and not m.arch.startswith("megatron"):
         p.append(f"trainer.save_last=false with trainer.export_hf=true and memory={cfg.memory.name}: "

@@ -1,6 +1,8 @@
 """Hugging Face models: pretrained (hub name or local directory) or built from the config."""
 from __future__ import annotations
 
+import contextlib
+
 from rapidformer.config.schema import ModelConfig
 from rapidformer.data.tokenizers import unreachable_model_message
 from rapidformer.errors import InputError
@@ -80,3 +82,30 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
                          f"a pretrained causal LM with model=hf)")
     config._attn_implementation = m.attn_implementation
     return auto.from_config(config, attn_implementation=m.attn_implementation)
+
+
+def training_without_kv_cache(model) -> bool:
+    """Turn a Hugging Face model's KV cache off for training; True if it was on.
+
+    A cache is never read in a training step, yet with `use_cache=True` a decoder builds one in
+    every forward (memory for all layers' keys and values), and under regional compile its
+    per-layer bookkeeping makes each block recompile until torch.compile gives up and runs the
+    rest eagerly. The exported config keeps the user's setting (see `kv_cache_as_configured`).
+    """
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return False
+    config.use_cache = False
+    return True
+
+
+@contextlib.contextmanager
+def kv_cache_as_configured(model, was_on: bool):
+    """The user's `use_cache` while a model is saved for inference."""
+    if was_on:
+        model.config.use_cache = True
+    try:
+        yield
+    finally:
+        if was_on:
+            model.config.use_cache = False
