@@ -3,17 +3,26 @@ process on one GPU, on the same models, batches and kernels.
 
     python benchmarks/run.py --suite h200          # the four workloads, bf16, on a GPU
     python benchmarks/run.py --smoke               # tiny shapes on a CPU in well under a minute
+    # two GPUs, half the wall time: one process per GPU, then one result
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/run.py --workloads gpt_1p3b --out-dir a &
+    CUDA_VISIBLE_DEVICES=1 python benchmarks/run.py --workloads bert_mlm gpt2_124m bert_mrpc \
+        --out-dir b; wait
+    python benchmarks/run.py --merge a/benchmarks/results.json b/benchmarks/results.json
 
 Workloads (models built from configs, random weights, random tokens: nothing is downloaded):
 bert_mlm (BERT-base masked LM, seq 512), gpt2_124m (GPT-2 small, seq 1024), gpt_1p3b (GPT-2
 shape at 24 x 2048, seq 2048), bert_mrpc (BERT-base sequence classification, seq 128).
 Systems: `hf-eager` and `hf-compile` are hand-written loops (SDPA attention, fused AdamW, bf16
 autocast, clipping); `rapidformer` is the same model through RapidformerEngine's own-loop API
-(`compose`, `autocast`, `backward`, `step`) with its best settings (regional compile);
-`rapidformer-eager` isolates the framework's overhead against `hf-eager`, and
+(`compose`, `autocast`, `backward`, `step`) with `graph=compile` (its default scope: the whole
+model here); `rapidformer-blocks` compiles per transformer block (the scope under FSDP2/ZeRO);
+`rapidformer-cudagraphs` adds `graph.mode=reduce-overhead` (CUDA graphs: for launch-bound small
+batches); `rapidformer-eager` isolates the framework's overhead against `hf-eager`, and
 `rapidformer-fp32` (TF32 off) gives the AMP speed-up. Tokens/s counts every token of the batch
-(no padding here); MFU follows rapidformer/flops.py. Writes the rows to
-docs/benchmarks/results.json and the table between the suite markers of docs/benchmarks.md.
+(no padding here); MFU follows rapidformer/flops.py; warm-up s is the first steps' time, compile
+included (the inductor cache is shared within a process, so a later system may reuse an earlier
+one's kernels). Writes the rows to docs/benchmarks/results.json and the table between the suite
+markers of docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -29,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from _report import write_report
+
 from rapidformer.flops import flops_per_token, peak_flops
 
 MARK_START, MARK_END = "<!-- suite:start -->", "<!-- suite:end -->"
@@ -38,7 +49,8 @@ WORKLOADS = {"bert_mlm": ("bert_mlm", 12, 768, 12, 512, 32, 30522),
              "gpt_1p3b": ("gpt", 24, 2048, 16, 2048, 8, 50257),
              "bert_mrpc": ("bert_cls", 12, 768, 12, 128, 32, 30522)}
 SMOKE = {name: (arch, 2, 64, 4, 64, 4, 500) for name, (arch, *_rest) in WORKLOADS.items()}
-SYSTEMS = ["hf-eager", "hf-compile", "rapidformer", "rapidformer-eager", "rapidformer-fp32"]
+SYSTEMS = ["hf-eager", "hf-compile", "rapidformer", "rapidformer-blocks",
+           "rapidformer-cudagraphs", "rapidformer-eager", "rapidformer-fp32"]
 
 
 def build_model(arch: str, layers: int, hidden: int, heads: int, seq: int, vocab: int):
@@ -61,17 +73,19 @@ def batch_for(arch: str, batch: int, seq: int, vocab: int, device) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def measure(step, warmup: int, steps: int, device) -> float:
-    """Seconds per step after `warmup` steps (compile happens there); syncs only at the ends."""
+def measure(step, warmup: int, steps: int, device) -> tuple[float, float]:
+    """(seconds of the `warmup` steps, where compile happens; seconds per step after them);
+    syncs only at the ends."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    started = time.perf_counter()
     for _ in range(warmup):
         step()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    started = time.perf_counter()
+    warmed = time.perf_counter()
     for _ in range(steps):
         step()
     sync()
-    return (time.perf_counter() - started) / steps
+    return warmed - started, (time.perf_counter() - warmed) / steps
 
 
 def hf_loop(model, batch: dict, device, compiled: bool, dtype):
@@ -125,11 +139,15 @@ def run_row(name: str, shape: tuple, system: str, args, device, work: Path) -> d
         step = hf_loop(model, batch, device, system == "hf-compile", dtype)
     else:
         overrides = {"rapidformer": [f"precision={precision}", "graph=compile"],
+                     "rapidformer-blocks": [f"precision={precision}", "graph=compile",
+                                            "graph.scope=blocks"],
+                     "rapidformer-cudagraphs": [f"precision={precision}", "graph=compile",
+                                                "graph.mode=reduce-overhead"],
                      "rapidformer-eager": [f"precision={precision}"],
                      "rapidformer-fp32": ["precision=fp32"]}[system]
         step = rapidformer_loop(model, batch, [*overrides, f"trainer.device={device.type}"],
                                 work / f"{name}_{system}")
-    seconds = measure(step, args.warmup, args.steps, device)
+    warmup_s, seconds = measure(step, args.warmup, args.steps, device)
     tokens_per_s = micro * seq / seconds
     peak = peak_flops(device)
     row = {"workload": name, "system": system, "precision": precision if system !=
@@ -138,34 +156,60 @@ def run_row(name: str, shape: tuple, system: str, args, device, work: Path) -> d
            "mfu": round(tokens_per_s * flops_per_token(parameters, layers, hidden, seq) / peak, 4)
            if peak else None,
            "peak_mem_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-           if device.type == "cuda" else None}
+           if device.type == "cuda" else None,
+           "warmup_s": round(warmup_s, 1)}
     del model, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [MARK_START, "",
-             f"{meta['date']}, {meta['gpu']}, torch {meta['versions']['torch']}, transformers "
-             f"{meta['versions']['transformers']}; `{meta['command']}`"
-             + (" (smoke: tiny shapes, a plumbing check, not a speed result)"
-                if "--smoke" in meta["command"] else ""), "",
-             "| workload | system | precision | tokens/s | vs hf-compile | MFU | peak GB |",
-             "|---|---|---|---|---|---|---|"]
-    base = {r["workload"]: r["tokens_per_s"] for r in rows if r["system"] == "hf-compile"}
-    for r in rows:
-        ratio = f"{r['tokens_per_s'] / base[r['workload']]:.2f}x" if r["workload"] in base else "-"
-        mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "-"
-        mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
-        lines.append(f"| {r['workload']} | {r['system']} | {r['precision']} | "
-                     f"{r['tokens_per_s']:,.0f} | {ratio} | {mfu} | {mem} |")
-    overhead = {r["workload"]: r["tokens_per_s"] for r in rows if r["system"] == "rapidformer-eager"}
-    eager = {r["workload"]: r["tokens_per_s"] for r in rows if r["system"] == "hf-eager"}
-    for workload in [w for w in overhead if w in eager]:
-        lines.append(f"\nFramework overhead, {workload}: rapidformer-eager is "
-                     f"{100 * (1 - overhead[workload] / eager[workload]):+.1f} % slower than the "
-                     f"hand-written eager loop.")
+def command_of(argv: list[str]) -> str:
+    """The command as a reader would type it: without --out-dir (a path on the run's machine)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg == "--out-dir":
+            skip = not skip
+            continue
+        kept.append(arg)
+    return " ".join(["python benchmarks/run.py", *kept])
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per command (a run, or one of several runs merged with --merge); ratios are
+    against hf-compile of the same workload in the same run."""
+    lines = [MARK_START]
+    for command in dict.fromkeys(r["command"] for r in rows):
+        run = [r for r in rows if r["command"] == command]
+        first = run[0]
+        lines += ["", f"{first['date']}, {first['gpu']}, torch {first['versions']['torch']}, "
+                      f"transformers {first['versions']['transformers']}; `{command}`"
+                  + (" (smoke: tiny shapes, a plumbing check, not a speed result)"
+                     if "--smoke" in command else ""), "",
+                  "| workload | system | precision | tokens/s | vs hf-compile | MFU | peak GB | "
+                  "warm-up s |", "|---|---|---|---|---|---|---|---|"]
+        base = {r["workload"]: r["tokens_per_s"] for r in run if r["system"] == "hf-compile"
+                and "error" not in r}
+        for r in run:
+            if "error" in r:
+                lines.append(f"| {r['workload']} | {r['system']} | failed: {r['error']} "
+                             f"| | | | | |")
+                continue
+            ratio = (f"{r['tokens_per_s'] / base[r['workload']]:.2f}x" if r["workload"] in base
+                     else "-")
+            mfu = f"{100 * r['mfu']:.1f} %" if r["mfu"] is not None else "-"
+            mem = r["peak_mem_gb"] if r["peak_mem_gb"] is not None else "-"
+            lines.append(f"| {r['workload']} | {r['system']} | {r['precision']} | "
+                         f"{r['tokens_per_s']:,.0f} | {ratio} | {mfu} | {mem} | "
+                         f"{r.get('warmup_s', '-')} |")
+        done = [r for r in run if "error" not in r]
+        overhead = {r["workload"]: r["tokens_per_s"] for r in done
+                    if r["system"] == "rapidformer-eager"}
+        eager = {r["workload"]: r["tokens_per_s"] for r in done if r["system"] == "hf-eager"}
+        for workload in [w for w in overhead if w in eager]:
+            lines.append(f"\nFramework overhead, {workload}: rapidformer-eager runs at "
+                         f"{overhead[workload] / eager[workload]:.3f}x the tokens/s of the "
+                         f"hand-written eager loop (target: at least 0.98).")
     return "\n".join([*lines, "", MARK_END])
 
 
@@ -188,7 +232,16 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out-dir", default="docs")
+    parser.add_argument("--merge", nargs="+", metavar="RESULTS_JSON", default=None,
+                        help="write the rows of earlier runs (e.g. one per GPU) as one result")
     args = parser.parse_args(argv)
+    out = Path(args.out_dir)
+    if args.merge:
+        rows = [row for path in args.merge for row in json.loads(Path(path).read_text())]
+        write_report(out / "benchmarks" / "results.json", rows)
+        write_table(out / "benchmarks.md", markdown(rows))
+        print(f"merged {len(rows)} rows into {out / 'benchmarks' / 'results.json'}")
+        return
     shapes = SMOKE if args.smoke else WORKLOADS
     systems = args.systems or (["hf-eager", "rapidformer-eager", "rapidformer-fp32"] if args.smoke
                                else SYSTEMS)
@@ -202,21 +255,26 @@ def main(argv=None) -> None:
             else f"CPU ({platform.machine()})",
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "python": platform.python_version()},
-            "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None
-                                                              else argv)}
+            "command": command_of(sys.argv[1:] if argv is None else argv)}
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-suite-") as temp:
         for name in args.workloads:
             for system in systems:
-                row = {**run_row(name, shapes[name], system, args, device, Path(temp)),
-                       "gpu": meta["gpu"], "date": meta["date"], "versions": meta["versions"]}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    out = Path(args.out_dir)
-    (out / "benchmarks").mkdir(parents=True, exist_ok=True)
-    (out / "benchmarks" / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    write_table(out / "benchmarks.md", markdown(rows, meta))
+                try:
+                    row = run_row(name, shapes[name], system, args, device, Path(temp))
+                except Exception as exc:  # one failed system must not cost the other rows
+                    row = {"workload": name, "system": system,
+                           "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                rows.append({**row, **meta})
+                print(json.dumps(rows[-1]), flush=True)
+                # after every row: a run cut short still leaves what it measured
+                write_report(out / "benchmarks" / "results.json", rows)
+    write_table(out / "benchmarks.md", markdown(rows))
     print(f"wrote {out / 'benchmarks' / 'results.json'} and the table in {out / 'benchmarks.md'}")
+    if any("error" in row for row in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

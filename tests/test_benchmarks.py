@@ -30,4 +30,4 @@ def test_suite_smoke_writes_results_and_table(tmp_path):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
     assert text.count("<!-- suite:start -->") == 1 and text.count("| bert_mrpc | hf-eager |") == 1
-    assert "Framework overhead, bert_mlm: rapidformer-eager is" in text
+    assert "Framework overhead, bert_mlm: rapidformer-eager runs at" in text
