@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rapidformer import checkpoint
-from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, parallel
+from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, ort, parallel
 from rapidformer.accelerators.fsdp import (DCP_DIR, full_state_dict, load_shards, save_shards,
                                            shard_model, transformer_blocks)
 from rapidformer.accelerators.graph import apply_graph, compile_blocks, unwrap
@@ -161,6 +161,8 @@ class RapidformerEngine:
         self.model_flops = ModelFlops(self.num_parameters, layers, hidden, self.device,
                                       self.world_size)
         model = compile_blocks(model, self.cfg.graph, self.cfg.memory.name)  # inside whatever wraps the model next
+        if self.cfg.graph.name == "ort":  # inside DDP, like the compiled blocks
+            model = ort.wrap(model, self.rank)
         self.ddp = self.ds = self.fsdp = None
         if self.cfg.memory.name == "fsdp":
             if optimizer is not None:

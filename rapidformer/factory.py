@@ -9,7 +9,7 @@ from rapidformer import engine as engine_module
 from rapidformer.config.args import activate
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import PRETRAINING_TASKS
-from rapidformer.errors import InputError
+from rapidformer.errors import InputError, NotAvailableError
 
 log = logging.getLogger("rapidformer")
 
@@ -19,12 +19,18 @@ def check_available(cfg: RunConfig) -> None:
     import torch
 
     from rapidformer.accelerators.fsdp import check_fsdp_precision
-    from rapidformer.accelerators.graph import refuse_ort
     from rapidformer.accelerators.memory import check_zero_precision
 
-    refuse_ort(cfg.graph)
     on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
                                                and torch.cuda.is_available())
+    if cfg.graph.name == "ort":
+        from rapidformer.accelerators import ort
+
+        ort.check_available()
+        if on_gpu:
+            raise NotAvailableError(
+                "graph=ort on a GPU is not built: onnxruntime-training 1.19.2 was checked here "
+                "on the CPU only (fp32); set trainer.device=cpu, or use graph=compile on the GPU")
     check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
     check_fsdp_precision(cfg)
     if cfg.task.name in PRETRAINING_TASKS and not cfg.user_script:

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from rapidformer.config.schema import GraphConfig
-from rapidformer.errors import ConfigError, NotAvailableError
+from rapidformer.errors import ConfigError
 
 log = logging.getLogger("rapidformer")
 
@@ -26,14 +26,6 @@ def _compile_kwargs(g: GraphConfig) -> dict:
     return kwargs
 
 
-def refuse_ort(g: GraphConfig) -> None:
-    if g.name == "ort":
-        raise NotAvailableError(
-            f"graph=ort (ONNX Runtime training) is not available in this version yet; its last "
-            f"release (onnxruntime-training 1.19.2) trains only with torch 2.4-2.6 (this "
-            f"environment: torch {torch.__version__}); use graph=compile or graph=eager")
-
-
 def compile_scope(g: GraphConfig, memory: str) -> str:
     """graph.scope, with auto decided: the whole model unless FSDP2 or DeepSpeed shard it."""
     if g.scope != "auto":
@@ -43,7 +35,6 @@ def compile_scope(g: GraphConfig, memory: str) -> str:
 
 def compile_blocks(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch.nn.Module:
     """graph=compile, scope=blocks: before any wrapper (DDP, FSDP2, DeepSpeed)."""
-    refuse_ort(g)
     if g.name != "compile" or compile_scope(g, memory) != "blocks":
         return model
     from rapidformer.accelerators.fsdp import transformer_blocks
@@ -60,8 +51,7 @@ def compile_blocks(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch
 
 
 def apply_graph(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch.nn.Module:
-    """graph=compile, scope=model: around the (DDP-wrapped) model (after compile_blocks, which
-    has refused graph=ort)."""
+    """graph=compile, scope=model: around the (DDP-wrapped) model."""
     if g.name != "compile" or compile_scope(g, memory) != "model":
         return model
     log.info("graph=compile: the whole model compiled")
@@ -69,8 +59,12 @@ def apply_graph(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch.nn
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module under torch.compile's and DDP's wrappers (for state dicts, export)."""
+    """The user's module under torch.compile's, DDP's and ORTModule's wrappers (for state
+    dicts, export)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from rapidformer.accelerators.ort import is_ort_module
+
     model = getattr(model, "_orig_mod", model)
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    return model.module if is_ort_module(model) else model

@@ -232,6 +232,12 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"graph.scope=model with memory={cfg.memory.name}: the whole-model compile "
                  f"wraps what {'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed'} shards; "
                  f"use graph.scope=blocks (or auto, the default), which compiles each transformer block")
+    if cfg.graph.name == "ort" and cfg.memory.name != "none":
+        p.append(f"graph=ort with memory={cfg.memory.name}: ORTModule is run here with DDP only "
+                 f"(memory=none); use graph=eager or graph=compile with memory={cfg.memory.name}")
+    if cfg.graph.name == "ort" and cfg.precision.name != "fp32":
+        p.append(f"graph=ort with precision={cfg.precision.name}: ONNX Runtime's CPU training "
+                 f"kernels are fp32 only (its export fails under autocast); use precision=fp32")
     if not cfg.trainer.save_last and cfg.trainer.export_hf and cfg.memory.name in ("zero1", "zero2", "zero3") \
             and not m.arch.startswith("megatron"):
         p.append(f"trainer.save_last=false with trainer.export_hf=true and memory={cfg.memory.name}: "
