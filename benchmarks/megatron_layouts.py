@@ -3,6 +3,8 @@
     python benchmarks/megatron_layouts.py                  # GPT 1.3B shape, bf16, 2 GPUs
     python benchmarks/megatron_layouts.py --layouts one tp2 --model megatron_gpt_tiny \
         --hidden 64 --layers 4 --heads 4 --seq 64 --iters 4   # a smoke run (CPU)
+    python benchmarks/megatron_layouts.py --model gpt2_small --layouts one dp2 \
+        --out docs/benchmarks/ddp_scaling.json   # DDP scaling, the same shape as a HF GPT-2
 
 Each layout is one real run of `python -m rapidformer +recipe=gpt_pretrain model=megatron_gpt`
 on generated document-level mmap data: one process on one GPU (the baseline), TP=2, PP=2, and
@@ -60,7 +62,7 @@ def run(name: str, work: Path, args, data: dict) -> dict:
                f"trainer.global_batch_size={args.global_batch}",
                f"trainer.train_iters={args.iters}", "trainer.log_interval=5",
                "trainer.eval_iters=0", "trainer.export_hf=false", "trainer.progress_bar=false",
-               "trainer.save_last=false", f"trainer.output_dir={out}"]
+               "trainer.save_last=false", f"trainer.output_dir={out}", *args.set]
     log_path = Path(args.logs or work) / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -104,6 +106,8 @@ def main() -> None:
     parser.add_argument("--out", default="docs/benchmarks/megatron_layouts.json")
     parser.add_argument("--logs", default=None, help="keep each layout's log here")
     parser.add_argument("--run-timeout", type=int, default=900, help="seconds per layout")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more overrides for every layout, e.g. graph=compile")
     args = parser.parse_args()
     import torch
 
@@ -123,6 +127,7 @@ def main() -> None:
         params = gpt_parameters(args.layers, args.hidden, vocab_size)
         per_token = flops_per_token(params, args.layers, args.hidden, args.seq)
         result = {"date": datetime.date.today().isoformat(), "device": device,
+                  "model_config": args.model, "overrides": args.set,
                   "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                             "seq": args.seq, "vocab": vocab_size, "params": params},
                   "micro_batch": args.micro, "global_batch": args.global_batch,

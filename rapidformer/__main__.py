@@ -14,7 +14,7 @@ import hydra
 import yaml
 from omegaconf import DictConfig
 
-from rapidformer.errors import RapidformerError, debug_enabled
+from rapidformer.errors import Preempted, RapidformerError, debug_enabled
 
 log = logging.getLogger("rapidformer")
 
@@ -44,7 +44,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def report(error: BaseException) -> None:
-    print(f"rapidformer: error: {error}", file=sys.stderr)
+    kind = "stopped" if isinstance(error, Preempted) else "error"
+    print(f"rapidformer: {kind}: {error}", file=sys.stderr)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -72,7 +73,8 @@ def hydra_entry(cfg: DictConfig):
             raise
         report(exc)
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        write_status(run_dir, "failed", str(exc).splitlines()[0])
+        write_status(run_dir, "preempted" if isinstance(exc, Preempted) else "failed",
+                     str(exc).splitlines()[0])
         if hydra_cfg.mode == RunMode.MULTIRUN:
             return None  # the sweep goes on; this job is reported as failed
         sys.exit(exc.exit_code)

@@ -240,6 +240,12 @@ class RapidformerEngine:
             dist.all_reduce(tensor)
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def backward(self, loss: torch.Tensor, accumulation_steps: int = 1) -> None:
         """Gradients of `loss`, averaged over `accumulation_steps` micro-batches."""
         if self.ds is not None:

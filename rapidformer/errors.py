@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 
-# exit codes: 2 for bad input (config, data, paths), 3 for a feature not available here
+# exit codes: 2 for bad input (config, data, paths), 3 for a feature not available here,
+# 4 for a run whose loss stopped being finite, 75 (EX_TEMPFAIL) for a run stopped by
+# SIGTERM/SIGINT after writing a resumable checkpoint
 EXIT_BAD_INPUT = 2
 EXIT_NOT_AVAILABLE = 3
+EXIT_DIVERGED = 4
+EXIT_PREEMPTED = 75
 
 
 class RapidformerError(Exception):
@@ -40,3 +44,15 @@ class NotAvailableError(RapidformerError):
 
 def debug_enabled() -> bool:
     return os.environ.get("RAPIDFORMER_DEBUG", "") not in ("", "0", "false", "False")
+
+
+class Preempted(RapidformerError):
+    """Stopped by a signal at a step boundary, with a checkpoint to resume from."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class NonFiniteLoss(RapidformerError):
+    """The loss was NaN or infinite for trainer.max_nonfinite_steps steps in a row."""
+
+    exit_code = EXIT_DIVERGED

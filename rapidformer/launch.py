@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -17,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import RapidformerError, debug_enabled
+from rapidformer.errors import EXIT_PREEMPTED, Preempted, RapidformerError, debug_enabled
 
 log = logging.getLogger("rapidformer")
 
@@ -39,6 +40,7 @@ def free_port() -> int:
 def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
     """Start the workers of this node and wait; a failed worker ends the job with its rank."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -62,11 +64,28 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.launch", "--worker",
                                                str(config_file))
+    except SignalException as exc:
+        # the launcher was signalled and forwarded it: the workers stopped at a step boundary
+        # with a checkpoint, if they had the time (torch elastic's 30 s)
+        raise _preempted(run_dir, signal.Signals(exc.sigval).name) from exc
     except ChildFailedError as exc:
+        if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
+            raise _preempted(run_dir, "a signal") from exc
         # the root cause: the earliest failure that was not the launcher's own SIGTERM
         failures = [(f.timestamp, rank, f) for rank, f in exc.failures.items() if f.exitcode > 0]
         _, rank, failure = min(failures or [(f.timestamp, r, f) for r, f in exc.failures.items()])
         raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank)) from exc
+
+
+def _preempted(run_dir: Path, cause: str) -> Preempted:
+    from rapidformer.checkpoint import scan
+
+    complete, _ = scan(run_dir / "checkpoints")
+    newest = complete[-1] if complete else None
+    where = (f"the newest complete checkpoint is {newest.name}" if newest is not None
+             else "no complete checkpoint was written")
+    return Preempted(f"stopped by {cause}: {where}; run the same command with "
+                     f"trainer.resume=auto to continue (exit code 75)")
 
 
 class WorkerFailed(RapidformerError):

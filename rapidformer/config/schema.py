@@ -189,6 +189,9 @@ class TrainerConfig:
     # stop (after saving a checkpoint) once the iteration is a multiple of this (Megatron's name)
     exit_interval: Optional[int] = None
     keep_last: int = 2
+    # stop once the loss is NaN/Inf for this many steps in a row (null: never); no checkpoint
+    # is written from a step whose loss is not finite
+    max_nonfinite_steps: Optional[int] = 5
     # false: no checkpoint when training ends (benchmarks: a 1B model with its optimizer state
     # writes about 17 GB); interval and exit checkpoints are still written
     save_last: bool = True

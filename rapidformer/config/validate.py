@@ -133,6 +133,7 @@ def check_values(cfg: RunConfig) -> list[str]:
     positive("trainer.global_batch_size", t.global_batch_size)
     positive("trainer.log_interval", t.log_interval)
     positive("trainer.keep_last", t.keep_last)
+    positive("trainer.max_nonfinite_steps", t.max_nonfinite_steps, allow_none=True)
     for name in ("eval_interval", "save_interval", "exit_interval", "train_iters", "epochs"):
         positive(f"trainer.{name}", getattr(t, name), allow_none=True)
     if t.epochs is None and t.train_iters is None:

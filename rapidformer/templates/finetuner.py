@@ -10,8 +10,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from rapidformer.data.sampler import ResumableSampler
-from rapidformer.errors import InputError, RapidformerError
+from rapidformer.errors import InputError, NonFiniteLoss, Preempted, RapidformerError
 from rapidformer.observability import MetricsSink
+from rapidformer.preemption import StopSignals
 
 log = logging.getLogger("rapidformer")
 
@@ -135,6 +136,7 @@ class Finetuner:
         window = _Window()
         last_eval_step = -1
         stopped_early = False
+        stop = StopSignals().install()
         while state.step < total_iters and not stopped_early:
             sampler.set_epoch(state.epoch, state.step_in_epoch)
             batches = iter(train_loader)
@@ -156,7 +158,7 @@ class Finetuner:
                 progress.update(1)
 
                 if state.step % t.log_interval == 0 or state.step == total_iters:
-                    record = window.flush(optimizer, engine)
+                    record = window.flush(optimizer, engine, state.step)
                     sink.write(state.step, {"epoch": state.epoch, **record})
                     progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
                     log.info("step %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s",
@@ -172,9 +174,12 @@ class Finetuner:
                     last_eval_step = state.step
                 exiting = bool(t.exit_interval and state.step % t.exit_interval == 0
                                and state.step < total_iters)
+                preempted = stop.requested(engine.world_size, engine.device)
                 if (t.save_interval and state.step % t.save_interval == 0) or \
-                        (epoch_done and t.save_interval is None) or exiting:
-                    self._save(state)
+                        (epoch_done and t.save_interval is None) or exiting or preempted:
+                    save_if_finite(self._save, state, window, engine)
+                if preempted:
+                    end_preempted(stop, engine, state.step, progress, sink)
                 if exiting:
                     log.info("trainer.exit_interval=%d reached at step %d: checkpoint saved, "
                              "stopping (resume with trainer.resume=auto)", t.exit_interval,
@@ -184,10 +189,11 @@ class Finetuner:
                     break
 
         progress.close()
+        stop.restore()
         if not stopped_early:
             if last_eval_step != state.step:
                 self._evaluate(model, eval_loaders, sink, state)
-            self._finish(model, test_ds, collate_fn, sink, state)
+            self._finish(model, test_ds, collate_fn, sink, state, window)
         sink.close()
         return state
 
@@ -216,7 +222,7 @@ class Finetuner:
         self.engine.save_checkpoint(state.step, {"step": state.step,
                                                  "train_state": asdict(state)}, extra)
 
-    def _finish(self, model, test_ds, collate_fn, sink, state) -> None:
+    def _finish(self, model, test_ds, collate_fn, sink, state, window=None) -> None:
         """End of training: score a labelled test split, keep a final checkpoint, export."""
         if test_ds is not None and len(test_ds) and self.test_is_labelled(test_ds):
             metrics = self.evaluate(model, self.build_data_loader(test_ds, collate_fn=collate_fn))
@@ -224,7 +230,7 @@ class Finetuner:
             log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         if self.cfg.trainer.save_last and \
                 not (self.engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
-            self._save(state)
+            save_if_finite(self._save, state, window, self.engine)
         if self.cfg.trainer.export_hf:
             self.engine.export_hf(self.tokenizer, step=state.step)
 
@@ -233,10 +239,33 @@ class Finetuner:
         return False
 
 
+def save_if_finite(save, state, window, engine) -> bool:
+    """Checkpoint unless the last step's loss was NaN/Inf: a diverged model must never
+    replace (or, through keep_last, prune) a good checkpoint."""
+    if window is not None and not window.loss_is_finite(engine, state.step):
+        log.warning("no checkpoint at step %d: its loss is not finite (the newest complete "
+                    "checkpoint stays the resume point)", state.step)
+        return False
+    save(state)
+    return True
+
+
+def end_preempted(stop, engine, step: int, progress, sink) -> None:
+    """A run stopped by a signal, after its checkpoint: close the outputs, leave with code 75."""
+    progress.close()
+    sink.close()
+    stop.restore()
+    raise Preempted(stop.message(step, engine.checkpoint_root))
+
+
 class _Window:
     """Loss, tokens and timing since the last log line, kept on the device until then."""
 
     def __init__(self):
+        # steps in a row whose loss was NaN/Inf, and the most of them since the last check:
+        # device tensors, read only at log lines and before checkpoints (no sync per step)
+        self.nonfinite_run = self.nonfinite_peak = 0
+        self.step_loss = 0.0
         self.reset()
 
     def reset(self):
@@ -248,6 +277,7 @@ class _Window:
 
     def add_micro(self, loss, batch=None):
         self.loss_sum = self.loss_sum + loss.float()
+        self.step_loss = self.step_loss + loss.float()
         self.micro += 1
         if batch is not None:
             self.add_input(batch)
@@ -263,8 +293,39 @@ class _Window:
     def add_step(self, result):
         self.steps += 1
         self.grad_norm = result["grad_norm"]
+        if torch.is_tensor(self.step_loss):  # a pipeline stage without the loss has none
+            bad = (~torch.isfinite(self.step_loss)).to(torch.int64)
+            self.nonfinite_run = (self.nonfinite_run + bad) * bad
+            self.nonfinite_peak = torch.maximum(torch.as_tensor(self.nonfinite_peak,
+                                                                device=bad.device),
+                                                self.nonfinite_run)
+        self.step_loss = 0.0
 
-    def flush(self, optimizer, engine) -> dict:
+    def loss_is_finite(self, engine, step: int) -> bool:
+        """Whether the last step's loss was finite on every rank; stops the run (with the
+        newest complete checkpoint untouched) after trainer.max_nonfinite_steps bad steps."""
+        counts = engine.all_reduce_max(torch.stack([
+            torch.as_tensor(self.nonfinite_peak, device=engine.device),
+            torch.as_tensor(self.nonfinite_run, device=engine.device)]).to(torch.int64)).tolist()
+        peak, run = counts
+        self.nonfinite_peak = 0
+        limit = engine.cfg.trainer.max_nonfinite_steps
+        if limit is not None and peak >= limit:
+            from rapidformer.checkpoint import scan
+
+            complete, _ = scan(engine.checkpoint_root)
+            newest = (f"the newest complete checkpoint, {complete[-1].name}, is untouched "
+                      f"(trainer.resume=auto resumes from it)" if complete
+                      else "no checkpoint was written")
+            raise NonFiniteLoss(
+                f"the loss was NaN or infinite for {peak} steps in a row (by step {step}); "
+                f"stopped without saving: {newest}. Lower trainer.lr, set trainer.clip_grad, "
+                f"or use precision=bf16 or fp32; trainer.max_nonfinite_steps={limit} sets how "
+                f"many such steps stop a run")
+        return run == 0
+
+    def flush(self, optimizer, engine, step: int) -> dict:
+        self.loss_is_finite(engine, step)  # raises after too many non-finite steps
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         # one small all-reduce per log line: the loss of the whole global batch, all ranks' work
         totals = engine.all_reduce_sum(torch.stack([

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.observability import MetricsSink
-from rapidformer.templates.finetuner import _progress, _Window
+from rapidformer.preemption import StopSignals
+from rapidformer.templates.finetuner import _progress, _Window, end_preempted, save_if_finite
 
 log = logging.getLogger("rapidformer")
 
@@ -113,6 +114,7 @@ class PreTrainer:
         train_iter.window = window if engine.parallel is None or engine.parallel.counts_input \
             else None
         last_eval_step = -1
+        stop = StopSignals().install()
         while state.step < total_iters:
             model.train()
             if engine.parallel is not None:  # megatron-core's schedule runs the micro-batches
@@ -133,7 +135,7 @@ class PreTrainer:
             progress.update(1)
 
             if state.step % t.log_interval == 0 or state.step == total_iters:
-                record = window.flush(optimizer, engine)
+                record = window.flush(optimizer, engine, state.step)
                 sink.write(state.step, {"consumed_samples": state.consumed_train_samples, **record})
                 progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
                 log.info("iteration %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s "
@@ -145,21 +147,26 @@ class PreTrainer:
                 last_eval_step = state.step
             exiting = bool(t.exit_interval and state.step % t.exit_interval == 0
                            and state.step < total_iters)
-            if (t.save_interval and state.step % t.save_interval == 0) or exiting:
-                self._save(state)
+            preempted = stop.requested(engine.world_size, engine.device)
+            if (t.save_interval and state.step % t.save_interval == 0) or exiting or preempted:
+                save_if_finite(self._save, state, window, engine)
+            if preempted:
+                end_preempted(stop, engine, state.step, progress, sink)
             if exiting:
                 log.info("trainer.exit_interval=%d reached at iteration %d: checkpoint saved, "
                          "stopping (resume with trainer.resume=auto)", t.exit_interval, state.step)
                 progress.close()
                 sink.close()
+                stop.restore()
                 return state
 
         progress.close()
+        stop.restore()
         if last_eval_step != state.step:
             self._evaluate("validation", model, valid_iter, state, sink)
         self._evaluate("test", model, self.build_data_iterator(test_ds, 0), state, sink)
         if t.save_last and not (engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
-            self._save(state)
+            save_if_finite(self._save, state, window, engine)
         if t.export_hf:
             engine.export_hf(self.tokenizer, step=state.step)
         sink.close()
