@@ -56,6 +56,7 @@ def hydra_entry(cfg: DictConfig):
     from rapidformer.config.compose import resolve
     from rapidformer.factory import run
     from rapidformer.multirun import write_status
+    from rapidformer.run_record import write_environment
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
@@ -64,6 +65,7 @@ def hydra_entry(cfg: DictConfig):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
             yaml.safe_dump(resolved, f, sort_keys=False)
+        write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
         log.info("run directory: %s", run_dir)
         result = run(run_cfg, run_dir, resolved)
         write_status(run_dir, "ok")

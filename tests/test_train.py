@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import FAST, assert_ok, read_metrics, run_cli, train_losses
 
@@ -25,6 +27,12 @@ def test_quickstart_default_command(tmp_path):
     assert (run / "config.yaml").is_file() and (run / "data" / "train.jsonl").is_file()
     checkpoints = sorted((run / "checkpoints").iterdir())
     assert checkpoints and (checkpoints[-1] / "COMPLETE.json").is_file()
+    environment = json.loads((run / "environment.json").read_text())  # what reproduces it
+    assert environment["versions"]["torch"] == torch.__version__
+    assert environment["seed"] == 42 and environment["deterministic"] is False
+    head = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    assert environment["git"]["commit"] == (head or None)
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
