@@ -27,8 +27,8 @@ from rapidformer.config.args import active
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
 from rapidformer.flops import ModelFlops, model_shape
-from rapidformer.optim import build_optimizer, build_scheduler
 from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
+from rapidformer.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("rapidformer")
 ENGINES_CREATED = 0  # the user-script runner checks that a script built one
@@ -162,7 +162,7 @@ class RapidformerEngine:
                                       self.world_size)
         model = compile_blocks(model, self.cfg.graph, self.cfg.memory.name)  # inside whatever wraps the model next
         if self.cfg.graph.name == "ort":  # inside DDP, like the compiled blocks
-            model = ort.wrap(model, self.rank)
+            model = ort.wrap(model)
         self.ddp = self.ds = self.fsdp = None
         if self.cfg.memory.name == "fsdp":
             if optimizer is not None:

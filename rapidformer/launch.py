@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import EXIT_PREEMPTED, Preempted, RapidformerError, debug_enabled
+from rapidformer.errors import EXIT_PREEMPTED, RapidformerError, debug_enabled
 
 log = logging.getLogger("rapidformer")
 
@@ -77,15 +77,12 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
         raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank)) from exc
 
 
-def _preempted(run_dir: Path, cause: str) -> Preempted:
-    from rapidformer.checkpoint import scan
+def _preempted(run_dir: Path, cause: str):
+    from rapidformer.preemption import newest_checkpoint, preempted
 
-    complete, _ = scan(run_dir / "checkpoints")
-    newest = complete[-1] if complete else None
-    where = (f"the newest complete checkpoint is {newest.name}" if newest is not None
-             else "no complete checkpoint was written")
-    return Preempted(f"stopped by {cause}: {where}; run the same command with "
-                     f"trainer.resume=auto to continue (exit code 75)")
+    newest = newest_checkpoint(run_dir / "checkpoints")
+    return preempted(cause, f"the newest complete checkpoint is {newest}" if newest
+                     else "no complete checkpoint was written")
 
 
 class WorkerFailed(RapidformerError):

@@ -2,7 +2,8 @@
 
 Schedulers (Slurm, Kubernetes) send SIGTERM before they kill; Ctrl-C sends SIGINT. The first
 signal sets a flag; the training loop checks it after every optimizer step, all ranks agree on
-it (one tiny all-reduce, so no rank starts a step that another will not), the checkpoint is
+it (one tiny all-reduce on the CPU over a gloo group, so no rank starts a step that another will
+not, and the GPU stream is never waited on), the checkpoint is
 written as any other, and the run exits with code 75 (`EXIT_PREEMPTED`): "temporary failure,
 resume me" — `trainer.resume=auto` continues from it. A second signal exits at once (code
 128 + signal). A terminal's Ctrl-C reaches the launcher and the workers together and the
@@ -19,8 +20,11 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
+
+from rapidformer.errors import Preempted
 
 log = logging.getLogger("rapidformer")
 
@@ -33,11 +37,18 @@ class StopSignals:
         self.signum: int | None = None
         self._first = 0.0
         self._previous: dict[int, object] = {}
+        self._group = None
 
-    def install(self) -> StopSignals:
+    def install(self, world_size: int = 1) -> StopSignals:
+        """Every rank calls it at the same point (with several, it creates a process group)."""
         if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        if world_size > 1:
+            import torch.distributed as dist
+
+            # CPU votes: with NCCL the default group would make every step wait for the GPU
+            self._group = dist.new_group(backend="gloo")
         return self
 
     def restore(self) -> None:
@@ -58,28 +69,37 @@ class StopSignals:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else "no signal"
 
-    def requested(self, world_size: int, device: torch.device) -> bool:
+    def requested(self) -> bool:
         """Whether any rank received a stop signal (a collective when there are several)."""
         flag = self.signum is not None
-        if world_size > 1:
+        if self._group is not None:
             import torch.distributed as dist
 
-            votes = torch.tensor([int(flag)], device=device)
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+            votes = torch.tensor([int(flag)])
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._group)
             flag = bool(votes.item())
             if flag and self.signum is None:
                 self.signum = signal.SIGTERM  # another rank's signal: stop with it
         return flag
 
-    def message(self, step: int, root) -> str:
-        from rapidformer.checkpoint import scan
-
-        complete, _ = scan(root)
-        newest = complete[-1].name if complete else None
+    def error(self, step: int, root: Path) -> Preempted:
+        newest = newest_checkpoint(root)
         if newest == f"step_{step:08d}":
             where = f"checkpoint {newest} written"
         else:  # the step's loss was not finite, so it was not saved
             where = (f"no checkpoint at this step; the newest complete one is {newest}"
                      if newest else "no checkpoint was written")
-        return (f"stopped by {self.name} at step {step}: {where}; run the same command with "
-                f"trainer.resume=auto to continue (exit code 75)")
+        return preempted(f"{self.name} at step {step}", where)
+
+
+def newest_checkpoint(root: Path) -> str | None:
+    """The name of the newest complete checkpoint under `root`, the run's resume point."""
+    from rapidformer.checkpoint import scan
+
+    complete, _ = scan(root)
+    return complete[-1].name if complete else None
+
+
+def preempted(cause: str, where: str) -> Preempted:
+    return Preempted(f"stopped by {cause}: {where}; run the same command with "
+                     f"trainer.resume=auto to continue (exit code 75)")

@@ -82,7 +82,7 @@ def test_a_second_signal_exits_at_once_and_one_from_the_same_event_does_not(monk
     stop._handle(signal.SIGINT, None)  # Ctrl-C reaches the launcher and the workers...
     stop._handle(signal.SIGTERM, None)  # ...and the launcher forwards it: the same request
     assert stop.signum == signal.SIGINT and exits == []
-    assert stop.requested(world_size=1, device=None)
+    assert stop.requested()
     stop._handle(signal.SIGTERM, None)  # a later, second request
     assert exits == [128 + signal.SIGTERM]
 
@@ -90,7 +90,7 @@ def test_a_second_signal_exits_at_once_and_one_from_the_same_event_does_not(monk
 def test_no_signal_no_stop():
     stop = StopSignals().install()
     try:
-        assert not stop.requested(world_size=1, device=None)
+        assert not stop.requested()
         assert signal.getsignal(signal.SIGTERM) == stop._handle
     finally:
         stop.restore()

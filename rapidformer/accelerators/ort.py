@@ -92,9 +92,9 @@ def build_extensions(folder: Path | None = None) -> None:
     log.info("graph=ort: extensions installed in %s", folder)
 
 
-def ensure_extensions(rank: int = 0) -> None:
-    """Build on first use; with several processes rank 0 builds while the others wait on a
-    lock, so no process imports half-written libraries."""
+def ensure_extensions() -> None:
+    """Build on first use; with several processes the first to take the lock builds while the
+    others wait on it, so no process imports half-written libraries."""
     from filelock import FileLock
 
     folder = extensions_dir()
@@ -105,10 +105,10 @@ def ensure_extensions(rank: int = 0) -> None:
             build_extensions(folder)
 
 
-def wrap(model: torch.nn.Module, rank: int = 0) -> torch.nn.Module:
+def wrap(model: torch.nn.Module) -> torch.nn.Module:
     """ORTModule around the model (inside DDP, which then sees ORT's parameters)."""
     check_available()
-    ensure_extensions(rank)
+    ensure_extensions()
     os.environ.setdefault("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
     from onnxruntime.training.ortmodule import ORTModule
 

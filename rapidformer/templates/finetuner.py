@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from rapidformer.data.sampler import ResumableSampler
-from rapidformer.errors import InputError, NonFiniteLoss, Preempted, RapidformerError
+from rapidformer.errors import InputError, NonFiniteLoss, RapidformerError
 from rapidformer.observability import MetricsSink
-from rapidformer.preemption import StopSignals
+from rapidformer.preemption import StopSignals, newest_checkpoint
 
 log = logging.getLogger("rapidformer")
 
@@ -136,7 +136,7 @@ class Finetuner:
         window = _Window()
         last_eval_step = -1
         stopped_early = False
-        stop = StopSignals().install()
+        stop = StopSignals().install(engine.world_size)
         while state.step < total_iters and not stopped_early:
             sampler.set_epoch(state.epoch, state.step_in_epoch)
             batches = iter(train_loader)
@@ -174,7 +174,7 @@ class Finetuner:
                     last_eval_step = state.step
                 exiting = bool(t.exit_interval and state.step % t.exit_interval == 0
                                and state.step < total_iters)
-                preempted = stop.requested(engine.world_size, engine.device)
+                preempted = stop.requested()
                 if (t.save_interval and state.step % t.save_interval == 0) or \
                         (epoch_done and t.save_interval is None) or exiting or preempted:
                     save_if_finite(self._save, state, window, engine)
@@ -222,7 +222,7 @@ class Finetuner:
         self.engine.save_checkpoint(state.step, {"step": state.step,
                                                  "train_state": asdict(state)}, extra)
 
-    def _finish(self, model, test_ds, collate_fn, sink, state, window=None) -> None:
+    def _finish(self, model, test_ds, collate_fn, sink, state, window) -> None:
         """End of training: score a labelled test split, keep a final checkpoint, export."""
         if test_ds is not None and len(test_ds) and self.test_is_labelled(test_ds):
             metrics = self.evaluate(model, self.build_data_loader(test_ds, collate_fn=collate_fn))
@@ -242,7 +242,7 @@ class Finetuner:
 def save_if_finite(save, state, window, engine) -> bool:
     """Checkpoint unless the last step's loss was NaN/Inf: a diverged model must never
     replace (or, through keep_last, prune) a good checkpoint."""
-    if window is not None and not window.loss_is_finite(engine, state.step):
+    if not window.loss_is_finite(engine, state.step):
         log.warning("no checkpoint at step %d: its loss is not finite (the newest complete "
                     "checkpoint stays the resume point)", state.step)
         return False
@@ -255,7 +255,7 @@ def end_preempted(stop, engine, step: int, progress, sink) -> None:
     progress.close()
     sink.close()
     stop.restore()
-    raise Preempted(stop.message(step, engine.checkpoint_root))
+    raise stop.error(step, engine.checkpoint_root)
 
 
 class _Window:
@@ -311,11 +311,9 @@ class _Window:
         self.nonfinite_peak = 0
         limit = engine.cfg.trainer.max_nonfinite_steps
         if limit is not None and peak >= limit:
-            from rapidformer.checkpoint import scan
-
-            complete, _ = scan(engine.checkpoint_root)
-            newest = (f"the newest complete checkpoint, {complete[-1].name}, is untouched "
-                      f"(trainer.resume=auto resumes from it)" if complete
+            name = newest_checkpoint(engine.checkpoint_root)
+            newest = (f"the newest complete checkpoint, {name}, is untouched "
+                      f"(trainer.resume=auto resumes from it)" if name
                       else "no checkpoint was written")
             raise NonFiniteLoss(
                 f"the loss was NaN or infinite for {peak} steps in a row (by step {step}); "

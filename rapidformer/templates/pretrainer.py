@@ -114,7 +114,7 @@ class PreTrainer:
         train_iter.window = window if engine.parallel is None or engine.parallel.counts_input \
             else None
         last_eval_step = -1
-        stop = StopSignals().install()
+        stop = StopSignals().install(engine.world_size)
         while state.step < total_iters:
             model.train()
             if engine.parallel is not None:  # megatron-core's schedule runs the micro-batches
@@ -147,7 +147,7 @@ class PreTrainer:
                 last_eval_step = state.step
             exiting = bool(t.exit_interval and state.step % t.exit_interval == 0
                            and state.step < total_iters)
-            preempted = stop.requested(engine.world_size, engine.device)
+            preempted = stop.requested()
             if (t.save_interval and state.step % t.save_interval == 0) or exiting or preempted:
                 save_if_finite(self._save, state, window, engine)
             if preempted:
