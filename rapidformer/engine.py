@@ -29,6 +29,7 @@ from rapidformer.errors import ConfigError, InputError
 from rapidformer.flops import ModelFlops, model_shape
 from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
 from rapidformer.optim import build_optimizer, build_scheduler
+from rapidformer.rank_progress import RankProgress
 
 log = logging.getLogger("rapidformer")
 ENGINES_CREATED = 0  # the user-script runner checks that a script built one
@@ -99,7 +100,19 @@ def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # the elastic agent's store outlives a restart, and with it the first attempt's
+            # addresses: the restarted workers would connect to dead peers. Each attempt gets
+            # its own key space in it.
+            store = dist.PrefixStore(f"rapidformer/attempt_{attempt}/", dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                is_master=False, timeout=timeout))
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -115,6 +128,8 @@ class RapidformerEngine:
         self.run_dir = Path(run_dir or cfg.trainer.output_dir)
         self.device = pick_device(cfg.trainer.device)
         self.rank, self.world_size = init_distributed(self.device, cfg.launcher.collective_timeout)
+        # forward passes counted per rank: names the rank that hung when a collective times out
+        self.rank_progress = RankProgress(self.run_dir, self.rank, enabled=self.world_size > 1)
         seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
         if self.device.type == "cuda":
             apply_gpu_math_settings(cfg)

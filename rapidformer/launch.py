@@ -19,6 +19,7 @@ import yaml
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, RapidformerError, debug_enabled
+from rapidformer.rank_progress import describe_laggards, mark_timed_out
 
 log = logging.getLogger("rapidformer")
 
@@ -53,7 +54,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
         min_nodes=ln.nnodes, max_nodes=ln.nnodes, nproc_per_node=ln.nproc_per_node,
         run_id=run_id, rdzv_backend="static", rdzv_endpoint=f"{addr}:{port}",
         rdzv_configs={"rank": ln.node_rank, "timeout": ln.rendezvous_timeout},
-        max_restarts=0, monitor_interval=0.2, start_method="spawn",
+        max_restarts=ln.max_restarts, monitor_interval=0.2, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / f"node{ln.node_rank}"),
                                     redirects=Std.ALL,
                                     tee={0: Std.ALL}))
@@ -74,7 +75,8 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
         # the root cause: the earliest failure that was not the launcher's own SIGTERM
         failures = [(f.timestamp, rank, f) for rank, f in exc.failures.items() if f.exitcode > 0]
         _, rank, failure = min(failures or [(f.timestamp, r, f) for r, f in exc.failures.items()])
-        raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank)) from exc
+        raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank),
+                           describe_laggards(run_dir), ln) from exc
 
 
 def _preempted(run_dir: Path, cause: str):
@@ -86,11 +88,19 @@ def _preempted(run_dir: Path, cause: str):
 
 
 class WorkerFailed(RapidformerError):
-    def __init__(self, rank: int, exit_code: int, tail: str):
+    def __init__(self, rank: int, exit_code: int, tail: str, laggards: str = "",
+                 launcher=None):
         self.exit_code = exit_code if exit_code > 0 else 1
         detail = f"\n{tail}" if tail else ""
+        cause = ""
+        if laggards:
+            cause = (f" {laggards}. If that rank was only slow (a long evaluation or save on it "
+                     f"alone), raise launcher.collective_timeout="
+                     f"{launcher.collective_timeout if launcher else '...'}.")
+        restarts = (f" ({launcher.max_restarts} restart(s) of launcher.max_restarts used)"
+                    if launcher is not None and launcher.max_restarts else "")
         super().__init__(f"worker rank {rank} failed with exit code {exit_code}; the whole job "
-                         f"was stopped. Its last output:{detail}")
+                         f"was stopped{restarts}.{cause} Its last output:{detail}")
 
 
 def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:
@@ -100,6 +110,29 @@ def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:
         return ""
     text = logs[-1].read_text(errors="replace").strip().splitlines()
     return "\n".join(f"  | {line}" for line in text[-lines:])
+
+
+def resume_after_restart(cfg: RunConfig, run_dir: Path, restart: int) -> None:
+    """An elastic restart (launcher.max_restarts) continues from the newest complete
+    checkpoint this run wrote; with none yet, it starts as the first attempt did."""
+    from rapidformer.preemption import newest_checkpoint
+
+    if restart == 0:
+        return
+    newest = newest_checkpoint(run_dir / "checkpoints")
+    if newest is not None:
+        cfg.trainer.resume = "auto"
+    log.warning("restart %d of launcher.max_restarts=%d: %s", restart, cfg.launcher.max_restarts,
+                f"resuming from the newest complete checkpoint, {newest}" if newest
+                else f"no checkpoint yet, starting again with trainer.resume={cfg.trainer.resume}")
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """gloo's and NCCL's 'a peer never answered' errors."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "Timed out waiting" in text or ("timed out" in text.lower()
+                                        and "collective" in text.lower()))
 
 
 def shutdown_process_group() -> None:
@@ -122,13 +155,24 @@ def worker_main(config_file: str) -> None:
                         format=f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s")
     resolved = yaml.safe_load(Path(config_file).read_text())
     cfg = build_run_config(resolved)
+    run_dir = Path(config_file).parent
+    resume_after_restart(cfg, run_dir, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     try:
-        run(cfg, str(Path(config_file).parent), resolved)
+        run(cfg, str(run_dir), resolved)
     except RapidformerError as exc:
         if debug_enabled():
             raise
         print(f"rapidformer: error (rank {rank}): {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except Exception as exc:
+        if debug_enabled() or not is_collective_timeout(exc):
+            raise
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        mark_timed_out(run_dir, rank)
+        print(f"rapidformer: error (rank {rank}): a collective operation did not complete within "
+              f"launcher.collective_timeout={cfg.launcher.collective_timeout} s: another rank "
+              f"stopped responding ({first_line})", file=sys.stderr)
+        sys.exit(1)
     # The run is complete: files closed, process group left together. Skip the interpreter's
     # teardown, where a native thread of the collective library has been seen to abort a
     # finished worker (SIGABRT, "terminate called without an active exception") and with it

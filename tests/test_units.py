@@ -282,3 +282,27 @@ def test_training_runs_without_the_kv_cache_and_the_export_keeps_it(tmp_path):
     exported = engine.export_hf()
     assert json.loads((exported / "config.json").read_text())["use_cache"] is True
     assert model.config.use_cache is False  # still training
+
+
+def test_gradient_norm_spikes_are_logged_against_the_recent_median(caplog):
+    from rapidformer.grad_spikes import GradNormSpikes
+
+    spikes = GradNormSpikes(factor=10.0, warmup=3)
+    norms = [1.0, 1.2, 0.9, 1.1, 30.0, 1.0, float("nan"), 8.0, 12.0]
+    with caplog.at_level("WARNING", logger="rapidformer"):
+        flagged = [spikes.check(step, n) for step, n in enumerate(norms, 1)]
+    # the median stays near 1 (a spike or a NaN does not move it): 30 and 12 are spikes, 8 not
+    assert flagged == [False, False, False, False, True, False, False, False, True]
+    assert spikes.count == 2
+    assert "gradient-norm spike by step 5: 30, 28.6x the median of the last 4 log windows " \
+        "(1.05); spike 1 of this run" in caplog.text
+    assert not any(GradNormSpikes(None).check(s, 1e9) for s in range(10))
+
+
+def test_the_log_window_keeps_the_largest_gradient_norm_on_the_device():
+    from rapidformer.templates.finetuner import _Window
+
+    window = _Window()
+    for norm in (1.0, float("nan"), 3.0, 2.0):
+        window.add_step({"grad_norm": torch.tensor(norm)})
+    assert float(window.grad_norm_max) == 3.0 and float(window.grad_norm) == 2.0

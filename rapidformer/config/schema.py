@@ -192,6 +192,9 @@ class TrainerConfig:
     # stop once the loss is NaN/Inf for this many steps in a row (null: never); no checkpoint
     # is written from a step whose loss is not finite
     max_nonfinite_steps: Optional[int] = 5
+    # warn (and count grad_norm_spikes in the logs) when a log window's largest gradient norm is
+    # this many times the median of the previous windows' (null: never)
+    grad_norm_spike_factor: Optional[float] = 10.0
     # false: no checkpoint when training ends (benchmarks: a 1B model with its optimizer state
     # writes about 17 GB); interval and exit checkpoints are still written
     save_last: bool = True
@@ -215,6 +218,9 @@ class LauncherConfig:
     # ends the job after this long instead of hanging)
     rendezvous_timeout: int = 300
     collective_timeout: int = 600
+    # elastic restarts: after a worker fails, start all workers again (up to this many times);
+    # they resume from the newest complete checkpoint of the run
+    max_restarts: int = 0
 
 
 @dataclass

@@ -134,6 +134,14 @@ def check_values(cfg: RunConfig) -> list[str]:
     positive("trainer.log_interval", t.log_interval)
     positive("trainer.keep_last", t.keep_last)
     positive("trainer.max_nonfinite_steps", t.max_nonfinite_steps, allow_none=True)
+    if cfg.launcher.max_restarts < 0:
+        p.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must not be negative "
+                 f"(0: a failed worker ends the job)")
+    for name in ("rendezvous_timeout", "collective_timeout"):
+        positive(f"launcher.{name}", getattr(cfg.launcher, name))
+    if t.grad_norm_spike_factor is not None and t.grad_norm_spike_factor <= 1:
+        p.append(f"trainer.grad_norm_spike_factor={t.grad_norm_spike_factor} must be above 1 "
+                 f"(a window max this many times the recent median), or null to turn it off")
     for name in ("eval_interval", "save_interval", "exit_interval", "train_iters", "epochs"):
         positive(f"trainer.{name}", getattr(t, name), allow_none=True)
     if t.epochs is None and t.train_iters is None:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import InputError, NonFiniteLoss, RapidformerError
+from rapidformer.grad_spikes import GradNormSpikes
 from rapidformer.observability import MetricsSink
 from rapidformer.preemption import StopSignals, newest_checkpoint
 
@@ -133,7 +134,7 @@ class Finetuner:
                  "precision=%s, device=%s", total_iters, sampler.steps_per_epoch, accumulation,
                  t.micro_batch_size, self.cfg.precision.dtype, engine.device)
 
-        window = _Window()
+        window = _Window(t.grad_norm_spike_factor)
         last_eval_step = -1
         stopped_early = False
         stop = StopSignals().install(engine.world_size)
@@ -149,6 +150,7 @@ class Finetuner:
                     with engine.accumulating(last_micro_batch=micro == accumulation - 1):
                         with engine.autocast():
                             loss = self.run_forward_step(batch, model)
+                        engine.rank_progress.tick()
                         engine.backward(loss, accumulation_steps=accumulation)
                     window.add_micro(loss.detach(), batch)
                 result = engine.step()
@@ -261,7 +263,8 @@ def end_preempted(stop, engine, step: int, progress, sink) -> None:
 class _Window:
     """Loss, tokens and timing since the last log line, kept on the device until then."""
 
-    def __init__(self):
+    def __init__(self, spike_factor: float | None = None):
+        self.spikes = GradNormSpikes(spike_factor)
         # steps in a row whose loss was NaN/Inf, and the most of them since the last check:
         # device tensors, read only at log lines and before checkpoints (no sync per step)
         self.nonfinite_run = self.nonfinite_peak = 0
@@ -271,6 +274,7 @@ class _Window:
     def reset(self):
         self.loss_sum, self.micro, self.steps, self.skipped = 0.0, 0, 0, 0
         self.samples, self.tokens, self.grad_norm = 0, 0, None
+        self.grad_norm_max = None  # the window's largest norm, on the device (NaN ignored)
         self.slots = 0  # token positions computed, padding included
         self.data_wait = 0.0  # seconds blocked waiting for the next batch
         self.started = time.perf_counter()
@@ -293,6 +297,9 @@ class _Window:
     def add_step(self, result):
         self.steps += 1
         self.grad_norm = result["grad_norm"]
+        norm = torch.as_tensor(self.grad_norm, dtype=torch.float32)
+        self.grad_norm_max = norm if self.grad_norm_max is None else \
+            torch.fmax(self.grad_norm_max, norm.to(self.grad_norm_max.device))
         if torch.is_tensor(self.step_loss):  # a pipeline stage without the loss has none
             bad = (~torch.isfinite(self.step_loss)).to(torch.int64)
             self.nonfinite_run = (self.nonfinite_run + bad) * bad
@@ -336,6 +343,7 @@ class _Window:
         record = {"loss": loss_sum / max(micro, 1),
                   "lr": optimizer.param_groups[0]["lr"],
                   "grad_norm": float(self.grad_norm),
+                  "grad_norm_max": float(self.grad_norm_max),
                   "samples_per_s": samples / elapsed,
                   "tokens_per_s": tokens / elapsed,
                   # model FLOPs at the window's mean sequence length (rapidformer/flops.py)
@@ -345,6 +353,8 @@ class _Window:
                   "data_wait_frac": self.data_wait / elapsed,
                   # share of the computed token positions that were padding
                   "padding_frac": 1.0 - tokens / slots if slots else 0.0}
+        if self.spikes.check(step, record["grad_norm_max"]):
+            record["grad_norm_spikes"] = self.spikes.count
         if engine.precision.loss_scale is not None:
             record["loss_scale"] = engine.precision.loss_scale
             record["skipped_steps"] = engine.precision.skipped_steps

@@ -110,7 +110,7 @@ class PreTrainer:
                  "process per iteration), precision=%s, device=%s", total_iters, state.step,
                  accumulation, t.micro_batch_size, self.cfg.precision.dtype, engine.device)
 
-        window = _Window()
+        window = _Window(t.grad_norm_spike_factor)
         train_iter.window = window if engine.parallel is None or engine.parallel.counts_input \
             else None
         last_eval_step = -1
@@ -126,6 +126,7 @@ class PreTrainer:
                     with engine.accumulating(last_micro_batch=micro == accumulation - 1):
                         with engine.autocast():
                             loss = self.run_forward_step(train_iter, model)
+                        engine.rank_progress.tick()
                         engine.backward(loss, accumulation_steps=accumulation)
                     window.add_micro(loss.detach())
             result = engine.step()
@@ -238,6 +239,8 @@ class PreTrainer:
 
         def forward_step(iterator, chunk):
             result = self.run_forward_step(iterator, chunk)
+            if not forward_only:  # every pipeline stage runs this once per micro-batch
+                self.engine.rank_progress.tick()
             if isinstance(result, tuple):  # megatron-core's (output, loss_func)
                 return result
             if self.engine.parallel.pp > 1:

@@ -1,0 +1,104 @@
+"""Which rank stopped making progress, when a job dies of a collective timeout.
+
+A rank that hangs (a deadlock in user code, a stuck file system, a GPU that stopped answering)
+is not the one that fails: its peers wait for it in a collective until
+launcher.collective_timeout passes, and the first of them to give up is the failure the
+launcher sees. So each rank counts its forward passes in a tiny file of its own
+(RUN_DIR/logs/progress/rank_N: 16 bytes rewritten in place, no rename, no fsync: a few
+microseconds per micro-batch), and the launcher names the ranks that are behind.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+_RECORD = struct.Struct("<qd")  # forward passes done, wall time of the last one
+
+
+def progress_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "logs" / "progress"
+
+
+class RankProgress:
+    """A rank's forward-pass counter (`tick()` after each forward)."""
+
+    def __init__(self, run_dir: Path, rank: int, enabled: bool = True):
+        self.count = 0
+        self._fd = None
+        if enabled:
+            path = progress_dir(run_dir) / f"rank_{rank}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_name(path.name + ".timed_out").unlink(missing_ok=True)  # an earlier attempt's
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._write()
+
+    def _write(self) -> None:
+        os.pwrite(self._fd, _RECORD.pack(self.count, time.time()), 0)
+
+    def tick(self) -> None:
+        self.count += 1
+        if self._fd is not None:
+            self._write()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_progress(run_dir: Path) -> dict[int, tuple[int, float]]:
+    """rank -> (forward passes, time of the last one) for the ranks of this node."""
+    found = {}
+    for path in progress_dir(run_dir).glob("rank_*"):
+        if not path.name[5:].isdigit():
+            continue
+        data = path.read_bytes()
+        if len(data) >= _RECORD.size:
+            found[int(path.name.split("_")[1])] = _RECORD.unpack(data[:_RECORD.size])
+    return found
+
+
+def mark_timed_out(run_dir: Path, rank: int) -> None:
+    """This rank gave up waiting in a collective (launcher.collective_timeout)."""
+    path = progress_dir(run_dir) / f"rank_{rank}.timed_out"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{time.time()}\n")
+
+
+def describe_laggards(run_dir: Path) -> str:
+    """One sentence naming the ranks that hung or died first, or '' when it cannot tell.
+
+    The ranks that waited in a collective until the timeout say so (`mark_timed_out`); the
+    ranks that did not are the suspects. Without such a mark, ranks whose forward passes fell
+    behind the others' are.
+    """
+    progress = read_progress(run_dir)
+    if len(progress) < 2:
+        return ""
+    waited = sorted(int(p.name.split("_")[1].split(".")[0])
+                    for p in progress_dir(run_dir).glob("rank_*.timed_out"))
+    now = time.time()
+
+    def where(rank: int) -> str:
+        count, at = progress[rank]
+        return f"rank {rank} (at forward pass {count}, its last {now - at:.0f} s ago)"
+
+    if waited:
+        suspects = sorted(set(progress) - set(waited))
+        if not suspects:
+            return ""
+        return (f"{_ranks(waited)} gave up waiting in a collective; "
+                f"{', '.join(where(r) for r in suspects)} did not: "
+                f"{'it' if len(suspects) == 1 else 'they'} hung or died first")
+    ahead = max(count for count, _ in progress.values())
+    behind = sorted(rank for rank, (count, _) in progress.items() if count < ahead)
+    if not behind:
+        return ""
+    return (f"{', '.join(where(r) for r in behind)} fell behind the others (forward pass "
+            f"{ahead}): {'it' if len(behind) == 1 else 'they'} hung or died first")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
