@@ -221,7 +221,15 @@ class RapidformerEngine:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            model = self.ddp = DistributedDataParallel(model, device_ids=ids)
+            p = self.cfg.parallelism
+            # gradients live in the reduction buckets: no copy in or out, one buffer less
+            model = self.ddp = DistributedDataParallel(model, device_ids=ids,
+                                                       bucket_cap_mb=p.ddp_bucket_cap_mb,
+                                                       gradient_as_bucket_view=True)
+            if p.ddp_comm_hook == "bf16_compress":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
         model = apply_graph(model, self.cfg.graph, self.cfg.memory.name)
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         return model, optimizer, lr_scheduler

@@ -260,3 +260,24 @@ def test_length_grouping_cuts_the_padding_that_is_computed(tmp_path):
         records = [r for r in read_metrics(out) if "padding_frac" in r]
         padding[grouped] = sum(r["padding_frac"] for r in records) / len(records)
     assert padding["true"] < padding["false"] / 3, padding
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu,
+    pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_deterministic_runs_repeat_their_losses_exactly(tmp_path, device):
+    # on a GPU: bf16, and a model big enough for cuBLAS/atomic reductions to matter
+    gpu = ["precision=bf16", "model.hidden_size=256", "model.num_layers=4",
+           "model.num_attention_heads=4", "model.intermediate_size=1024"] if device == "cuda" \
+        else []
+    losses = []
+    for attempt in ("a", "b"):
+        run = tmp_path / attempt
+        assert_ok(run_cli([*FAST, *gpu, f"trainer.device={device}", "trainer.deterministic=true",
+                           "trainer.train_iters=6", "trainer.export_hf=false",
+                           "trainer.save_last=false", f"trainer.output_dir={run}"], cwd=tmp_path))
+        losses.append(train_losses(run))
+        environment = json.loads((run / "environment.json").read_text())
+        assert environment["deterministic"] is True and environment["seed"] == 42
+    assert sorted(losses[0]) == list(range(1, 7))
+    assert losses[0] == losses[1]  # bit for bit, dropout included

@@ -120,6 +120,11 @@ class ParallelismConfig:
     # Megatron's --sequence-parallel: with TP > 1, layer norms and dropout work on 1/TP of the
     # sequence on each rank (less activation memory; the same losses)
     sequence_parallel: bool = False
+    # torch DDP (Hugging Face models): gradient bucket size, and an optional communication hook
+    # that all-reduces gradients in bf16 (half the bytes; gradients are rounded to bf16 before
+    # averaging, as with Megatron's grad_reduce_in_fp32=false)
+    ddp_bucket_cap_mb: int = 25
+    ddp_comm_hook: Literal["none", "bf16_compress"] = "none"
 
 
 @dataclass

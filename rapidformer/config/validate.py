@@ -134,6 +134,7 @@ def check_values(cfg: RunConfig) -> list[str]:
     positive("trainer.log_interval", t.log_interval)
     positive("trainer.keep_last", t.keep_last)
     positive("trainer.max_nonfinite_steps", t.max_nonfinite_steps, allow_none=True)
+    positive("parallelism.ddp_bucket_cap_mb", cfg.parallelism.ddp_bucket_cap_mb)
     if cfg.launcher.max_restarts < 0:
         p.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must not be negative "
                  f"(0: a failed worker ends the job)")
