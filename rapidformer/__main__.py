@@ -91,7 +91,10 @@ def hydra_entry(cfg: DictConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from omegaconf import OmegaConf
+
     from rapidformer.config.compose import check_overrides, compose, resolve, with_default_recipe
+    from rapidformer.config.paths import check_paths
     from rapidformer.factory import check_available
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -104,9 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         overrides = check_overrides(overrides)
         if not multirun and not asks_help:
             # validate the whole config before Hydra creates a run directory
-            _, run_cfg = resolve(compose(overrides, default_recipe=False), "(run directory)")
+            composed = compose(overrides, default_recipe=False)
+            _, run_cfg = resolve(composed, "(run directory)")
             if not prints_only:
                 check_available(run_cfg)
+                check_paths(run_cfg, str(OmegaConf.select(composed, "trainer.output_dir")))
     except RapidformerError as exc:
         if debug_enabled():
             raise

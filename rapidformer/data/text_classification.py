@@ -7,6 +7,9 @@ that names the file and the config key to change.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,18 +61,51 @@ def _read(path: Path, fmt: str):
         if bad_line:
             raise InputError(f"{path} is not valid UTF-8 text (line {bad_line}); re-encode it "
                              f"as UTF-8")
+        header = 1 if fmt in ("csv", "tsv") else 0
+        if _non_empty_lines(path) <= header:
+            raise InputError(f"{path} holds no examples{' (only a header)' if header else ''}; "
+                             f"add examples or point data.path at another file")
     try:
-        return load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
+        with _library_errors_silenced():
+            return load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
     except Exception as exc:  # the builders wrap the real cause in their own error types
         cause = _root_cause(exc)
         text = str(cause).strip() or type(cause).__name__
         raise InputError(f"cannot read {path} as {fmt}: {text.splitlines()[0]}") from exc
 
 
+@contextlib.contextmanager
+def _library_errors_silenced():
+    """datasets logs a failed file with its traceback before raising; the failure comes back
+    as one InputError naming the file, so its ERROR records are dropped while loading."""
+    logger = logging.getLogger("datasets")
+    drop = lambda record: record.levelno < logging.ERROR  # noqa: E731
+    logger.addFilter(drop)
+    for handler in logger.handlers:
+        handler.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+        for handler in logger.handlers:
+            handler.removeFilter(drop)
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
     return exc
+
+
+def _non_empty_lines(path: Path, enough: int = 2) -> int:
+    """Non-blank lines, counted up to `enough`."""
+    count = 0
+    with open(path, "rb") as f:
+        for line in f:
+            count += bool(line.strip())
+            if count >= enough:
+                break
+    return count
 
 
 def _first_bad_line(path: Path) -> int:

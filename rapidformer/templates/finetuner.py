@@ -14,6 +14,7 @@ from rapidformer.errors import InputError, NonFiniteLoss, RapidformerError
 from rapidformer.grad_spikes import GradNormSpikes
 from rapidformer.observability import MetricsSink
 from rapidformer.preemption import StopSignals, newest_checkpoint
+from rapidformer.templates.contract import check_overrides
 
 log = logging.getLogger("rapidformer")
 
@@ -98,6 +99,9 @@ class Finetuner:
 
     # --- the loop ----------------------------------------------------------------------------------
     def train(self):
+        check_overrides(self, Finetuner, ("train_valid_test_datasets_provider",
+                                          "model_optimizer_lr_scheduler_provider",
+                                          "run_forward_step", "run_compute_metrics"))
         engine, t = self.engine, self.cfg.trainer
         with engine.main_process_first():  # rank 0 fills caches and writes generated files
             train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()

@@ -19,6 +19,7 @@ from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.observability import MetricsSink
 from rapidformer.preemption import StopSignals
+from rapidformer.templates.contract import check_overrides
 from rapidformer.templates.finetuner import _progress, _Window, end_preempted, save_if_finite
 
 log = logging.getLogger("rapidformer")
@@ -79,6 +80,9 @@ class PreTrainer:
 
     # --- the loop ----------------------------------------------------------------------------------
     def train(self):
+        check_overrides(self, PreTrainer, ("train_valid_test_datasets_provider",
+                                           "model_optimizer_lr_scheduler_provider",
+                                           "run_forward_step"))
         engine, t = self.engine, self.cfg.trainer
         if not t.train_iters:
             raise ConfigError(["the PreTrainer counts iterations, not epochs: set "
