@@ -145,11 +145,28 @@ def shutdown_process_group() -> None:
         dist.destroy_process_group()
 
 
+def die_with_launcher() -> None:
+    """Linux: this worker gets SIGKILL when the launcher dies. torch elastic starts workers in
+    sessions of their own, so a launcher killed with SIGKILL (the OOM killer, `kill -9`, a
+    scheduler) would leave them training on, and a restarted job would then share the run
+    directory, and its checkpoints, with them."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died before the request was in place
+        os._exit(128 + signal.SIGKILL)
+
+
 def worker_main(config_file: str) -> None:
     """A worker: read the resolved config the parent wrote, and run it."""
     from rapidformer.config.validate import build_run_config
     from rapidformer.factory import run
 
+    die_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s")

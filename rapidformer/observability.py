@@ -56,6 +56,17 @@ def get_timers() -> Timers:
     return _TIMERS
 
 
+def drop_torn_record(path: Path) -> None:
+    """A run killed mid-write leaves a last line without its newline; a resumed run appending
+    to it would merge two records into one unreadable line. Cut it off."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsSink:
     """Appends one json object per record to metrics.jsonl and mirrors scalars to TensorBoard."""
 
@@ -65,6 +76,7 @@ class MetricsSink:
         self._writer = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            drop_torn_record(self.path)
             self._file = open(self.path, "a", encoding="utf-8")
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter

@@ -306,3 +306,42 @@ def test_the_log_window_keeps_the_largest_gradient_norm_on_the_device():
     for norm in (1.0, float("nan"), 3.0, 2.0):
         window.add_step({"grad_norm": torch.tensor(norm)})
     assert float(window.grad_norm_max) == 3.0 and float(window.grad_norm) == 2.0
+
+
+def test_a_torn_last_metrics_record_is_cut_before_appending(tmp_path):
+    from rapidformer.observability import MetricsSink
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    sink.write(2, {"loss": 1.5})
+    sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == \
+        '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'
+
+
+def test_fp16_overflow_steps_are_skipped_and_counted():
+    from rapidformer.accelerators.precision import MixedPrecision
+    from rapidformer.config.schema import PrecisionConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    # 2^20 x a loss gradient of 100 overflows fp16 (max 65504) until the scale has halved
+    precision = MixedPrecision(PrecisionConfig(name="fp16", dtype="fp16",
+                                               initial_scale=2.0 ** 20), torch.device("cpu"))
+    start = model.weight.detach().clone()
+    stepped = []
+    for _ in range(16):
+        optimizer.zero_grad()
+        with precision.autocast():
+            loss = model(torch.ones(2, 4)).float().sum() * 100
+        precision.scale(loss).backward()
+        precision.unscale_(optimizer)
+        stepped.append(precision.step(optimizer))
+        if not stepped[-1]:
+            assert torch.equal(model.weight, start)  # a skipped step changes nothing
+    skipped = stepped.index(True)
+    assert skipped >= 10 and all(stepped[skipped:])  # 2^20 -> 2^9 or lower, then it trains
+    assert not torch.equal(model.weight, start)
+    assert precision.skipped_steps == skipped and precision.loss_scale == 2.0 ** (20 - skipped)
+    assert precision.state_dict()["skipped_steps"] == skipped
