@@ -127,8 +127,10 @@ def latest(root: Path) -> Path | None:
 
 
 def prune(root: Path, keep_last: int) -> None:
-    complete, _ = scan(root)
-    for old in complete[:-keep_last] if keep_last > 0 else []:
+    """Remove complete checkpoints beyond the newest `keep_last`, and what interrupted saves
+    left (called right after a save is sealed: no other save is in flight then)."""
+    complete, broken = scan(root)
+    for old in [*(complete[:-keep_last] if keep_last > 0 else []), *broken]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -80,12 +79,12 @@ def test_sampler_ranks_split_each_global_batch():
 def test_checkpoint_is_atomic_and_an_interrupted_one_is_ignored(tmp_path):
     root = tmp_path / "checkpoints"
     checkpoint.save(root, 5, {"w.pt": {"w": torch.ones(3)}}, {"step": 5}, keep_last=2)
-    # a crash mid-save leaves a hidden temporary directory ...
-    (root / ".tmp-step_00000009").mkdir()
-    (root / ".tmp-step_00000009" / "w.pt").write_bytes(b"half")
-    # ... and a directory whose file no longer matches its manifest is not complete either
+    # a directory whose file no longer matches its manifest is not complete ...
     bad = checkpoint.save(root, 7, {"w.pt": {"w": torch.zeros(3)}}, {"step": 7}, keep_last=5)
     (bad / "w.pt").write_bytes(b"corrupt")
+    # ... and a crash mid-save leaves a hidden temporary directory
+    (root / ".tmp-step_00000009").mkdir()
+    (root / ".tmp-step_00000009" / "w.pt").write_bytes(b"half")
     assert checkpoint.latest(root).name == "step_00000005"
     complete, broken = checkpoint.scan(root)
     assert [p.name for p in complete] == ["step_00000005"]
@@ -93,6 +92,11 @@ def test_checkpoint_is_atomic_and_an_interrupted_one_is_ignored(tmp_path):
     assert torch.equal(checkpoint.load(root / "step_00000005", "w.pt")["w"], torch.ones(3))
     manifest = json.loads((root / "step_00000005" / checkpoint.MANIFEST).read_text())
     assert manifest["step"] == 5 and manifest["files"]["w.pt"]["bytes"] > 0
+    # the next sealed save clears what interrupted ones left (a partial 17 GB checkpoint must
+    # not stay on the disk), and keeps the complete ones
+    checkpoint.save(root, 10, {"w.pt": {"w": torch.ones(3)}}, {"step": 10}, keep_last=5)
+    complete, broken = checkpoint.scan(root)
+    assert [p.name for p in complete] == ["step_00000005", "step_00000010"] and not broken
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

@@ -70,12 +70,19 @@ def newest_step(run_dir: Path) -> int:
     return int(complete[-1].name.split("_")[1]) if complete else 0
 
 
-def writing(run_dir: Path) -> bool:
-    root = run_dir / "checkpoints"
+def temp_dirs(run_dir: Path) -> set[tuple[str, int]]:
+    """The checkpoint temporary directories there now, by name and inode (a step written
+    again after a resume gets a new directory of the same name)."""
     try:
-        return any(entry.name.startswith(".tmp-") for entry in os.scandir(root))
+        return {(entry.name, entry.inode()) for entry in os.scandir(run_dir / "checkpoints")
+                if entry.name.startswith(".tmp-")}
     except FileNotFoundError:
-        return False
+        return set()
+
+
+def writing(run_dir: Path, stale: set[tuple[str, int]]) -> bool:
+    """A checkpoint write of this attempt is in progress (not one an earlier kill left)."""
+    return bool(temp_dirs(run_dir) - stale)
 
 
 def descendants(pid: int) -> list[int]:
@@ -101,8 +108,8 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def kill_attempt(process: subprocess.Popen, run_dir: Path, delay: float,
-                 during_write: bool, limit: float) -> tuple[str, float] | None:
+def kill_attempt(process: subprocess.Popen, run_dir: Path, delay: float, during_write: bool,
+                 limit: float, stale: set[tuple[str, int]]) -> tuple[str, float] | None:
     """Kill the attempt after `delay` s, or at its next checkpoint write; None if it ended
     first. Returns (what it was doing, seconds since start)."""
     started = time.monotonic()
@@ -110,7 +117,7 @@ def kill_attempt(process: subprocess.Popen, run_dir: Path, delay: float,
         now = time.monotonic() - started
         if process.poll() is not None:
             return None
-        if during_write and writing(run_dir):
+        if during_write and writing(run_dir, stale):
             break
         if not during_write and now >= delay:
             break
@@ -128,7 +135,7 @@ def kill_attempt(process: subprocess.Popen, run_dir: Path, delay: float,
                     os.kill(pid, signal.SIGKILL)
             raise SystemExit(f"workers {workers} outlived their killed launcher")
         time.sleep(0.05)
-    phase = ("checkpoint write" if writing(run_dir)
+    phase = ("checkpoint write" if writing(run_dir, stale)
              else "training" if last_step(run_dir) else "start-up")
     return phase, round(time.monotonic() - started, 2)
 
@@ -168,6 +175,7 @@ def campaign(args) -> dict:
         attempt += 1
         resumed_from = newest_step(run_dir)
         before = last_step(run_dir)
+        stale = temp_dirs(run_dir)  # what earlier kills left: not this attempt's writes
         process = start(command(args, run_dir, resume=attempt > 1), work / f"attempt_{attempt}.log")
         if len(kills) == args.kills:
             if process.wait() != 0:
@@ -175,7 +183,8 @@ def campaign(args) -> dict:
             break
         during_write = args.write_every > 0 and (len(kills) + 1) % args.write_every == 0
         delay = rng.uniform(0.5, args.max_delay)
-        outcome = kill_attempt(process, run_dir, delay, during_write, limit=reference_s * 3)
+        outcome = kill_attempt(process, run_dir, delay, during_write, limit=reference_s * 3,
+                               stale=stale)
         if outcome is None:
             if process.returncode != 0:
                 raise SystemExit(f"attempt {attempt} failed on its own: see "
@@ -189,7 +198,7 @@ def campaign(args) -> dict:
                       "resumed_from_step": resumed_from, "step_reached": reached,
                       "newest_complete_after": newest_step(run_dir),
                       "steps_lost": reached - newest_step(run_dir),
-                      "incomplete_dirs_left": len(broken)})
+                      "incomplete_dirs_seen": len(broken)})
         print(json.dumps(kills[-1]), flush=True)
 
     check_resume(work / f"attempt_{attempt}.log", resumed_from)
