@@ -182,7 +182,8 @@ def campaign(args) -> dict:
                 raise SystemExit(f"the final attempt failed: see {work}/attempt_{attempt}.log")
             break
         during_write = args.write_every > 0 and (len(kills) + 1) % args.write_every == 0
-        delay = rng.uniform(0.5, args.max_delay)
+        # never later than most of an uninterrupted run: the attempt must still be running
+        delay = rng.uniform(0.5, min(args.max_delay, 0.8 * reference_s))
         outcome = kill_attempt(process, run_dir, delay, during_write, limit=reference_s * 3,
                                stale=stale)
         if outcome is None:
