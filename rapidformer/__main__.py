@@ -55,7 +55,7 @@ def hydra_entry(cfg: DictConfig):
 
     from rapidformer.config.compose import resolve
     from rapidformer.factory import run
-    from rapidformer.multirun import write_status
+    from rapidformer.multirun import job_row, write_status
     from rapidformer.run_record import write_environment
 
     hydra_cfg = HydraConfig.get()
@@ -69,6 +69,9 @@ def hydra_entry(cfg: DictConfig):
         log.info("run directory: %s", run_dir)
         result = run(run_cfg, run_dir, resolved)
         write_status(run_dir, "ok")
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            # what a sweeper optimises (Optuna): the job's final eval metric, as the summary shows
+            return job_row(Path(run_dir))["value"]
         return result
     except RapidformerError as exc:
         if debug_enabled():
@@ -109,9 +112,16 @@ def main(argv: list[str] | None = None) -> None:
             # validate the whole config before Hydra creates a run directory
             composed = compose(overrides, default_recipe=False)
             _, run_cfg = resolve(composed, "(run directory)")
+            if run_cfg.trainer.dry_run and not prints_only:
+                from rapidformer.verbs.inspect import print_plan
+
+                print_plan(run_cfg)  # and stop: no run directory, no data
+                return
             if not prints_only:
                 check_available(run_cfg)
                 check_paths(run_cfg, str(OmegaConf.select(composed, "trainer.output_dir")))
+        if not multirun and not asks_help and run_cfg.launcher.name == "slurm":
+            flags.append("--multirun")  # Hydra hands a job to its launcher only in a sweep
     except RapidformerError as exc:
         if debug_enabled():
             raise

@@ -3,6 +3,7 @@
     rapidformer --task sequence_classification --pretrained-model-name-or-path bert-base-cased \
         --data-path glue --data-name mrpc --micro-batch-size 16 --mixed-precision ...
     rapidformer ... --print-hydra      # print the equivalent `python -m rapidformer` line
+    rapidformer ls | show | validate | plan | env | export | plot ...   (rapidformer/verbs)
 
 Each flag maps to one override (docs/seed_flags.md has the table). Hydra-style arguments
 (`+recipe=bert_mrpc`, `trainer.lr=1e-4`, `--cfg job`) pass through unchanged, alone or mixed
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from rapidformer.__main__ import HYDRA_FLAGS_WITH_VALUE
 from rapidformer.__main__ import main as hydra_main
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE
+from rapidformer.verbs import VERBS, run_verb
 
 # Hydra's own flags that may appear in a forwarded command line
 HYDRA_FLAGS = {"--cfg", "-c", "--resolve", "--package", "-p", "--help", "-h", "--hydra-help",
@@ -218,6 +221,9 @@ def hydra_command(hydra_flags: list[str], overrides: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in VERBS:
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `rapidformer ls | head` ends quietly
+        sys.exit(run_verb(argv[0], argv[1:]))
     try:
         hydra_flags, overrides, print_only = translate(argv)
     except SeedFlagError as exc:

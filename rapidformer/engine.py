@@ -116,6 +116,14 @@ def init_distributed(device: torch.device, timeout_s: int) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def join_group_of_one(device: torch.device) -> None:
+    """A one-process run still gives DeepSpeed, FSDP2 and megatron-core the process group they
+    ask for (DeepSpeed would otherwise look for MPI to find its peers)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
+                                store=dist.HashStore(), rank=0, world_size=1)
+
+
 class RapidformerEngine:
     """Built once per process, after the entrypoint has activated the resolved config."""
 
@@ -184,6 +192,7 @@ class RapidformerEngine:
                 raise ConfigError(["memory=fsdp shards the parameters, so the optimizer must be "
                                    "built after sharding: return None for the optimizer from "
                                    "model_optimizer_lr_scheduler_provider"])
+            join_group_of_one(self.device)
             model = self.fsdp = shard_model(model, self.cfg, self.device)
             log.info("memory=fsdp: FSDP2 over %d transformer blocks", len(transformer_blocks(model)))
         if self.parallel is not None:
@@ -208,6 +217,8 @@ class RapidformerEngine:
                 lr_scheduler = build_scheduler(optimizer, self.cfg.scheduler, total, t.lr)
         if self.cfg.memory.name in ZERO_STAGES and self.parallel is None:
             deepspeed = import_deepspeed(self.device)
+            join_group_of_one(self.device)
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts on it, even for one
             accumulation = t.global_batch_size // (t.micro_batch_size * self.world_size)
             config = deepspeed_config(self.cfg, accumulation, self.device)
             self.ds, optimizer, _, lr_scheduler = deepspeed.initialize(

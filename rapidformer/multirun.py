@@ -3,7 +3,8 @@
 Hydra runs the jobs one after another, each in its own sub-directory (and, with several
 processes, its own process group on a fresh port). At the end this callback prints a table —
 job, overrides, status, final loss, eval metric, samples/s — and writes it to the sweep
-directory as summary.md and summary.json. A failed job is a row with its error; the sweep went on.
+directory as summary.md (with PNG curves of every job under plots/, linked) and summary.json.
+A failed job is a row with its error; the sweep went on.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ def job_row(job_dir: Path) -> dict:
     metric = next((k for k in ("validation/accuracy", "validation/f1", "validation/loss")
                    if evals and k in evals[-1]), None)
     return {"job": job_dir.name,
-            "overrides": " ".join(o for o in overrides if not o.startswith("+recipe=quickstart")),
+            # as the user typed them: `++` is what rapidformer adds for schema keys
+            "overrides": " ".join(o.removeprefix("++") for o in overrides
+                                  if not o.startswith("+recipe=quickstart")),
             "status": status["status"], "error": status.get("error"),
             "final_loss": train[-1]["loss"] if train else None,
             "metric": metric, "value": evals[-1][metric] if metric else None,
@@ -55,6 +58,14 @@ def summary_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sweep_plots(sweep_dir: Path, jobs: list[Path]) -> list[Path]:
+    """Loss, lr, throughput and eval curves of every job that logged metrics, in one PNG each."""
+    from rapidformer.verbs.plot import plot_runs
+
+    with_metrics = [job for job in jobs if (job / "metrics.jsonl").is_file()]
+    return plot_runs(with_metrics, sweep_dir / "plots") if with_metrics else []
+
+
 class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -62,7 +73,9 @@ class SweepSummary(Callback):
                       key=lambda p: int(p.name)) if sweep_dir.is_dir() else []
         rows = [job_row(job) for job in jobs]
         table = summary_table(rows)
-        (sweep_dir / "summary.md").write_text(table + "\n")
+        pictures = sweep_plots(sweep_dir, jobs)
+        (sweep_dir / "summary.md").write_text(
+            table + "\n" + "".join(f"\n![{p.stem}](plots/{p.name})\n" for p in pictures))
         (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
         failed = sum(r["status"] != "ok" for r in rows)
         print(f"\nsweep summary ({len(rows)} jobs, {failed} failed) - {sweep_dir}/summary.md\n"

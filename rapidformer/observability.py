@@ -1,5 +1,5 @@
 """What a run reports: the `rapidformer` logger, Megatron-style timers, and the metrics sink
-(metrics.jsonl always; TensorBoard events when enabled)."""
+(metrics.jsonl always; TensorBoard events when enabled; W&B or MLflow through the logger group)."""
 from __future__ import annotations
 
 import json
@@ -68,12 +68,15 @@ def drop_torn_record(path: Path) -> None:
 
 
 class MetricsSink:
-    """Appends one json object per record to metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one json object per record to metrics.jsonl and mirrors scalars to TensorBoard
+    and to the tracker the `logger` group names (W&B, MLflow)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True, logger=None,
+                 config: dict | None = None):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._writer = None
+        self._trackers: list = []
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             drop_torn_record(self.path)
@@ -82,6 +85,9 @@ class MetricsSink:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            from rapidformer.loggers import make_loggers
+
+            self._trackers = make_loggers(logger, run_dir, config or {})
 
     def write(self, step: int, record: dict) -> None:
         if not self.enabled:
@@ -92,9 +98,13 @@ class MetricsSink:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._writer.add_scalar(key, value, step)
+        for tracker in self._trackers:
+            tracker.log(step, record)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
             if self._writer is not None:
                 self._writer.close()
+            for tracker in self._trackers:
+                tracker.close()

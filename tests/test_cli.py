@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from rapidformer.cli import SeedFlagError, hydra_command, translate
-from tests.conftest import FAST, read_metrics, run_cli
+from tests.conftest import read_metrics, run_cli
 
 # the seed's black-box fine-tuning example, verbatim
 SEED_FINETUNE = ["--task", "sequence_classification",

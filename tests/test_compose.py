@@ -47,7 +47,9 @@ def test_every_group_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}", *REQUIRED.get((group, option), [])]
     plain, cfg = resolve(compose(overrides), output_dir="out")
     section = getattr(cfg, group)
-    if hasattr(section, "name") and group != "trainer":
+    if (group, option) == ("memory", "auto"):  # resolved to the mode it picks
+        assert section.name in ("none", "zero1", "zero2", "zero3", "fsdp")
+    elif hasattr(section, "name") and group != "trainer":
         assert section.name == option
     assert plain["trainer"]["output_dir"] == "out"
 

@@ -53,9 +53,9 @@ def initialize(cfg: RunConfig, device: torch.device) -> ParallelState:
     from megatron.core import tensor_parallel
 
     p = cfg.parallelism
-    if not dist.is_initialized():  # one process: megatron-core still wants a group
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
-                                store=dist.HashStore(), rank=0, world_size=1)
+    from rapidformer.engine import join_group_of_one
+
+    join_group_of_one(device)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.trainer.seed)

@@ -13,6 +13,7 @@ from importlib import resources
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import rapidformer.config.resolvers  # noqa: F401  (registers the configs' resolvers)
 from rapidformer.config.schema import GROUPS, RunConfig
 from rapidformer.config.validate import build_run_config, closest, unknown_key_message
 from rapidformer.errors import ConfigError
@@ -85,6 +86,7 @@ def check_overrides(overrides: list[str]) -> list[str]:
             values = (list(override.sweep_string_iterator()) if override.is_sweep_override()
                       else [override.value()])
             for value in values:
+                _require_plugin(key, str(value))
                 if str(value) not in available:
                     hint = closest(str(value), available)
                     tip = f"did you mean '{key}={hint}'? " if hint else ""
@@ -106,6 +108,25 @@ def check_overrides(overrides: list[str]) -> list[str]:
     if problems:
         raise ConfigError(problems)
     return normalized
+
+
+# options that compose a Hydra plugin: (group, option) -> (plugin module, how to install it)
+PLUGIN_OPTIONS = {
+    ("launcher", "slurm"): ("hydra_plugins.hydra_submitit_launcher",
+                            "pip install 'rapidformer[slurm]'"),
+    ("recipe", "quickstart_optuna"): ("hydra_plugins.hydra_optuna_sweeper",
+                                      "pip install 'rapidformer[optuna]'"),
+}
+
+
+def _require_plugin(group: str, option: str) -> None:
+    import importlib.util
+
+    from rapidformer.errors import NotAvailableError
+
+    need = PLUGIN_OPTIONS.get((group, option))
+    if need and importlib.util.find_spec(need[0]) is None:
+        raise NotAvailableError(f"{group}={option} needs the Hydra plugin {need[0]}: {need[1]}")
 
 
 def _quote_split(text: str) -> str:
@@ -148,5 +169,11 @@ def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunCo
         if "Missing mandatory value" in msg and key:
             raise ConfigError([f"{key} must be set (it is ??? in its config file); e.g. {key}=VALUE"]) from exc
         raise ConfigError([f"{key or 'config'}: {msg}"]) from exc
-    return plain, build_run_config(plain)
+    run_cfg = build_run_config(plain)
+    if run_cfg.memory.name == "auto":
+        from rapidformer.memory_plan import resolve_auto
+
+        plain = resolve_auto(plain, run_cfg)
+        run_cfg = build_run_config(plain)
+    return plain, run_cfg
 

@@ -107,9 +107,12 @@ class PrecisionConfig:
 
 @dataclass
 class MemoryConfig:
-    name: Literal["none", "zero1", "zero2", "zero3", "fsdp"] = "none"
+    # auto: the fastest of the others whose estimated memory fits the GPU (rapidformer plan)
+    name: Literal["none", "zero1", "zero2", "zero3", "fsdp", "auto"] = "none"
     offload_optimizer: bool = False
     offload_params: bool = False
+    # the GPU memory that memory=auto and the dry-run plan fit into; null: the detected GPU's
+    device_memory_gb: Optional[float] = None
 
 
 @dataclass
@@ -209,6 +212,9 @@ class TrainerConfig:
     export_hf: bool = True
     progress_bar: bool = True
     tensorboard: bool = True
+    # build the model on the meta device, print its parameters and the memory plan of every
+    # memory mode, and stop (no run directory, no data read)
+    dry_run: bool = False
 
 
 @dataclass
@@ -229,6 +235,20 @@ class LauncherConfig:
 
 
 @dataclass
+class LoggerConfig:
+    # where metrics go besides metrics.jsonl and TensorBoard (trainer.tensorboard)
+    name: Literal["tensorboard", "wandb", "mlflow"] = "tensorboard"
+    # W&B project / MLflow experiment
+    project: str = "rapidformer"
+    # null: the run directory's name
+    run_name: Optional[str] = None
+    # W&B: online, or offline (files under the run directory; `wandb sync` uploads them)
+    mode: Literal["online", "offline"] = "online"
+    # MLflow: null writes a local file store under <run dir>/mlruns
+    tracking_uri: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -241,6 +261,7 @@ class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     # a white-box script that subclasses a template (the seed's --user-script)
     user_script: Optional[str] = None
     # the recipe's own name, for the record
@@ -248,4 +269,4 @@ class RunConfig:
 
 
 GROUPS = ("task", "model", "data", "precision", "memory", "parallelism", "graph", "optim",
-          "scheduler", "trainer", "launcher")
+          "scheduler", "trainer", "launcher", "logger")

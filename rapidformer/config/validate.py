@@ -238,7 +238,8 @@ def check_values(cfg: RunConfig) -> list[str]:
     if world_size(cfg) % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size or 1):
         p.append(f"the world size ({world_size(cfg)}) is not divisible by tensor x pipeline "
                  f"parallel size ({par.tensor_model_parallel_size * par.pipeline_model_parallel_size})")
-    if cfg.memory.name != "none" and cfg.graph.name == "compile" and cfg.graph.scope == "model":
+    if cfg.memory.name not in ("none", "auto") and cfg.graph.name == "compile" \
+            and cfg.graph.scope == "model":
         p.append(f"graph.scope=model with memory={cfg.memory.name}: the whole-model compile "
                  f"wraps what {'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed'} shards; "
                  f"use graph.scope=blocks (or auto, the default), which compiles each transformer block")
@@ -333,7 +334,7 @@ def _megatron_problems(cfg: RunConfig) -> list[str]:
     if pp >= 1 and m.num_layers % pp:
         p.append(f"model.num_layers={m.num_layers} does not divide by "
                  f"parallelism.pipeline_model_parallel_size={pp}")
-    if cfg.memory.name not in ("none", "zero1", "zero2"):
+    if cfg.memory.name not in ("none", "zero1", "zero2", "auto"):
         p.append(f"memory={cfg.memory.name} with a Megatron model is not supported: tensor and "
                  f"pipeline parallelism shard the weights already, and megatron-core's own FSDP "
                  f"is not wired here; use memory=zero1 or zero2 (megatron-core's distributed "

@@ -44,8 +44,8 @@ def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_
 def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
     """BERT with MLM + NSP heads (bert_pretraining) or a causal LM (causal_lm): pretrained, or
     built from the config with the pretraining tokenizer's vocabulary (a MegatronTokenizer)."""
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForPreTraining,
-                              BertConfig, GPT2Config)
+    from transformers import (AutoModelForCausalLM, AutoModelForPreTraining, BertConfig,
+                              GPT2Config)
 
     auto = AutoModelForPreTraining if task == "bert_pretraining" else AutoModelForCausalLM
     if m.source == "pretrained":

@@ -132,7 +132,8 @@ class Finetuner:
         resume_from = engine.resume_checkpoint
         if resume_from is not None:
             state = TrainState(**engine.load_checkpoint(resume_from)["train_state"])
-        sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process)
+        sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process,
+                           logger=self.cfg.logger, config=asdict(self.cfg))
         progress = _progress(total_iters, state.step, t.progress_bar and engine.is_main_process)
         log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
                  "precision=%s, device=%s", total_iters, sampler.steps_per_epoch, accumulation,

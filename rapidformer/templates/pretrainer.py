@@ -108,7 +108,8 @@ class PreTrainer:
             state = PretrainState(**engine.load_checkpoint(resume_from)["train_state"])
         train_iter = self.build_data_iterator(train_ds, state.consumed_train_samples)
         valid_iter = self.build_data_iterator(valid_ds, state.consumed_valid_samples)
-        sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process)
+        sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process,
+                           logger=self.cfg.logger, config=asdict(self.cfg))
         progress = _progress(total_iters, state.step, t.progress_bar and engine.is_main_process)
         log.info("pretraining %d iterations from iteration %d (%d micro-batches of %d per "
                  "process per iteration), precision=%s, device=%s", total_iters, state.step,

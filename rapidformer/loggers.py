@@ -1,0 +1,82 @@
+"""Experiment trackers besides metrics.jsonl and TensorBoard: Weights & Biases and MLflow,
+chosen with the `logger` group (optional extras: `pip install 'rapidformer[wandb]'` or
+`'rapidformer[mlflow]'`).
+
+    python -m rapidformer logger=wandb logger.project=my-project            # online
+    python -m rapidformer logger=wandb logger.mode=offline                  # files only; `wandb sync` later
+    python -m rapidformer logger=mlflow                                     # ./<run dir>/mlruns
+    python -m rapidformer logger=mlflow logger.tracking_uri=http://host:5000
+
+Each receives the resolved config once and every scalar of every metrics record; only the
+main process logs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rapidformer.config.schema import LoggerConfig
+from rapidformer.errors import NotAvailableError
+
+
+def _scalars(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class WandbLogger:
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise NotAvailableError("logger=wandb needs Weights & Biases: pip install "
+                                    "'rapidformer[wandb]' (or choose logger=tensorboard)") from exc
+        self._run = wandb.init(project=cfg.project, name=cfg.run_name or run_dir.name,
+                               dir=str(run_dir), mode=cfg.mode, config=config,
+                               settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, step: int, record: dict) -> None:
+        self._run.log(_scalars(record), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MlflowLogger:
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict):
+        try:
+            import mlflow
+        except ImportError as exc:
+            raise NotAvailableError("logger=mlflow needs MLflow: pip install "
+                                    "'rapidformer[mlflow]' (or choose logger=tensorboard)") from exc
+        self._mlflow = mlflow
+        # the local default: a SQLite store in the run directory (MLflow retired its file store)
+        uri = cfg.tracking_uri or f"sqlite:///{(run_dir / 'mlflow.db').absolute()}"
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_experiment(cfg.project)
+        self._run = mlflow.start_run(run_name=cfg.run_name or run_dir.name)
+        mlflow.log_params(_flatten(config))
+
+    def log(self, step: int, record: dict) -> None:
+        # MLflow keys allow only letters, digits and _-. /
+        self._mlflow.log_metrics({k.replace(":", "_"): float(v)
+                                  for k, v in _scalars(record).items()}, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = "null" if value is None else str(value)[:500]  # MLflow's value limit
+    return flat
+
+
+def make_loggers(cfg: LoggerConfig | None, run_dir: Path, config: dict) -> list:
+    if cfg is None or cfg.name in ("tensorboard", "jsonl"):
+        return []
+    return [{"wandb": WandbLogger, "mlflow": MlflowLogger}[cfg.name](cfg, run_dir, config)]

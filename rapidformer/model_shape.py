@@ -1,0 +1,139 @@
+"""The shape of the model a config trains, without its weights: parameters in total and per
+transformer block, and the sizes activations scale with. Hugging Face models are built on the
+meta device (no memory, no download of weights; a pretrained model's config.json must be local
+or cached); megatron-core models are counted from their layer formula (building them needs a
+process group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import InputError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int
+    block_parameters: int  # one transformer block (what FSDP/ZeRO-3 gather at a time)
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    language_model_head: bool  # logits over the vocabulary at every position (pretraining)
+    # the MLP's activation is one fused op (gelu, relu, silu: saves its input), or GPT-2's
+    # gelu_new, a tanh formula of elementwise ops that each save a full-width tensor
+    activation: str = "gelu"
+
+
+# activations written as several elementwise ops (transformers' NewGELU and FastGELU)
+ELEMENTWISE_ACTIVATIONS = ("gelu_new", "gelu_fast")
+
+
+class _VocabOnly:
+    """What the model builders read from a tokenizer, for a model that is only counted."""
+
+    def __init__(self, size: int):
+        self.vocab_size = size
+        self.pad_token_id = self.hf_pad = 0
+        self.eod = self.eos_token_id = size - 1
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def megatron_parameters(layers: int, hidden: int, ffn: int, vocab: int, positions: int,
+                        gpt: bool) -> tuple[int, int]:
+    """(total, per block) of megatron-core's GPT/BERT as built here: biases, two LayerNorms
+    per block, tied input/output embeddings."""
+    block = 4 * hidden * hidden + 4 * hidden + 2 * hidden * ffn + ffn + hidden + 4 * hidden
+    total = layers * block + vocab * hidden + positions * hidden + 2 * hidden
+    if not gpt:  # BERT: token types, pooler, LM-head transform and bias, NSP head
+        total += 2 * hidden + hidden * hidden + hidden + hidden * hidden + 3 * hidden + vocab \
+            + 2 * hidden + 2
+    return total, block
+
+
+def vocab_size(cfg: RunConfig) -> int:
+    """Pretraining: the size of the tokenizer the data was made with, when its files are here;
+    otherwise (and for config-built fine-tuning models, whose WordPiece vocabulary is trained
+    up to this size) model.vocab_size."""
+    from pathlib import Path
+
+    m = cfg.model
+    if cfg.task.name in ("bert_pretraining", "causal_lm") and m.tokenizer_type and m.tokenizer \
+            and Path(m.tokenizer).exists():
+        from rapidformer.tokenizer import load_pretraining_tokenizer
+
+        return load_pretraining_tokenizer(m).vocab_size
+    return m.vocab_size
+
+
+def model_shape(cfg: RunConfig) -> ModelShape:
+    m, task = cfg.model, cfg.task.name
+    lm_head = task in ("bert_pretraining", "causal_lm")
+    if m.arch.startswith("megatron"):
+        from rapidformer.models.megatron import padded_vocab_size
+
+        vocab = padded_vocab_size(vocab_size(cfg), cfg.parallelism.tensor_model_parallel_size)
+        total, block = megatron_parameters(m.num_layers, m.hidden_size, m.intermediate_size,
+                                           vocab, m.max_position_embeddings,
+                                           m.arch == "megatron_gpt")
+        return ModelShape(total, block, m.num_layers, m.hidden_size, m.num_attention_heads,
+                          m.intermediate_size, vocab, lm_head)
+    model = _meta_model(cfg)
+    config = model.config
+    blocks = _blocks(model)
+    block = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()), block_parameters=block,
+        layers=config.num_hidden_layers, hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        ffn=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+        or 4 * config.hidden_size,
+        vocab=config.vocab_size, language_model_head=lm_head,
+        activation=getattr(config, "activation_function", None)
+        or getattr(config, "hidden_act", None) or "gelu")
+
+
+def _meta_model(cfg: RunConfig):
+    import torch
+
+    from rapidformer.models import hf
+
+    m = cfg.model
+    tokenizer = _VocabOnly(vocab_size(cfg))
+    with torch.device("meta"):
+        if m.source == "pretrained":
+            return _pretrained_on_meta(cfg)
+        if cfg.task.name in ("bert_pretraining", "causal_lm"):
+            return hf.build_pretraining_model(m, cfg.task.name, tokenizer)
+        return hf.build_sequence_classifier(m, cfg.task.num_labels or 2, tokenizer)
+
+
+def _pretrained_on_meta(cfg: RunConfig):
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForPreTraining,
+                              AutoModelForSequenceClassification)
+
+    from rapidformer.data.tokenizers import unreachable_model_message
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.name_or_path)
+    except OSError as exc:
+        raise InputError(unreachable_model_message(cfg.model.name_or_path)) from exc
+    auto = {"bert_pretraining": AutoModelForPreTraining, "causal_lm": AutoModelForCausalLM}.get(
+        cfg.task.name, AutoModelForSequenceClassification)
+    return auto.from_config(config)
+
+
+def _blocks(model) -> list:
+    """The repeated transformer blocks (the largest ModuleList of same-typed modules)."""
+    import torch
+
+    best: list = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best) \
+                and len({type(b) for b in module}) == 1:
+            best = list(module)
+    return best

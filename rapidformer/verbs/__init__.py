@@ -1,0 +1,31 @@
+"""Verbs of the `rapidformer` console script, each in its own module:
+
+    rapidformer ls                              recipes and every group's options
+    rapidformer show +recipe=X [overrides]      the resolved config (secrets redacted)
+    rapidformer validate +recipe=X [overrides]  every problem at once; exit code 0 when none
+    rapidformer plan +recipe=X [overrides]      parameters and the memory plan of every mode
+    rapidformer env                             versions, devices, what each accelerator needs
+    rapidformer export RUN_DIR --to DIR         a Hugging Face model from any checkpoint
+    rapidformer plot RUN_DIR [RUN_DIR ...]      PNG curves of loss, lr, throughput
+
+Anything else on the command line is a training run (seed flags or Hydra overrides).
+"""
+from __future__ import annotations
+
+import importlib
+
+# verb -> (module, one line for `rapidformer ls`)
+VERBS = {
+    "ls": ("rapidformer.verbs.inspect", "recipes and every config group's options"),
+    "show": ("rapidformer.verbs.inspect", "the resolved config, secrets redacted"),
+    "validate": ("rapidformer.verbs.inspect", "check a config; every problem at once"),
+    "plan": ("rapidformer.verbs.inspect", "parameters and estimated GPU memory per memory mode"),
+    "env": ("rapidformer.verbs.env", "versions, devices, what each accelerator needs"),
+    "export": ("rapidformer.verbs.export", "a Hugging Face model from a run's checkpoint"),
+    "plot": ("rapidformer.verbs.plot", "PNG curves comparing runs"),
+}
+
+
+def run_verb(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(VERBS[name][0])
+    return getattr(module, f"{name}_command")(argv)

@@ -1,0 +1,167 @@
+"""`rapidformer export RUN_DIR --to DIR [--step N]`: a Hugging Face `save_pretrained` directory
+(fp32 weights, config, tokenizer) from a run's checkpoint, whatever memory mode wrote it.
+
+RUN_DIR is a run directory (its newest complete checkpoint, or --step N) or one
+`checkpoints/step_NNNNNNNN` directory. Runs on one CPU process: ZeRO shards are consolidated
+with DeepSpeed's zero_to_fp32, FSDP2's sharded checkpoint is read with torch's DCP converter.
+DIR must not exist yet; it appears complete or not at all.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from rapidformer import checkpoint
+from rapidformer.errors import InputError, NotAvailableError, RapidformerError
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def locate(path: Path, step: int | None) -> tuple[Path, Path]:
+    """(checkpoint directory, run directory)."""
+    if checkpoint.NAME.match(path.name):
+        ckpt, run_dir = path, path.parent.parent
+    else:
+        run_dir = path
+        complete, _ = checkpoint.scan(path / "checkpoints")
+        if step is not None:
+            complete = [c for c in complete if c.name == f"step_{step:08d}"]
+        if not complete:
+            which = f"step {step}" if step is not None else "any step"
+            raise InputError(f"{path}: no complete checkpoint of {which} under {path}/checkpoints; "
+                             f"give a run directory (trainer.output_dir) or a step_NNNNNNNN "
+                             f"directory")
+        ckpt = complete[-1]
+    if not checkpoint.is_complete(ckpt):
+        raise InputError(f"{ckpt} is not a complete checkpoint (its {checkpoint.MANIFEST} is "
+                         f"missing or does not match its files); choose another step")
+    if not (run_dir / "config.yaml").is_file():
+        raise InputError(f"{run_dir}/config.yaml is missing: export needs the run's resolved "
+                         f"config next to its checkpoints")
+    return ckpt, run_dir
+
+
+def _strip(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def weights(ckpt: Path, memory: str) -> dict:
+    """The fp32 model weights of a checkpoint, by the memory mode that wrote it."""
+    import torch
+
+    if memory in ("zero1", "zero2", "zero3"):
+        from rapidformer.accelerators.memory import consolidated_state_dict, import_deepspeed
+
+        import_deepspeed(torch.device("cpu"))
+        state = consolidated_state_dict(str(ckpt))
+    elif memory == "fsdp":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        from rapidformer.accelerators.fsdp import DCP_DIR
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(ckpt / DCP_DIR), f"{tmp}/full.pt")
+            state = torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
+    else:
+        state = checkpoint.load(ckpt, "model.pt")
+    return {_strip(k): v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _rows(state: dict, *suffixes: str) -> int | None:
+    return next((v.shape[0] for k, v in state.items() if k.endswith(suffixes)), None)
+
+
+def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
+    """The run's Hugging Face model class and shape, on the CPU, to load the weights into."""
+    from rapidformer.model_shape import _VocabOnly
+    from rapidformer.models import hf
+
+    exported = run_dir / "hf_model" / "config.json"
+    if exported.is_file() or cfg.model.source == "pretrained":
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(
+            str(exported.parent) if exported.is_file() else cfg.model.name_or_path)
+        architecture = (config.architectures or [None])[0]
+        if architecture is None or not hasattr(transformers, architecture):
+            raise InputError(f"{exported}: no model class in its 'architectures'")
+        return getattr(transformers, architecture)(config)
+    vocab = _rows(state, "word_embeddings.weight", "wte.weight")
+    if vocab is None:
+        raise InputError("the checkpoint has no word-embedding table: it is not a model this "
+                         "export knows")
+    fake = _VocabOnly(vocab)
+    if tokenizer is not None:
+        fake.pad_token_id = fake.hf_pad = tokenizer.pad_token_id or 0
+        fake.eod = fake.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id \
+            is not None else vocab - 1
+    if cfg.task.name in ("bert_pretraining", "causal_lm"):
+        return hf.build_pretraining_model(cfg.model, cfg.task.name, fake)
+    labels = _rows(state, "classifier.weight", "score.weight") or cfg.task.num_labels or 2
+    return hf.build_sequence_classifier(cfg.model, labels, fake)
+
+
+def export(path: Path, out: Path, step: int | None = None) -> Path:
+    from transformers import AutoTokenizer
+
+    from rapidformer.config.validate import build_run_config
+
+    if out.exists():
+        raise InputError(f"--to {out} exists already; give a new directory (nothing is "
+                         f"overwritten)")
+    ckpt, run_dir = locate(path, step)
+    cfg = build_run_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    if cfg.model.arch.startswith("megatron"):
+        raise NotAvailableError(
+            f"export of a Megatron checkpoint ({cfg.model.arch}) is not built: it needs the "
+            f"run's tensor/pipeline layout; the run itself writes {run_dir}/hf_model at its end "
+            f"(trainer.export_hf=true, megatron_gpt -> GPT-2)")
+    memory = checkpoint.read_state(ckpt).get("memory", "none")
+    state = weights(ckpt, memory)
+    tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
+        if (ckpt / "tokenizer").is_dir() else None
+    model = skeleton(cfg, state, tokenizer, run_dir)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied and not any(k.endswith(t) for t in tied)]
+    if missing or unexpected:
+        raise InputError(f"{ckpt} does not match the run's model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "rapidformer_export.json").write_text(json.dumps(
+            {"checkpoint": str(ckpt.absolute()), "memory": memory,
+             "step": checkpoint.read_state(ckpt).get("step")}, indent=1))
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def export_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rapidformer export", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="run directory or step_NNNNNNNN directory")
+    parser.add_argument("--to", type=Path, required=True, help="new output directory")
+    parser.add_argument("--step", type=int, help="this step's checkpoint (default: newest)")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.run_dir, args.to, args.step)
+    except RapidformerError as exc:
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"exported {out} (Hugging Face save_pretrained; load it with AutoModel*.from_pretrained)")
+    return 0

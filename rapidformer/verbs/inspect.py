@@ -1,0 +1,150 @@
+"""`rapidformer ls | show | validate | plan`: what a config is, before anything runs."""
+from __future__ import annotations
+
+import re
+import sys
+from importlib import resources
+
+import yaml
+
+from rapidformer.config.compose import (CONF_PACKAGE, OPTION_GROUPS, check_overrides, compose,
+                                        group_options, resolve, with_default_recipe)
+from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, ConfigError, RapidformerError
+
+SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
+URL_PASSWORD = re.compile(r"(//[^/:@\s]+:)[^@\s]+@")
+REDACTED = "***"
+
+
+def description(group: str, option: str) -> str:
+    """The first sentence of an option's leading comment (what `ls` shows)."""
+    text = resources.files(CONF_PACKAGE).joinpath(group, f"{option}.yaml").read_text()
+    words = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if "@package" in line:
+            continue
+        body = line[1:].strip()
+        if not body or line.startswith("#  ") or body.startswith("python "):
+            break  # the end of the first paragraph, or a command line
+        words.append(body)
+    paragraph = " ".join(words)
+    match = re.search(r"(?<=[a-z0-9)])\.(\s|$)", paragraph)
+    return paragraph[: match.start() + 1] if match else paragraph
+
+
+def ls_command(argv: list[str]) -> int:
+    from rapidformer.verbs import VERBS
+
+    print("verbs: " + ", ".join(VERBS) + "  (rapidformer VERB ...; anything else trains)")
+    for group in ("recipe", *[g for g in OPTION_GROUPS if g != "recipe"]):
+        print(f"\n{group}:")
+        options = group_options(group)
+        width = max(len(o) for o in options)
+        for option in options:
+            print(f"  {option:<{width}}  {description(group, option)}")
+    print("\npython -m rapidformer +recipe=NAME group=option key=value   (rapidformer show ... "
+          "prints what that composes to)")
+    return 0
+
+
+def redact(tree):
+    if isinstance(tree, dict):
+        return {k: (REDACTED if SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v))
+                for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact(v) for v in tree]
+    if isinstance(tree, str):
+        return URL_PASSWORD.sub(rf"\g<1>{REDACTED}@", tree)
+    return tree
+
+
+def _resolved(argv: list[str]):
+    from rapidformer.__main__ import split_argv
+
+    _, overrides = split_argv(argv)
+    overrides = check_overrides(with_default_recipe(overrides))
+    return resolve(compose(overrides, default_recipe=False))
+
+
+def _resolved_reporting_all(argv: list[str]):
+    """As `_resolved`, but the overrides with unknown keys or options are left out and their
+    problems joined with those of the rest, so that one run reports everything."""
+    from rapidformer.__main__ import split_argv
+
+    _, overrides = split_argv(argv)
+    good, problems = [], []
+    for override in with_default_recipe(overrides):
+        try:
+            good += check_overrides([override])
+        except ConfigError as exc:
+            problems += exc.problems
+    try:
+        plain, cfg = resolve(compose(good, default_recipe=False))
+    except ConfigError as exc:
+        raise ConfigError(problems + exc.problems) from exc
+    if problems:
+        raise ConfigError(problems)
+    return plain, cfg
+
+
+def _report(exc: RapidformerError) -> int:
+    print(f"rapidformer: error: {exc}", file=sys.stderr)
+    return exc.exit_code
+
+
+def show_command(argv: list[str]) -> int:
+    try:
+        plain, _ = _resolved(argv)
+    except RapidformerError as exc:
+        return _report(exc)
+    print(yaml.safe_dump(redact(plain), sort_keys=False), end="")
+    return 0
+
+
+def validate_command(argv: list[str]) -> int:
+    """Config problems (all of them), then what this machine lacks and unusable paths."""
+    from rapidformer.config.paths import check_paths
+    from rapidformer.factory import check_available
+
+    try:
+        plain, cfg = _resolved_reporting_all(argv)
+    except ConfigError as exc:
+        print(f"rapidformer: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except RapidformerError as exc:
+        return _report(exc)
+    problems, codes = [], set()
+    for check in (lambda: check_available(cfg), lambda: check_paths(cfg, cfg.trainer.output_dir)):
+        try:
+            check()
+        except RapidformerError as exc:
+            problems.append(str(exc).removeprefix("invalid config: "))
+            codes.add(exc.exit_code)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        print(f"rapidformer: not valid here ({len(problems)} problem"
+              f"{'s' if len(problems) > 1 else ''}):\n{lines}", file=sys.stderr)
+        return EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_NOT_AVAILABLE
+    world = cfg.launcher.nproc_per_node * cfg.launcher.nnodes
+    print(f"ok: recipe={cfg.recipe} task={cfg.task.name} model={cfg.model.name} "
+          f"data={cfg.data.name} precision={cfg.precision.name} memory={cfg.memory.name} "
+          f"graph={cfg.graph.name}, {world} process{'es' if world > 1 else ''}")
+    return 0
+
+
+def print_plan(cfg) -> None:
+    from rapidformer.memory_plan import plan_report
+    from rapidformer.model_shape import model_shape
+
+    print(plan_report(cfg, model_shape(cfg)))
+
+
+def plan_command(argv: list[str]) -> int:
+    try:
+        _, cfg = _resolved(argv)
+        print_plan(cfg)
+    except RapidformerError as exc:
+        return _report(exc)
+    return 0

@@ -1,0 +1,100 @@
+"""`rapidformer plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG curves comparing runs.
+
+Writes loss.png, lr.png, throughput.png (tokens/s) and, when runs evaluated, eval.png (their
+validation metric) into --out (default: the first run directory's `plots/`), one line per run,
+labelled with the run's overrides for a multirun job and its directory name otherwise. A sweep
+does this itself at its end (summary.md links the pictures).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from rapidformer.errors import InputError, RapidformerError
+
+# file name -> (metric keys in order of preference, y-axis label)
+CURVES = {"loss.png": (("loss",), "training loss"),
+          "lr.png": (("lr",), "learning rate"),
+          "throughput.png": (("tokens_per_s",), "tokens/s"),
+          "eval.png": (("validation/accuracy", "validation/f1", "validation/loss",
+                        "validation/lm_loss"), "validation")}
+
+
+def run_label(run_dir: Path) -> str:
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    if overrides.is_file() and run_dir.name.isdigit():  # a multirun job: say what it varied
+        chosen = [o for o in yaml.safe_load(overrides.read_text()) or []
+                  if not o.startswith("+recipe=")]
+        return f"{run_dir.name}: {' '.join(chosen)}" if chosen else run_dir.name
+    return run_dir.name
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise InputError(f"{run_dir}: no metrics.jsonl; give run directories (trainer.output_dir "
+                         f"of finished or running runs)")
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a killed run
+    return records
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    runs = [(run_label(d), read_metrics(d)) for d in run_dirs]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, (keys, ylabel) in CURVES.items():
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        drawn = False
+        for label, records in runs:
+            key = next((k for k in keys if any(k in r for r in records)), None)
+            if key is None:
+                continue
+            points = {}
+            for r in records:
+                if key in r:
+                    points[r["step"]] = r[key]  # a resumed run re-logs steps: the later wins
+            steps = sorted(points)
+            ax.plot(steps, [points[s] for s in steps], marker="." if len(steps) < 30 else None,
+                    label=label if key == keys[0] else f"{label} ({key})")
+            drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / filename, dpi=110)
+        plt.close(fig)
+        written.append(out / filename)
+    return written
+
+
+def plot_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rapidformer plot", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dirs", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, help="where the PNGs go (default: FIRST_RUN/plots)")
+    args = parser.parse_args(argv)
+    try:
+        written = plot_runs(args.run_dirs, args.out or args.run_dirs[0] / "plots")
+    except RapidformerError as exc:
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    for path in written:
+        print(path)
+    return 0

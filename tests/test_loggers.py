@@ -1,0 +1,71 @@
+"""The logger group: W&B (offline mode) and MLflow (its local SQLite store) receive the run's
+config and every metrics record, with no network."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import FAST, read_metrics
+
+
+def train(run_dir, *overrides):
+    from rapidformer import __main__ as module_main
+
+    module_main.main([*FAST, f"trainer.output_dir={run_dir}", *overrides])
+
+
+def wandb_history(path):
+    """The history rows of an offline W&B run file (LevelDB's log format: 32 KiB blocks of
+    records with a 7-byte header; W&B's own 7-byte file header first), as {key: json}."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, records, pending = 7, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # block trailer or padding
+            pos += left
+            continue
+        payload, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = payload if kind in (1, 2) else pending + payload
+        if kind in (1, 4):  # a full record, or the last piece of one
+            records.append(pending)
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            yield {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+
+
+def test_wandb_offline_writes_a_run_with_the_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(tmp_path, "logger=wandb", "logger.mode=offline", "logger.project=tests")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    records = list(runs[0].glob("run-*.wandb"))
+    assert records and records[0].stat().st_size > 1000
+    losses = [json.loads(items["loss"]) for items in wandb_history(records[0]) if "loss" in items]
+    expected = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert losses == pytest.approx(expected)
+
+
+def test_mlflow_logs_params_and_metric_history_to_a_local_store(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    train(tmp_path, "logger=mlflow", "logger.project=tests", "trainer.lr=0.0007")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = mlflow.tracking.MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.data.params["trainer.lr"] == "0.0007"
+    assert run.info.run_name == tmp_path.name and run.info.status == "FINISHED"
+    history = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"),
+                                       key=lambda m: m.step)]
+    expected = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert history == pytest.approx(expected)
+    assert "validation/accuracy" in run.data.metrics
