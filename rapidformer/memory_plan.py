@@ -124,8 +124,9 @@ def estimate(shape: ModelShape, cfg: RunConfig, mode: Mode, on_gpu: bool = True)
     if deepspeed:
         buffers += min(DS_REDUCE_BUCKET, p) * grad
     if mode.memory == "zero3":
-        # gathered parameters DeepSpeed may keep live (stage3_max_live_parameters)
-        buffers += min(DS_MAX_LIVE_PARAMETERS, p) * weight
+        # gathered parameters DeepSpeed may keep live (stage3_max_live_parameters), and a
+        # second gradient bucket (it reduces one while filling the next)
+        buffers += min(DS_MAX_LIVE_PARAMETERS, p) * weight + min(DS_REDUCE_BUCKET, p) * grad
     if mode.memory == "fsdp":
         # the unsharded current and prefetched block, and a block's unsharded fp32 gradients
         buffers += 2 * block * (2 if mixed else 4) + 2 * block * 4

@@ -5,9 +5,11 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 import textwrap
 
 import pytest
+import torch
 
 from tests.conftest import FAST, OFFLINE_ENV, assert_ok, run_cli, train_losses
 
@@ -125,13 +127,23 @@ def test_torchrun_runs_in_place(tmp_path, single_process_losses):
 def test_resume_on_two_processes_continues_with_the_same_losses(tmp_path, memory):
     args = [*SMALL, "launcher.nproc_per_node=2", f"memory={memory}"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert_ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
+    assert_ok(run_cli([*args, f"trainer.output_dir={whole}", "trainer.export_hf=true"],
+                      cwd=tmp_path))
     assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=6"], cwd=tmp_path))
     assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.resume=auto"], cwd=tmp_path))
     expected, got = train_losses(whole), train_losses(parts)
     assert sorted(got) == sorted(expected)
     for step in expected:
         assert got[step] == pytest.approx(expected[step], abs=1e-6), step
+    # `rapidformer export` reads the sharded checkpoint on one CPU process: the run's own export
+    from safetensors.torch import load_file
+
+    from rapidformer.verbs.export import export
+
+    exported = load_file(str(export(whole, tmp_path / "exported") / "model.safetensors"))
+    at_end = load_file(str(whole / "hf_model" / "model.safetensors"))
+    assert exported.keys() == at_end.keys()
+    assert all(torch.equal(exported[k], at_end[k]) for k in at_end)
 
 
 def test_a_dead_worker_stops_the_job_naming_its_rank(tmp_path):
@@ -185,61 +197,8 @@ def test_two_nodes_of_one_process_each(tmp_path):
     assert (run / "logs" / "node0").is_dir() and (run / "logs" / "node1").is_dir()
 
 
-OWN_LOOP = '''
-import json
-from functools import partial
-
-import torch
-from datasets import load_dataset
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer,
-                          get_linear_schedule_with_warmup)
-
-from rapidformer import Finetuner, RapidformerEngine, get_args
-
-args = get_args()
-engine = RapidformerEngine()
-finetuner = Finetuner(engine=engine)
-
-tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path)
-files = {s: f"{args.data_path}/{s}.jsonl" for s in ("train", "validation")}
-datasets = load_dataset("json", data_files=files)
-tokenized = datasets.map(
-    lambda ex: tokenizer(ex["sentence1"], ex["sentence2"], truncation=True, max_length=64),
-    batched=True, remove_columns=["idx", "sentence1", "sentence2"]).rename_column("label", "labels")
-collate = lambda examples: tokenizer.pad(examples, padding="longest", return_tensors="pt")
-
-train_dataloader = finetuner.build_data_loader(tokenized["train"], shuffle=True, collate_fn=collate)
-eval_dataloader = finetuner.build_data_loader(tokenized["validation"], collate_fn=collate)
-
-model = AutoModelForSequenceClassification.from_pretrained(args.pretrained_model_name_or_path)
-lr_scheduler = partial(get_linear_schedule_with_warmup, num_warmup_steps=2,
-                       num_training_steps=args.epochs * len(train_dataloader))
-model, optimizer, lr_scheduler = engine.compose(model_obj=model, lr_scheduler_fn=lr_scheduler)
-
-losses = []
-for epoch in range(args.epochs):
-    model.train()
-    for step, batch in enumerate(train_dataloader):
-        loss = model(**batch).loss
-        engine.backward(loss)
-        optimizer.step()
-        lr_scheduler.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
-    model.eval()
-    predictions, references = [], []
-    for batch in eval_dataloader:
-        with torch.no_grad():
-            outputs = model(**batch)
-        predictions.append(engine.gather(outputs.logits.argmax(dim=-1)))
-        references.append(engine.gather(batch["labels"]))
-    predictions, references = torch.cat(predictions), torch.cat(references)
-    accuracy = float((predictions == references).float().mean())
-if engine.is_main_process:
-    with open(f"{args.save}/own_loop.json", "w") as f:
-        json.dump({"accuracy": accuracy, "scored": len(references), "losses": losses,
-                   "batches": len(train_dataloader), "world_size": engine.world_size}, f)
-'''
+REPO = Path(__file__).resolve().parents[1]
+OWN_LOOP = (REPO / "examples" / "own_loop.py").read_text()
 
 
 def test_the_seeds_own_loop_on_two_processes(tmp_path, pairs_dir, tiny_pretrained):
