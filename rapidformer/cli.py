@@ -89,9 +89,11 @@ NOT_YET: dict[str, str] = {}
 # the seed's task names -> task options; `pretraining` is the seed's BERT pretraining, and its
 # docs spell causal LM both ways
 TASKS = {"sequence_classification": "sequence_classification",
+         "token_classification": "token_classification",
+         "question_answering": "question_answering", "masked_lm": "masked_lm",
+         "seq2seq_lm": "seq2seq_lm",
          "pretraining": "bert_pretraining", "bert_pretraining": "bert_pretraining",
          "causal_lm": "causal_lm", "casual_lm": "causal_lm"}
-LATER_TASKS = {"token_classification", "question_answering", "masked_lm", "seq2seq_lm"}
 # tokenizer type -> lowercasing (None: the tokenizer's own)
 TOKENIZER_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False,
                    "GPT2BPETokenizer": None, "HuggingFaceTokenizer": None}
@@ -165,18 +167,19 @@ def _to_overrides(args: argparse.Namespace) -> list[str]:
         raise SeedFlagError(f"not available in this version yet: {needs}", EXIT_NOT_AVAILABLE)
     out: list[str] = []
     if args.task:
-        if args.task in LATER_TASKS:
-            raise SeedFlagError(f"--task {args.task} is not available in this version yet; "
-                                f"available: {', '.join(TASKS)}", EXIT_NOT_AVAILABLE)
         if args.task not in TASKS:
             raise SeedFlagError(f"--task {args.task}: unknown task; choose one of "
                                 f"{', '.join(TASKS)}")
+        if args.task == "casual_lm":
+            print("rapidformer: note: --task casual_lm is the seed docs' spelling of causal_lm; "
+                  "running task=causal_lm", file=sys.stderr)
         out.append(f"task={TASKS[args.task]}")
     if args.pretrained_model_name_or_path:
         out += ["model=hf", f"model.name_or_path={args.pretrained_model_name_or_path}"]
     pretraining = args.data_impl is not None or TASKS.get(args.task) in PRETRAINING_TASKS
     if args.data_path:
-        out += _data_overrides(args.data_path, args.data_name, pretraining)
+        out += _data_overrides(args.data_path, args.data_name, pretraining,
+                               TASKS.get(args.task, "sequence_classification"))
     elif args.data_name:
         out.append(f"data.subset={args.data_name}")
     if args.lr_decay_style:
@@ -203,13 +206,15 @@ def _to_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _data_overrides(path: str, name: str | None, pretraining: bool) -> list[str]:
+def _data_overrides(path: str, name: str | None, pretraining: bool,
+                    task: str = "sequence_classification") -> list[str]:
     """--data-path: a Megatron prefix (pretraining), a local file or directory, GLUE/MRPC, or
     any other hub dataset."""
     if pretraining or Path(path + ".idx").is_file():
         return ["data=megatron", f"data.path={path}"]
     if Path(path).exists():
-        return ["data=pairs_local", f"data.path={path}"]
+        local = "pairs_local" if task == "sequence_classification" else "local"
+        return [f"data={local}", f"data.path={path}"]
     if path == "glue" and name == "mrpc":
         return ["data=glue_mrpc"]
     return ["data=hub", f"data.path={path}", *([f"data.subset={name}"] if name else [])]

@@ -37,7 +37,7 @@ class _VocabOnly:
     def __init__(self, size: int):
         self.vocab_size = size
         self.pad_token_id = self.hf_pad = 0
-        self.eod = self.eos_token_id = size - 1
+        self.eod = self.eos_token_id = self.sep_token_id = size - 1
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -72,7 +72,7 @@ def vocab_size(cfg: RunConfig) -> int:
 
 def model_shape(cfg: RunConfig) -> ModelShape:
     m, task = cfg.model, cfg.task.name
-    lm_head = task in ("bert_pretraining", "causal_lm")
+    lm_head = task in ("bert_pretraining", "causal_lm", "masked_lm", "seq2seq_lm")
     if m.arch.startswith("megatron"):
         from rapidformer.models.megatron import padded_vocab_size
 
@@ -109,7 +109,9 @@ def _meta_model(cfg: RunConfig):
             return _pretrained_on_meta(cfg)
         if cfg.task.name in ("bert_pretraining", "causal_lm"):
             return hf.build_pretraining_model(m, cfg.task.name, tokenizer)
-        return hf.build_sequence_classifier(m, cfg.task.num_labels or 2, tokenizer)
+        labels = {"num_labels": cfg.task.num_labels or 2} if cfg.task.name in (
+            "sequence_classification", "token_classification") else {}
+        return hf.build_task_model(m, cfg.task.name, tokenizer, **labels)
 
 
 def _pretrained_on_meta(cfg: RunConfig):

@@ -1,6 +1,8 @@
 """The seed's flags: each maps to one Hydra override, and the seed's commands run."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rapidformer.cli import SeedFlagError, hydra_command, translate
@@ -68,11 +70,13 @@ def test_seed_pretraining_command_translates():
     assert megatron == ["parallelism.sequence_parallel=true", "memory=zero1"]
     _, gpt, _ = translate(["--task", "casual_lm"])
     assert gpt == ["task=causal_lm"]
+    for task in ("token_classification", "question_answering", "masked_lm", "seq2seq_lm"):
+        _, overrides, _ = translate(["--task", task, "--data-path", str(Path(__file__).parent)])
+        assert overrides == [f"task={task}", "data=local", f"data.path={Path(__file__).parent}"]
 
 
 @pytest.mark.parametrize("argv,message,code", [
     (["--micro-bach-size", "16"], "--micro-bach-size (did you mean --micro-batch-size?)", 2),
-    (["--task", "masked_lm"], "--task masked_lm is not available in this version yet", 3),
     (["--task", "sequence_clasification"], "unknown task", 2),
     (["--tokenizer-type", "GPT2Tokenizer"], "--tokenizer-type GPT2Tokenizer: unknown", 2),
     (["--zero-1-memory-optimization", "--fsdp-memory-optimization"],

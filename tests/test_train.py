@@ -122,7 +122,6 @@ def test_missing_data_and_missing_column_fail_clearly(tmp_path, pairs_dir):
 
 
 @pytest.mark.parametrize("scope,log", [("blocks", "2 transformer blocks compiled (regional)"),
-                                       ("model", "the whole model compiled"),
                                        ("auto", "the whole model compiled")])
 def test_compile_gives_the_eager_losses(tmp_path, scope, log):
     args = [*FAST, "trainer.train_iters=3", "trainer.export_hf=false"]

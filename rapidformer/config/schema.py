@@ -14,10 +14,28 @@ from typing import Literal, Optional
 class TaskConfig:
     # sequence_classification: Finetuner (epochs); bert_pretraining (MLM + next-sentence
     # prediction) and causal_lm (GPT): PreTrainer (iterations) on Megatron mmap data
-    name: Literal["sequence_classification", "bert_pretraining", "causal_lm"] = \
+    name: Literal["sequence_classification", "token_classification", "question_answering",
+                  "masked_lm", "seq2seq_lm", "bert_pretraining", "causal_lm"] = \
         "sequence_classification"
     # null: the number of distinct labels in the training split
     num_labels: Optional[int] = None
+    # token_classification: give every sub-token of a word the word's label (else only the
+    # first sub-token is scored and trained on; the others get -100)
+    label_all_tokens: bool = False
+    # question_answering: a context longer than data.max_seq_length is read in windows that
+    # overlap by doc_stride tokens; answers are at most max_answer_length tokens, chosen from the
+    # n_best_size best starts and ends of each window
+    doc_stride: int = 32
+    max_answer_length: int = 30
+    n_best_size: int = 20
+    # masked_lm: mask whole words (all their sub-tokens together) instead of single tokens;
+    # data.mask_prob is the share of tokens masked, drawn anew every time a batch is made
+    whole_word_masking: bool = False
+    # seq2seq_lm: target length (labels longer are cut), beams and new tokens at evaluation, and
+    # a text put before every source (T5's "summarize: ")
+    max_target_length: int = 64
+    num_beams: int = 1
+    source_prefix: str = ""
 
 
 @dataclass
@@ -71,6 +89,18 @@ class DataConfig:
     # null for single-sentence classification
     text_b_column: Optional[str] = "sentence2"
     label_column: str = "label"
+    # token_classification: a list of words and a list of their tags (names or ids) per row
+    tokens_column: str = "tokens"
+    tags_column: str = "ner_tags"
+    # question_answering (SQuAD's layout: answers = {"text": [...], "answer_start": [...]})
+    question_column: str = "question"
+    context_column: str = "context"
+    answers_column: str = "answers"
+    # masked_lm: one text per row
+    text_column: str = "text"
+    # seq2seq_lm: source and target texts
+    document_column: str = "document"
+    summary_column: str = "summary"
     max_seq_length: int = 128
     # fine-tuning: each micro-batch takes examples of similar length (within windows of 16
     # global batches), so less compute goes to padding. Off by default: on the quickstart it cut

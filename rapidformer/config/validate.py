@@ -201,6 +201,7 @@ def check_values(cfg: RunConfig) -> list[str]:
                  f"{what[d.source]}")
     p.extend(_pretraining_problems(cfg))
     p.extend(_megatron_problems(cfg))
+    p.extend(_task_problems(cfg))
     if d.source == "synthetic":
         positive("data.synthetic_train_size", d.synthetic_train_size)
         positive("data.synthetic_eval_size", d.synthetic_eval_size)
@@ -261,6 +262,37 @@ def check_values(cfg: RunConfig) -> list[str]:
 
 
 PRETRAINING_TASKS = ("bert_pretraining", "causal_lm")
+ENCODER_DECODER_ARCHS = ("t5",)
+
+
+def _task_problems(cfg: RunConfig) -> list[str]:
+    """What each fine-tuning task needs of its model and its own settings."""
+    t, m, d = cfg.task, cfg.model, cfg.data
+    p: list[str] = []
+    if t.name in PRETRAINING_TASKS or m.arch.startswith("megatron"):
+        return p
+    config_built = m.source == "config"
+    if t.name == "seq2seq_lm" and config_built and m.arch not in ENCODER_DECODER_ARCHS:
+        p.append(f"task=seq2seq_lm needs an encoder-decoder model, but model={m.name} "
+                 f"(arch {m.arch}) is an encoder; use model=t5_tiny, model=t5_small, or a "
+                 f"pretrained T5/BART with model=hf model.name_or_path=...")
+    if t.name != "seq2seq_lm" and config_built and m.arch in ENCODER_DECODER_ARCHS:
+        p.append(f"model={m.name} is an encoder-decoder (for task=seq2seq_lm); task={t.name} "
+                 f"needs an encoder such as model=bert_tiny")
+    if t.name == "question_answering":
+        if not 0 < t.doc_stride < d.max_seq_length:
+            p.append(f"task.doc_stride={t.doc_stride} must be positive and below "
+                     f"data.max_seq_length={d.max_seq_length} (windows overlap by it)")
+        for key in ("max_answer_length", "n_best_size"):
+            if getattr(t, key) < 1:
+                p.append(f"task.{key}={getattr(t, key)} must be at least 1")
+    if t.name == "masked_lm" and not 0 < d.mask_prob < 1:
+        p.append(f"data.mask_prob={d.mask_prob} must be in (0, 1), e.g. 0.15")
+    if t.name == "seq2seq_lm":
+        for key in ("max_target_length", "num_beams"):
+            if getattr(t, key) < 1:
+                p.append(f"task.{key}={getattr(t, key)} must be at least 1")
+    return p
 
 
 def _pretraining_problems(cfg: RunConfig) -> list[str]:

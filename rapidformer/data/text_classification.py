@@ -151,11 +151,13 @@ def _hub_splits(d: DataConfig) -> dict:
     return {split: loaded[split] for split in loaded}
 
 
-def load_classification_data(d: DataConfig, run_dir: Path, num_labels: int | None) -> ClassificationData:
+def load_splits(d: DataConfig, run_dir: Path, write_synthetic=write_dataset) -> dict:
+    """{split: datasets.Dataset} from local files, the hub, or data this project generates
+    (`write_synthetic(root, train_size, eval_size, seed)` writes train/validation jsonl)."""
     if d.source == "synthetic":
         root = Path(d.path) if d.path else run_dir / "data"
         if not (root / "train.jsonl").is_file():
-            write_dataset(root, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic_seed)
+            write_synthetic(root, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic_seed)
         splits = _local_splits(d, root)
     elif d.source == "local":
         splits = _local_splits(d, Path(d.path))
@@ -163,6 +165,21 @@ def load_classification_data(d: DataConfig, run_dir: Path, num_labels: int | Non
         splits = _hub_splits(d)
     if "train" not in splits:
         raise InputError(f"the dataset has no 'train' split (it has: {', '.join(splits)})")
+    return splits
+
+
+def require_columns(splits: dict, wanted: dict[str, str]) -> None:
+    """Every split has the columns {config key: column name}, or one error naming the key."""
+    for split, ds in splits.items():
+        for key, column in wanted.items():
+            if column not in ds.column_names:
+                raise InputError(
+                    f"the {split} split has no column '{column}' ({key}); its columns are: "
+                    f"{', '.join(ds.column_names)}. Set {key} to one of them")
+
+
+def load_classification_data(d: DataConfig, run_dir: Path, num_labels: int | None) -> ClassificationData:
+    splits = load_splits(d, run_dir)
     _check_columns(d, splits)
     for split, ds in splits.items():
         if len(ds) == 0 and split == "train":
@@ -174,12 +191,7 @@ def _check_columns(d: DataConfig, splits: dict) -> None:
     wanted = {"data.text_a_column": d.text_a_column, "data.label_column": d.label_column}
     if d.text_b_column:
         wanted["data.text_b_column"] = d.text_b_column
-    for split, ds in splits.items():
-        for key, column in wanted.items():
-            if column not in ds.column_names:
-                raise InputError(
-                    f"the {split} split has no column '{column}' ({key}); its columns are: "
-                    f"{', '.join(ds.column_names)}. Set {key} to one of them")
+    require_columns(splits, wanted)
 
 
 def _encode_labels(d: DataConfig, splits: dict, num_labels: int | None) -> ClassificationData:

@@ -15,30 +15,58 @@ def _labels(num_labels: int, label_names: list[str]) -> dict:
             "label2id": {name: i for i, name in enumerate(label_names)}}
 
 
-def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_names=()):
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+# fine-tuning task -> the transformers auto class of its model
+AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
+                "token_classification": "AutoModelForTokenClassification",
+                "question_answering": "AutoModelForQuestionAnswering",
+                "masked_lm": "AutoModelForMaskedLM",
+                "seq2seq_lm": "AutoModelForSeq2SeqLM"}
+ENCODER_DECODERS = ("t5",)
 
-    labels = _labels(num_labels, list(label_names))
+
+def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_names=()):
+    return build_task_model(m, "sequence_classification", tokenizer,
+                            **_labels(num_labels, list(label_names)))
+
+
+def build_task_model(m: ModelConfig, task: str, tokenizer, **extra):
+    """A fine-tuning task's Hugging Face model: pretrained (hub name or local directory), or
+    built from the model group's shape with the tokenizer's vocabulary (random weights)."""
+    import transformers
+
+    auto = getattr(transformers, AUTO_CLASSES[task])
     if m.source == "pretrained":
         try:
-            return AutoModelForSequenceClassification.from_pretrained(
-                m.name_or_path, attn_implementation=m.attn_implementation, **labels)
+            return auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation,
+                                        **extra)
         except OSError as exc:
             raise InputError(unreachable_model_message(m.name_or_path)) from exc
     try:
-        config = AutoConfig.for_model(
-            m.arch, vocab_size=len(tokenizer), hidden_size=m.hidden_size,
-            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-            intermediate_size=m.intermediate_size,
-            max_position_embeddings=m.max_position_embeddings,
-            hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
-            initializer_range=m.initializer_range,
-            pad_token_id=tokenizer.pad_token_id, **labels)
+        config = transformers.AutoConfig.for_model(m.arch, **_shape(m, tokenizer), **extra)
     except ValueError as exc:
         raise InputError(f"model.arch={m.arch} is not a Hugging Face model type this version of "
                          f"transformers knows ({exc}); use e.g. model.arch=bert") from exc
-    return AutoModelForSequenceClassification.from_config(
-        config, attn_implementation=m.attn_implementation)
+    return auto.from_config(config, attn_implementation=m.attn_implementation)
+
+
+def _shape(m: ModelConfig, tokenizer) -> dict:
+    """The model group's shape in the config keys of the architecture's family."""
+    if m.arch in ENCODER_DECODERS:  # T5: its own key names; the decoder starts from padding
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None \
+            else tokenizer.sep_token_id
+        return {"vocab_size": len(tokenizer), "d_model": m.hidden_size,
+                "d_kv": m.hidden_size // m.num_attention_heads, "d_ff": m.intermediate_size,
+                "num_layers": m.num_layers, "num_heads": m.num_attention_heads,
+                "dropout_rate": m.hidden_dropout, "initializer_factor": m.initializer_range / 0.02,
+                "pad_token_id": tokenizer.pad_token_id, "eos_token_id": eos,
+                "decoder_start_token_id": tokenizer.pad_token_id}
+    return {"vocab_size": len(tokenizer), "hidden_size": m.hidden_size,
+            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+            "intermediate_size": m.intermediate_size,
+            "max_position_embeddings": m.max_position_embeddings,
+            "hidden_dropout_prob": m.hidden_dropout,
+            "attention_probs_dropout_prob": m.attention_dropout,
+            "initializer_range": m.initializer_range, "pad_token_id": tokenizer.pad_token_id}
 
 
 def build_pretraining_model(m: ModelConfig, task: str, tokenizer):

@@ -12,7 +12,7 @@ from torchmetrics.functional.classification import (binary_f1_score, multiclass_
 from rapidformer.data.text_classification import load_classification_data, tokenize_splits
 from rapidformer.data.tokenizers import build_tokenizer
 from rapidformer.models.hf import build_sequence_classifier
-from rapidformer.templates.finetuner import Finetuner
+from rapidformer.tasks.base import TaskFinetuner
 
 
 def classification_metrics(predictions: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict:
@@ -26,7 +26,7 @@ def classification_metrics(predictions: torch.Tensor, labels: torch.Tensor, num_
     return {"accuracy": float(accuracy), "f1": float(f1)}
 
 
-class SequenceClassificationFinetuner(Finetuner):
+class SequenceClassificationFinetuner(TaskFinetuner):
     def train_valid_test_datasets_provider(self):
         from transformers import DataCollatorWithPadding
 
@@ -46,13 +46,6 @@ class SequenceClassificationFinetuner(Finetuner):
         encoded = tokenize_splits(data, d, self.tokenizer)
         collate_fn = DataCollatorWithPadding(self.tokenizer, return_tensors="pt")
         return encoded["train"], encoded.get("validation"), encoded.get("test"), collate_fn
-
-    def _resumed_tokenizer_dir(self):
-        """On resume, the tokenizer saved with the checkpoint (a trained vocab must not change)."""
-        path = self.engine.resume_checkpoint
-        if path is not None and (path / "tokenizer" / "tokenizer_config.json").is_file():
-            return path / "tokenizer"
-        return None
 
     def model_optimizer_lr_scheduler_provider(self):
         model = build_sequence_classifier(self.cfg.model, self.num_labels, self.tokenizer,
@@ -74,6 +67,3 @@ class SequenceClassificationFinetuner(Finetuner):
         metrics = classification_metrics(predictions, labels, self.num_labels)
         metrics["loss"] = float(torch.cat(losses).mean())
         return metrics
-
-    def test_is_labelled(self, test_ds) -> bool:
-        return "test" in self.scored_splits

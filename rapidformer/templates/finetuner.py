@@ -83,9 +83,12 @@ class Finetuner:
             sampler = DistributedSampler(dataset, engine.world_size, engine.rank, shuffle=True,
                                          seed=self.cfg.trainer.seed)
         elif engine.world_size > 1:
-            # evaluation shards are not padded (gather takes unequal sizes), so each example
-            # is scored exactly once
-            sampler = list(range(engine.rank, len(dataset), engine.world_size))
+            batches = even_eval_batches(len(dataset), engine.rank, engine.world_size,
+                                        batch_size or self.cfg.trainer.micro_batch_size)
+            loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn,
+                                num_workers=self.cfg.data.num_workers,
+                                pin_memory=self.engine.device.type == "cuda")
+            return _DeviceLoader(loader, self.engine)
         elif shuffle:
             sampler = RandomSampler(dataset,
                                     generator=torch.Generator().manual_seed(self.cfg.trainer.seed))
@@ -369,6 +372,20 @@ class _Window:
             record["peak_mem_gb"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
         self.reset()
         return record
+
+
+def even_eval_batches(size: int, rank: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """This rank's evaluation batches: every example exactly once over all ranks (strided, not
+    padded: gather takes unequal sizes), and the same number of batches on every rank — with
+    sharded weights (ZeRO-3, FSDP2) each forward is a collective, so a rank with one batch more
+    would wait for the others forever. A rank with fewer examples splits a batch in two."""
+    mine = list(range(rank, size, world_size))
+    batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+    most = max(-(-len(range(r, size, world_size)) // batch_size) for r in range(world_size))
+    while len(batches) < most and any(len(b) > 1 for b in batches):
+        last = max(i for i, b in enumerate(batches) if len(b) > 1)
+        batches[last:last + 1] = [batches[last][:-1], batches[last][-1:]]
+    return batches
 
 
 class _DeviceLoader:

@@ -95,7 +95,7 @@ def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
         if architecture is None or not hasattr(transformers, architecture):
             raise InputError(f"{exported}: no model class in its 'architectures'")
         return getattr(transformers, architecture)(config)
-    vocab = _rows(state, "word_embeddings.weight", "wte.weight")
+    vocab = _rows(state, "word_embeddings.weight", "wte.weight", "shared.weight")
     if vocab is None:
         raise InputError("the checkpoint has no word-embedding table: it is not a model this "
                          "export knows")
@@ -106,8 +106,10 @@ def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
             is not None else vocab - 1
     if cfg.task.name in ("bert_pretraining", "causal_lm"):
         return hf.build_pretraining_model(cfg.model, cfg.task.name, fake)
-    labels = _rows(state, "classifier.weight", "score.weight") or cfg.task.num_labels or 2
-    return hf.build_sequence_classifier(cfg.model, labels, fake)
+    if cfg.task.name in ("sequence_classification", "token_classification"):
+        labels = _rows(state, "classifier.weight", "score.weight") or cfg.task.num_labels or 2
+        return hf.build_task_model(cfg.model, cfg.task.name, fake, num_labels=labels)
+    return hf.build_task_model(cfg.model, cfg.task.name, fake)
 
 
 def export(path: Path, out: Path, step: int | None = None) -> Path:

@@ -1,0 +1,118 @@
+"""Generated data for the token-classification, question-answering, masked-LM and seq2seq
+tasks, so each runs with no download (tests, smoke runs, `data=synthetic`).
+
+    python -m rapidformer.data.synthetic_tasks ner DIR [--train 2000 --eval 200 --seed 1234]
+
+writes DIR/train.jsonl and DIR/validation.jsonl in the layout each task reads by default:
+ner (tokens, ner_tags: CoNLL-style BIO names), squad (id, question, context, answers:
+{text, answer_start}), text (text), summaries (document, summary).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from rapidformer.data.synthetic import SLOTS
+
+PEOPLE = [["anna"], ["ben", "carter"], ["chen", "li"], ["dora"], ["emil", "novak"], ["fatima"],
+          ["gustav", "berg"], ["hana"], ["ivan", "petrov"], ["julia", "santos"]]
+CITIES = [["paris"], ["new", "york"], ["lagos"], ["osaka"], ["lima"], ["cape", "town"],
+          ["oslo"], ["san", "diego"], ["cairo"], ["quito"]]
+COMPANIES = [["acme"], ["blue", "river", "bank"], ["nordic", "steel"], ["zenith"],
+             ["orbit", "labs"], ["maple", "foods"], ["kite", "air"], ["polar", "energy"]]
+VERB_WORDS = ["met", "called", "visited", "thanked", "hired", "helped", "followed", "saw"]
+
+
+def _entity(kind: str, names: list[str]) -> tuple[list[str], list[str]]:
+    return names, [f"B-{kind}"] + [f"I-{kind}"] * (len(names) - 1)
+
+
+def ner_example(rng: random.Random) -> dict:
+    """A sentence with people, a city and a company, each word tagged (BIO)."""
+    person, other = rng.sample(PEOPLE, 2)
+    parts = [_entity("PER", person), (["yesterday"] if rng.random() < 0.3 else [], []),
+             ([rng.choice(VERB_WORDS)], ["O"]), _entity("PER", other),
+             (["from"], ["O"]), _entity("ORG", rng.choice(COMPANIES)),
+             (["in"], ["O"]), _entity("LOC", rng.choice(CITIES)), (["."], ["O"])]
+    tokens, tags = [], []
+    for words, labels in parts:
+        tokens += words
+        tags += labels or ["O"] * len(words)
+    return {"tokens": tokens, "ner_tags": tags}
+
+
+def squad_example(rng: random.Random, idx: int) -> dict:
+    """A context of three facts in random order and a question about one of them."""
+    person, worker, buyer = (" ".join(p) for p in rng.sample(PEOPLE, 3))
+    city, company = " ".join(rng.choice(CITIES)), " ".join(rng.choice(COMPANIES))
+    thing = rng.choice(rng.choice(SLOTS[2]))
+    # (fact, question, answer, where the answer starts in the fact)
+    facts = [(f"{person} lives in {city} .", f"where does {person} live ?", city,
+              len(f"{person} lives in ")),
+             (f"{worker} works for {company} .", f"who works for {company} ?", worker, 0),
+             (f"{buyer} bought {thing} .", f"what did {buyer} buy ?", thing,
+              len(f"{buyer} bought "))]
+    rng.shuffle(facts)
+    context = " ".join(f[0] for f in facts)
+    fact, question, answer, offset = rng.choice(facts)
+    start = context.index(fact) + offset
+    return {"id": str(idx), "question": question, "context": context,
+            "answers": {"text": [answer], "answer_start": [start]}}
+
+
+def sentence(rng: random.Random) -> str:
+    subject, verb, obj, place, time = (rng.choice(rng.choice(slot)) for slot in SLOTS)
+    return f"{subject} {verb} {obj} {place} {time} ."
+
+
+def summary_example(rng: random.Random) -> dict:
+    """A two-sentence report and its one-line summary: who did what, where."""
+    subject, verb, obj, place, time = (rng.choice(rng.choice(slot)) for slot in SLOTS)
+    person = " ".join(rng.choice(PEOPLE))
+    document = f"{time} , {subject} {verb} {obj} {place} . {person} saw it ."
+    return {"document": document, "summary": f"{subject} {verb} {obj} {place}"}
+
+
+KINDS = {"ner": lambda rng, i: ner_example(rng), "squad": squad_example,
+         "text": lambda rng, i: {"text": sentence(rng)},
+         "summaries": lambda rng, i: summary_example(rng)}
+# task -> the kind of data it reads
+TASK_KINDS = {"token_classification": "ner", "question_answering": "squad", "masked_lm": "text",
+              "seq2seq_lm": "summaries"}
+
+
+def write_task_dataset(kind: str, root: str | Path, train_size: int, eval_size: int,
+                       seed: int = 1234) -> None:
+    rng = random.Random(seed)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, size in (("train", train_size), ("validation", eval_size)):
+        tmp = root / f".{split}.jsonl.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for i in range(size):
+                f.write(json.dumps(KINDS[kind](rng, i)) + "\n")
+        tmp.rename(root / f"{split}.jsonl")  # complete or absent
+
+
+def writer_for(task: str):
+    """`write(root, train_size, eval_size, seed)` for a task's generated data."""
+    return lambda root, train, evaluation, seed: write_task_dataset(
+        TASK_KINDS[task], root, train, evaluation, seed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rapidformer.data.synthetic_tasks")
+    parser.add_argument("kind", choices=sorted(KINDS))
+    parser.add_argument("directory")
+    parser.add_argument("--train", type=int, default=2000)
+    parser.add_argument("--eval", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args(argv)
+    write_task_dataset(args.kind, args.directory, args.train, args.eval, args.seed)
+    print(f"wrote {args.directory}/train.jsonl and validation.jsonl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""What the black-box fine-tuning tasks share: their data (local files, the hub, or the task's
+generated data), a tokenizer that stays the same on resume, sums over ranks, and the Hugging
+Face model under the wrappers (for `generate`)."""
+from __future__ import annotations
+
+import torch
+
+from rapidformer.data.synthetic_tasks import TASK_KINDS, writer_for
+from rapidformer.data.text_classification import load_splits, require_columns
+from rapidformer.data.tokenizers import build_tokenizer
+from rapidformer.templates.finetuner import Finetuner
+
+
+class TaskFinetuner(Finetuner):
+    # data.* keys of the columns this task reads
+    columns: tuple[str, ...] = ()
+
+    def load_splits(self) -> dict:
+        task = self.cfg.task.name
+        write = writer_for(task) if task in TASK_KINDS else None
+        splits = load_splits(self.cfg.data, self.engine.run_dir,
+                             **({"write_synthetic": write} if write else {}))
+        require_columns(splits, {f"data.{key}": getattr(self.cfg.data, key)
+                                 for key in self.columns})
+        self.scored_splits = tuple(s for s in splits if s != "train")
+        return splits
+
+    def make_tokenizer(self, texts):
+        """The run's tokenizer (`texts()` yields the training texts a new vocabulary is
+        trained on, for a config-built model)."""
+        saved = self._resumed_tokenizer_dir()
+        self.tokenizer = build_tokenizer(self.cfg.model, texts,
+                                         saved or self.engine.run_dir / "tokenizer",
+                                         self.cfg.data.max_seq_length)
+        return self.tokenizer
+
+    def _resumed_tokenizer_dir(self):
+        """On resume, the tokenizer saved with the checkpoint (a trained vocab must not change)."""
+        path = self.engine.resume_checkpoint
+        if path is not None and (path / "tokenizer" / "tokenizer_config.json").is_file():
+            return path / "tokenizer"
+        return None
+
+    def sum_over_ranks(self, *values: float) -> list[float]:
+        total = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                             device=self.engine.device)
+        return self.engine.all_reduce_sum(total).tolist()
+
+    def test_is_labelled(self, test_ds) -> bool:
+        return "test" in getattr(self, "scored_splits", ())
+
+
+def hf_model(model):
+    """The Hugging Face model under DDP, DeepSpeed and torch.compile (FSDP2 keeps its class)."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None:
+            return model
+        model = inner
