@@ -17,8 +17,9 @@ autocast, clipping); `rapidformer` is the same model through RapidformerEngine's
 (`compose`, `autocast`, `backward`, `step`) with `graph=compile` (its default scope: the whole
 model here); `rapidformer-blocks` compiles per transformer block (the scope under FSDP2/ZeRO);
 `rapidformer-cudagraphs` adds `graph.mode=reduce-overhead` (CUDA graphs: for launch-bound small
-batches); `rapidformer-eager` isolates the framework's overhead against `hf-eager`, and
-`rapidformer-fp32` (TF32 off) gives the AMP speed-up. Tokens/s counts every token of the batch
+batches); `rapidformer-eager` isolates the framework's overhead against `hf-eager`,
+`rapidformer-fp32` (TF32 off) gives the AMP speed-up, and `rapidformer-bf16-weights` keeps bf16
+weights with fp32 master copies (DeepSpeed ZeRO-1 on one GPU) instead of casting fp32 weights. Tokens/s counts every token of the batch
 (no padding here); MFU follows rapidformer/flops.py; warm-up s is the first steps' time, compile
 included (the inductor cache is shared within a process, so a later system may reuse an earlier
 one's kernels). Writes the rows to docs/benchmarks/results.json and the table between the suite
@@ -50,7 +51,8 @@ WORKLOADS = {"bert_mlm": ("bert_mlm", 12, 768, 12, 512, 32, 30522),
              "bert_mrpc": ("bert_cls", 12, 768, 12, 128, 32, 30522)}
 SMOKE = {name: (arch, 2, 64, 4, 64, 4, 500) for name, (arch, *_rest) in WORKLOADS.items()}
 SYSTEMS = ["hf-eager", "hf-compile", "rapidformer", "rapidformer-blocks",
-           "rapidformer-cudagraphs", "rapidformer-eager", "rapidformer-fp32"]
+           "rapidformer-cudagraphs", "rapidformer-eager", "rapidformer-fp32",
+           "rapidformer-bf16-weights"]
 
 
 def build_model(arch: str, layers: int, hidden: int, heads: int, seq: int, vocab: int):
@@ -144,6 +146,10 @@ def run_row(name: str, shape: tuple, system: str, args, device, work: Path) -> d
                      "rapidformer-cudagraphs": [f"precision={precision}", "graph=compile",
                                                 "graph.mode=reduce-overhead"],
                      "rapidformer-eager": [f"precision={precision}"],
+                     # DeepSpeed's bf16 weights with fp32 masters (ZeRO-1 of one GPU): no
+                     # per-step casts of fp32 weights under autocast
+                     "rapidformer-bf16-weights": [f"precision={precision}", "graph=compile",
+                                                  "memory=zero1"],
                      "rapidformer-fp32": ["precision=fp32"]}[system]
         step = rapidformer_loop(model, batch, [*overrides, f"trainer.device={device.type}"],
                                 work / f"{name}_{system}")
