@@ -142,7 +142,13 @@ def shutdown_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        deepspeed_comm = sys.modules.get("deepspeed.comm")
+        if deepspeed_comm is not None and getattr(deepspeed_comm.comm, "cdb", None) is not None:
+            # DeepSpeed keeps its own references to the groups: the next job of a sweep in
+            # this process would find them destroyed ("Group ... is not registered")
+            deepspeed_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 def die_with_launcher() -> None:

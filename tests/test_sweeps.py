@@ -67,3 +67,13 @@ def test_slurm_job_runs_through_submitit(tmp_path):
     (row,) = json.loads((tmp_path / "summary.json").read_text())
     assert row["status"] == "ok" and row["final_loss"] > 0
     assert list((tmp_path / ".submitit").glob("*/*_result.pkl"))
+
+
+def test_a_sweep_of_deepspeed_jobs_runs_every_job_in_one_process(tmp_path):
+    """Hydra runs a sweep's jobs one after another in this process: each job's DeepSpeed must
+    find a live process group, not the one the previous job destroyed."""
+    multirun(["-m", "memory=zero2", "precision=bf16,fp32", *TINY,
+              "trainer.micro_batch_size=16", "trainer.global_batch_size=16",
+              f"hydra.sweep.dir={tmp_path}"])
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows

@@ -156,3 +156,23 @@ def test_task_settings_are_checked():
     with pytest.raises(ConfigError, match="task.doc_stride=64 must be positive and below"):
         resolve(compose(["+recipe=bert_squad", "model=bert_tiny", "data=synthetic",
                          "data.max_seq_length=64", "task.doc_stride=64"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("precision,memory", [("bf16", "none"), ("fp16", "none"),
+                                              ("fp16", "zero2")])
+def test_task_on_a_gpu_in_half_precision(task, precision, memory, tmp_path):
+    """fp16 (loss scaling; DeepSpeed's under ZeRO, which has no fp16 on a CPU) and bf16."""
+    from rapidformer import __main__ as module_main
+
+    overrides, metric, _ = TASKS[task]
+    module_main.main([*QUIET, *overrides, "trainer.epochs=1", "data.synthetic_eval_size=32",
+                      f"precision={precision}", f"memory={memory}", "trainer.device=cuda",
+                      f"trainer.output_dir={tmp_path}"])
+    records = read_metrics(tmp_path)
+    final = [r for r in records if f"validation/{metric}" in r][-1]
+    assert final[f"validation/{metric}"] == final[f"validation/{metric}"]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
