@@ -137,7 +137,7 @@ def test_task_trains_and_its_metric_moves_the_right_way(task, tmp_path):
 def test_task_on_two_processes(task, memory, tmp_path):
     overrides, metric, _ = TASKS[task]
     precision = "precision=bf16" if memory != "none" else "precision=fp32"
-    assert_ok(run_cli([*QUIET, *overrides, "trainer.epochs=1", "data.synthetic_train_size=192",
+    assert_ok(run_cli([*QUIET, *overrides, "trainer.epochs=1", "data.synthetic_train_size=128",
                        "data.synthetic_eval_size=33", f"memory={memory}", precision,
                        "launcher.nproc_per_node=2", f"trainer.output_dir={tmp_path / 'run'}"],
                       cwd=tmp_path))

@@ -121,15 +121,23 @@ def test_missing_data_and_missing_column_fail_clearly(tmp_path, pairs_dir):
     assert "no column 'target' (data.label_column)" in column.stderr
 
 
+COMPILE_ARGS = [*FAST, "trainer.train_iters=3", "trainer.export_hf=false"]
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory) -> dict:
+    run = tmp_path_factory.mktemp("eager")
+    assert_ok(run_cli([*COMPILE_ARGS, f"trainer.output_dir={run}"], cwd=run))
+    return train_losses(run)
+
+
 @pytest.mark.parametrize("scope,log", [("blocks", "2 transformer blocks compiled (regional)"),
                                        ("auto", "the whole model compiled")])
-def test_compile_gives_the_eager_losses(tmp_path, scope, log):
-    args = [*FAST, "trainer.train_iters=3", "trainer.export_hf=false"]
-    assert_ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'eager'}"], cwd=tmp_path))
-    result = assert_ok(run_cli([*args, "graph=compile", f"graph.scope={scope}",
+def test_compile_gives_the_eager_losses(tmp_path, scope, log, eager_losses):
+    result = assert_ok(run_cli([*COMPILE_ARGS, "graph=compile", f"graph.scope={scope}",
                                 f"trainer.output_dir={tmp_path / 'compiled'}"], cwd=tmp_path))
     assert f"graph=compile: {log}" in result.stdout + result.stderr
-    eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    eager, compiled = eager_losses, train_losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2, 3}
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], abs=1e-4)

@@ -48,8 +48,10 @@ class MaskedLMFinetuner(TaskFinetuner):
             torch.manual_seed(self.cfg.trainer.seed + self.engine.rank)
             for batch in eval_dataloader:
                 count = int((batch["labels"] != -100).sum())
-                loss_sum += float(model(**batch).loss) * count
-                masked += count
+                loss = float(model(**batch).loss)  # every rank's forward runs (sharded weights)
+                if count:  # a small batch can have no masked token: its mean loss is NaN
+                    loss_sum += loss * count
+                    masked += count
         loss_sum, masked = self.sum_over_ranks(loss_sum, masked)
         loss = loss_sum / max(masked, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
