@@ -73,7 +73,8 @@ def candidate_modes(cfg: RunConfig) -> list[Mode]:
     """Every mode this config may run, fastest first: sharding costs communication, activation
     checkpointing a third more compute, offload PCIe traffic and a CPU optimizer step."""
     megatron = cfg.model.arch.startswith("megatron")
-    shardings = ["none", "zero1", "zero2"] if megatron else ["none", "zero1", "zero2", "fsdp", "zero3"]
+    shardings = ["none", "zero1", "zero2"] if megatron else \
+        ["none", "zero1", "zero2", "fsdp", "zero3"]
     if cfg.precision.dtype == "fp16":
         shardings = [s for s in shardings if s != "fsdp"]  # refused by validation
     offloads = [] if megatron else [

@@ -69,3 +69,20 @@ def test_mlflow_logs_params_and_metric_history_to_a_local_store(tmp_path):
     expected = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
     assert history == pytest.approx(expected)
     assert "validation/accuracy" in run.data.metrics
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tmp_path, monkeypatch,
+                                                                    capsys):
+    import importlib.util
+
+    from rapidformer import __main__ as module_main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        module_main.main(["logger=wandb", f"trainer.output_dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 3
+    assert "logger=wandb needs Weights & Biases: pip install 'rapidformer[wandb]'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
