@@ -118,3 +118,14 @@ def test_launcher_defaults_follow_the_seed_environment(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "7001")
     _, cfg = resolve(compose([]), output_dir="out")
     assert cfg.launcher.master_addr == "10.1.2.3" and cfg.launcher.master_port == 7001
+
+
+@pytest.mark.parametrize("recipe", ["bert_ner", "bert_squad", "bert_mlm", "t5_summarize"])
+def test_a_task_recipe_on_generated_data_keeps_no_hub_path(recipe):
+    """`data=synthetic` replaces the recipe's hub dataset whole: the generated data goes to the
+    run directory, never to a folder named after the hub dataset in the working directory."""
+    extra = {"t5_summarize": ["model=t5_tiny"],
+             "bert_squad": ["model=bert_tiny", "data.max_seq_length=64", "task.doc_stride=16"]
+             }.get(recipe, ["model=bert_tiny"])
+    _, cfg = resolve(compose([f"+recipe={recipe}", *extra, "data=synthetic"]), "out")
+    assert (cfg.data.source, cfg.data.path, cfg.data.subset) == ("synthetic", None, None)
