@@ -16,11 +16,7 @@ from pathlib import Path
 
 from rapidformer.config.schema import LoggerConfig
 from rapidformer.errors import NotAvailableError
-
-
-def _scalars(record: dict) -> dict:
-    return {k: v for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+from rapidformer.observability import scalars
 
 
 class WandbLogger:
@@ -35,7 +31,7 @@ class WandbLogger:
                                settings=wandb.Settings(console="off", silent=True))
 
     def log(self, step: int, record: dict) -> None:
-        self._run.log(_scalars(record), step=step)
+        self._run.log(scalars(record), step=step)
 
     def close(self) -> None:
         self._run.finish()
@@ -59,7 +55,7 @@ class MlflowLogger:
     def log(self, step: int, record: dict) -> None:
         # MLflow keys allow only letters, digits and _-. /
         self._mlflow.log_metrics({k.replace(":", "_"): float(v)
-                                  for k, v in _scalars(record).items()}, step=step)
+                                  for k, v in scalars(record).items()}, step=step)
 
     def close(self) -> None:
         self._mlflow.end_run()

@@ -1,7 +1,8 @@
 """What a run reports: the `rapidformer` logger, Megatron-style timers, and the metrics sink
-(metrics.jsonl always; TensorBoard events when enabled; W&B or MLflow through the logger group)."""
+(metrics.jsonl and metrics.csv always; TensorBoard events when enabled; W&B or MLflow through the logger group)."""
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import time
@@ -67,9 +68,17 @@ def drop_torn_record(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def scalars(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 class MetricsSink:
-    """Appends one json object per record to metrics.jsonl and mirrors scalars to TensorBoard
-    and to the tracker the `logger` group names (W&B, MLflow)."""
+    """Appends one json object per record to metrics.jsonl and one `step,name,value` row per
+    scalar to metrics.csv, and mirrors scalars to TensorBoard and to the tracker the `logger`
+    group names (W&B, MLflow). The CSV is long-form because training and evaluation records
+    carry different keys: rows stay aligned across resumes and new metrics
+    (`pandas.read_csv(...).pivot_table(index="step", columns="name", values="value")`)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True, logger=None,
                  config: dict | None = None):
@@ -81,6 +90,13 @@ class MetricsSink:
             run_dir.mkdir(parents=True, exist_ok=True)
             drop_torn_record(self.path)
             self._file = open(self.path, "a", encoding="utf-8")
+            self.csv_path = run_dir / "metrics.csv"
+            drop_torn_record(self.csv_path)
+            new_csv = not self.csv_path.is_file() or self.csv_path.stat().st_size == 0
+            self._csv_file = open(self.csv_path, "a", encoding="utf-8", newline="")
+            self._csv = csv.writer(self._csv_file)
+            if new_csv:
+                self._csv.writerow(["step", "name", "value"])
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -94,16 +110,19 @@ class MetricsSink:
             return
         self._file.write(json.dumps({"step": step, **record}) + "\n")
         self._file.flush()
+        numbers = scalars(record)
+        self._csv.writerows([step, key, value] for key, value in numbers.items())
+        self._csv_file.flush()
         if self._writer is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(key, value, step)
+            for key, value in numbers.items():
+                self._writer.add_scalar(key, value, step)
         for tracker in self._trackers:
             tracker.log(step, record)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
+            self._csv_file.close()
             if self._writer is not None:
                 self._writer.close()
             for tracker in self._trackers:

@@ -86,3 +86,18 @@ def test_a_tracker_that_is_not_installed_is_refused_before_any_work(tmp_path, mo
     assert "logger=wandb needs Weights & Biases: pip install 'rapidformer[wandb]'" in \
         capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_metrics_csv_holds_every_scalar_of_metrics_jsonl(tmp_path):
+    import csv
+
+    train(tmp_path)
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "name", "value"]
+    from_csv = {(int(s), n): float(v) for s, n, v in rows[1:]}
+    from_jsonl = {(r["step"], k): float(v) for r in read_metrics(tmp_path) for k, v in r.items()
+                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert from_csv == pytest.approx(from_jsonl)
+    assert any(name == "loss" for _, name in from_csv)
+    assert any(name.startswith("validation/") for _, name in from_csv)
