@@ -38,6 +38,7 @@ def test_ls_lists_every_recipe_and_option_with_a_description(capsys):
         for option in group_options(group):
             line = next(l for l in out.splitlines() if l.strip().startswith(option + " "))
             assert len(line.split(option, 1)[1].strip()) > 10, line  # a description follows
+            assert not line.endswith(("e.g.", "i.e.")), line  # cut inside its first sentence
     assert "memory" in out and "auto" in out and "launcher" in out and "slurm" in out
 
 

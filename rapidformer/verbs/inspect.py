@@ -14,6 +14,8 @@ from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, ConfigError, 
 SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
 URL_PASSWORD = re.compile(r"(//[^/:@\s]+:)[^@\s]+@")
 REDACTED = "***"
+# a full stop inside these does not end the first sentence
+ABBREVIATIONS = ("e.g", "i.e", "etc", "vs")
 
 
 def description(group: str, option: str) -> str:
@@ -30,8 +32,10 @@ def description(group: str, option: str) -> str:
             break  # the end of the first paragraph, or a command line
         words.append(body)
     paragraph = " ".join(words)
-    match = re.search(r"(?<=[a-z0-9)])\.(\s|$)", paragraph)
-    return paragraph[: match.start() + 1] if match else paragraph
+    for match in re.finditer(r"(?<=[a-z0-9)])\.(\s|$)", paragraph):
+        if not paragraph[: match.start()].endswith(ABBREVIATIONS):
+            return paragraph[: match.start() + 1]
+    return paragraph
 
 
 def ls_command(argv: list[str]) -> int:
