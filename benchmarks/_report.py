@@ -3,8 +3,20 @@ row failed (so a broken configuration is not mistaken for a result)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def portable_command(command: str, replacements: dict[str, str] | None = None) -> str:
+    """A recorded command as a reader would type it: the checkout's own path dropped, and
+    run-specific folders (temporary data, a device's output folder) named by placeholders."""
+    for path, name in {**(replacements or {}), str(REPO) + "/": ""}.items():
+        command = command.replace(str(path), name)
+    out = os.environ.get("OUT")
+    return command.replace(out.rstrip("/") + "/", "") if out else command
 
 
 def write_report(path, result: dict) -> None:

@@ -22,6 +22,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _report import portable_command
+
 GB = 2**30
 GPT_350M = ["model.hidden_size=1024", "model.num_layers=24", "model.num_attention_heads=16",
             "model.intermediate_size=4096", "model.max_position_embeddings=1024"]
@@ -160,7 +162,7 @@ def main() -> None:
 
     meta = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "command": "python benchmarks/memory_plan.py " + " ".join(sys.argv[1:]), "rows": rows}
+            "command": portable_command("python benchmarks/memory_plan.py " + " ".join(sys.argv[1:])), "rows": rows}
     if not args.smoke:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(meta, indent=1))

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import finish
+from _report import finish, portable_command
 
 from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus, write_gpt2_bpe
 from rapidformer.flops import flops_per_token, peak_flops
@@ -76,7 +76,8 @@ def run(name: str, entry: str, tp: int, pp: int, args, data: dict, work: Path) -
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     row = {"layout": name, "entry": entry, "tensor_parallel": tp, "pipeline_parallel": pp,
            "data_parallel": 4 // (tp * pp), "wall_s": round(time.perf_counter() - started, 1),
-           "command": shlex.join(["python", "-m", command[2], *command[3:-1]])}
+           "command": portable_command(shlex.join(["python", "-m", command[2], *command[3:-1]]),
+                                       {work: "DATA"})}
     if result.returncode != 0:
         lines = [l for l in result.stderr.splitlines() if l.strip()]
         row["error"] = next((l for l in lines if "rapidformer: error" in l), lines[-1][:300])

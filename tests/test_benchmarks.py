@@ -31,3 +31,18 @@ def test_suite_smoke_writes_results_and_table(tmp_path):
     assert text.startswith("# Benchmarks\n\nearlier text\n")
     assert text.count("<!-- suite:start -->") == 1 and text.count("| bert_mrpc | hf-eager |") == 1
     assert "Framework overhead, bert_mlm: rapidformer-eager runs at" in text
+
+
+def test_recorded_commands_name_no_machine_paths(monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _report import portable_command
+
+    monkeypatch.setenv("OUT", "/scratch/out")
+    command = (f"python -m rapidformer.cli --user-script {REPO}/examples/x.py --data-path "
+               "/tmp/seed4-abc/gpt_text_document --out /scratch/out/plan.json")
+    assert portable_command(command, {Path("/tmp/seed4-abc"): "DATA"}) == (
+        "python -m rapidformer.cli --user-script examples/x.py --data-path "
+        "DATA/gpt_text_document --out plan.json")
+    for report in (REPO / "docs").rglob("*.json"):
+        text = report.read_text()
+        assert str(REPO) not in text and "/tmp/" not in text and "/root/" not in text, report
