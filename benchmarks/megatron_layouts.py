@@ -26,11 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _data import gpt_mmap_data
 from _report import finish, write_report
 
-from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus, write_gpt2_bpe
 from rapidformer.flops import flops_per_token, peak_flops
-from rapidformer.preprocess_data import main as preprocess
 
 # layout -> (processes, overrides)
 LAYOUTS = {"one": (1, ["parallelism=dp"]), "tp2": (2, ["parallelism=tp2"]),
@@ -116,14 +115,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-megatron-") as temp:
         work = Path(temp)
-        corpus = write_corpus(work / "corpus.json", target_bytes=int(args.mb * 2**20))
-        vocab, merges = write_gpt2_bpe(list(iter_documents(VOCAB_SAMPLE_DOCS)), work / "gpt2")
-        preprocess(["--input", corpus["path"], "--output-prefix", str(work / "gpt"),
-                    "--vocab-file", str(vocab), "--merge-file", str(merges),
-                    "--tokenizer-type", "GPT2BPETokenizer", "--append-eod",
-                    "--workers", str(min(8, os.cpu_count() or 1))])
-        data = {"prefix": str(work / "gpt_text_document"), "vocab": vocab, "merges": merges}
-        vocab_size = len(json.loads(Path(vocab).read_text()))
+        data = gpt_mmap_data(work, args.mb)
+        vocab_size = len(json.loads(Path(data["vocab"]).read_text()))
         params = gpt_parameters(args.layers, args.hidden, vocab_size)
         per_token = flops_per_token(params, args.layers, args.hidden, args.seq)
         result = {"date": datetime.date.today().isoformat(), "device": device,

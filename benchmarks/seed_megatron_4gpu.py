@@ -28,11 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _data import gpt_mmap_data
 from _report import finish, portable_command
 
-from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus, write_gpt2_bpe
 from rapidformer.flops import flops_per_token, peak_flops
-from rapidformer.preprocess_data import main as preprocess
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "rapidformer_pretrain_megatron_gpt_trainer_pp.py"
@@ -111,15 +110,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-seed4-") as temp:
         work = Path(temp)
-        corpus = write_corpus(work / "corpus.json", target_bytes=int(args.mb * 2**20))
-        vocab, merges = write_gpt2_bpe(list(iter_documents(VOCAB_SAMPLE_DOCS)), work / "gpt2")
-        preprocess(["--input", corpus["path"], "--output-prefix", str(work / "gpt"),
-                    "--vocab-file", str(vocab), "--merge-file", str(merges),
-                    "--tokenizer-type", "GPT2BPETokenizer", "--append-eod",
-                    "--workers", str(min(8, os.cpu_count() or 1))])
-        data = {"prefix": str(work / "gpt_text_document"), "vocab": str(vocab),
-                "merges": str(merges)}
-        vocab_size = len(json.loads(Path(vocab).read_text()))
+        data = gpt_mmap_data(work, args.mb)
+        vocab_size = len(json.loads(Path(data["vocab"]).read_text()))
         s = args.shape
         params = 12 * s["layers"] * s["hidden"] ** 2 + vocab_size * s["hidden"]
         per_token = flops_per_token(params, s["layers"], s["hidden"], s["seq"])

@@ -349,3 +349,14 @@ def test_fp16_overflow_steps_are_skipped_and_counted():
     assert not torch.equal(model.weight, start)
     assert precision.skipped_steps == skipped and precision.loss_scale == 2.0 ** (20 - skipped)
     assert precision.state_dict()["skipped_steps"] == skipped
+
+
+def test_deepspeed_on_a_cpu_does_not_compile_its_inference_all_reduce():
+    import importlib
+
+    import torch
+
+    from rapidformer.accelerators.memory import import_deepspeed
+
+    import_deepspeed(torch.device("cpu"))
+    assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None

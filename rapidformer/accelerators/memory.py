@@ -26,7 +26,21 @@ def import_deepspeed(device: torch.device):
     except ImportError as exc:
         raise NotAvailableError("memory=zero1/zero2/zero3 needs DeepSpeed: pip install "
                                 "'deepspeed>=0.19,<0.20'") from exc
+    if device.type == "cpu":
+        _skip_inference_shm_op()
     return deepspeed
+
+
+def _skip_inference_shm_op() -> None:
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce on first init (25 s on 2
+    cores, again in every new environment) that only its inference engine calls; training's
+    collectives go through torch.distributed either way, so it is not built."""
+    import importlib
+
+    # by module path: the package attribute `deepspeed.comm.torch` is the torch module itself
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_comm, "build_shm_op"):
+        ds_comm.build_shm_op = lambda: None
 
 
 def check_zero_precision(cfg: RunConfig, device_type: str) -> None:
