@@ -129,3 +129,29 @@ def test_a_task_recipe_on_generated_data_keeps_no_hub_path(recipe):
              }.get(recipe, ["model=bert_tiny"])
     _, cfg = resolve(compose([f"+recipe={recipe}", *extra, "data=synthetic"]), "out")
     assert (cfg.data.source, cfg.data.path, cfg.data.subset) == ("synthetic", None, None)
+
+
+def documented_offline_commands():
+    """The `python -m rapidformer ...` lines in recipe headers that need no hub: a config-built
+    model (bert_tiny, t5_tiny) on generated or local data."""
+    import shlex
+    from importlib import resources
+
+    recipes = resources.files("rapidformer.conf").joinpath("recipe")
+    for recipe in sorted(group_options("recipe")):
+        for line in recipes.joinpath(f"{recipe}.yaml").read_text().splitlines():
+            if not line.startswith("#") or "python -m rapidformer +recipe=" not in line:
+                continue
+            command = line.split("python -m rapidformer", 1)[1].split("  (")[0]
+            if command.rstrip().endswith("\\"):
+                continue  # continued on the next line: not a complete command
+            args = shlex.split(command)
+            if any(a in args for a in ("model=bert_tiny", "model=t5_tiny")):
+                yield pytest.param(args, id=" ".join(args))
+
+
+@pytest.mark.parametrize("args", list(documented_offline_commands()))
+def test_documented_offline_commands_validate(args, tmp_path):
+    (tmp_path / "train.jsonl").write_text("")
+    _, cfg = resolve(compose([a.replace("DIR", str(tmp_path)) for a in args]), "out")
+    assert cfg.recipe and cfg.data.source in ("synthetic", "local")

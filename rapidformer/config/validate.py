@@ -282,7 +282,8 @@ def _task_problems(cfg: RunConfig) -> list[str]:
     if t.name == "question_answering":
         if not 0 < t.doc_stride < d.max_seq_length:
             p.append(f"task.doc_stride={t.doc_stride} must be positive and below "
-                     f"data.max_seq_length={d.max_seq_length} (windows overlap by it)")
+                     f"data.max_seq_length={d.max_seq_length} (windows overlap by it); set e.g. "
+                     f"task.doc_stride={max(1, d.max_seq_length // 4)}")
         for key in ("max_answer_length", "n_best_size"):
             if getattr(t, key) < 1:
                 p.append(f"task.{key}={getattr(t, key)} must be at least 1")
