@@ -487,10 +487,15 @@ class RapidformerEngine:
         log.info("resumed from %s (step %d)", path, state["step"])
         return state
 
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The user's model under DeepSpeed's, DDP's, torch.compile's and ORTModule's wrappers
+        (FSDP2 shards it in place and keeps its class)."""
+        return self.ds.module if self.ds is not None else unwrap(self.model)
+
     def export_hf(self, tokenizer=None, step: int | None = None) -> Path | None:
         """One consolidated Hugging Face `save_pretrained` directory (fp32), written atomically
         at run_dir/hf_model by rank 0. Under ZeRO the weights come from checkpoint `step`."""
-        model = self.ds.module if self.ds is not None else unwrap(self.model)
+        model = self.unwrapped_model()
         if self.parallel is not None and self.cfg.model.arch != "megatron_gpt":
             log.warning("trainer.export_hf: converting model.arch=%s to a Hugging Face model is "
                         "not built (only megatron_gpt -> GPT-2); its weights are in the "

@@ -1,7 +1,6 @@
 """Resolved config -> the template that runs it: a black-box task, or the user's script."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 import runpy
 from pathlib import Path
@@ -11,10 +10,9 @@ from rapidformer.config.args import activate
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError, NotAvailableError
+from rapidformer.loggers import check_tracker_installed
 
 log = logging.getLogger("rapidformer")
-# logger option -> what it needs installed
-LOGGER_PACKAGES = {"wandb": "Weights & Biases", "mlflow": "MLflow"}
 
 
 def check_available(cfg: RunConfig) -> None:
@@ -34,10 +32,7 @@ def check_available(cfg: RunConfig) -> None:
             raise NotAvailableError(
                 "graph=ort on a GPU is not built: onnxruntime-training 1.19.2 was checked here "
                 "on the CPU only (fp32); set trainer.device=cpu, or use graph=compile on the GPU")
-    tracker = cfg.logger.name
-    if tracker in LOGGER_PACKAGES and importlib.util.find_spec(tracker) is None:
-        raise NotAvailableError(f"logger={tracker} needs {LOGGER_PACKAGES[tracker]}: pip install "
-                                f"'rapidformer[{tracker}]' (or choose logger=tensorboard)")
+    check_tracker_installed(cfg.logger.name)
     check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
     check_fsdp_precision(cfg)
     if cfg.task.name in PRETRAINING_TASKS and not cfg.user_script:

@@ -4,7 +4,7 @@ chosen with the `logger` group (optional extras: `pip install 'rapidformer[wandb
 
     python -m rapidformer logger=wandb logger.project=my-project            # online
     python -m rapidformer logger=wandb logger.mode=offline                  # files only; `wandb sync` later
-    python -m rapidformer logger=mlflow                                     # ./<run dir>/mlruns
+    python -m rapidformer logger=mlflow                                     # <run dir>/mlflow.db
     python -m rapidformer logger=mlflow logger.tracking_uri=http://host:5000
 
 Each receives the resolved config once and every scalar of every metrics record; only the
@@ -12,20 +12,28 @@ main process logs.
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from rapidformer.config.schema import LoggerConfig
 from rapidformer.errors import NotAvailableError
 from rapidformer.observability import scalars
 
+# logger option -> what it needs installed (its module has the option's name)
+TRACKER_PACKAGES = {"wandb": "Weights & Biases", "mlflow": "MLflow"}
+
+
+def check_tracker_installed(name: str) -> None:
+    """Refuse, before any work, a tracker whose package is not installed."""
+    if name in TRACKER_PACKAGES and importlib.util.find_spec(name) is None:
+        raise NotAvailableError(f"logger={name} needs {TRACKER_PACKAGES[name]}: pip install "
+                                f"'rapidformer[{name}]' (or choose logger=tensorboard)")
+
 
 class WandbLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict):
-        try:
-            import wandb
-        except ImportError as exc:
-            raise NotAvailableError("logger=wandb needs Weights & Biases: pip install "
-                                    "'rapidformer[wandb]' (or choose logger=tensorboard)") from exc
+        import wandb
+
         self._run = wandb.init(project=cfg.project, name=cfg.run_name or run_dir.name,
                                dir=str(run_dir), mode=cfg.mode, config=config,
                                settings=wandb.Settings(console="off", silent=True))
@@ -39,11 +47,8 @@ class WandbLogger:
 
 class MlflowLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict):
-        try:
-            import mlflow
-        except ImportError as exc:
-            raise NotAvailableError("logger=mlflow needs MLflow: pip install "
-                                    "'rapidformer[mlflow]' (or choose logger=tensorboard)") from exc
+        import mlflow
+
         self._mlflow = mlflow
         # the local default: a SQLite store in the run directory (MLflow retired its file store)
         uri = cfg.tracking_uri or f"sqlite:///{(run_dir / 'mlflow.db').absolute()}"
@@ -73,6 +78,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def make_loggers(cfg: LoggerConfig | None, run_dir: Path, config: dict) -> list:
-    if cfg is None or cfg.name in ("tensorboard", "jsonl"):
+    if cfg is None or cfg.name == "tensorboard":
         return []
+    check_tracker_installed(cfg.name)
     return [{"wandb": WandbLogger, "mlflow": MlflowLogger}[cfg.name](cfg, run_dir, config)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from rapidformer.config.schema import RunConfig
+from rapidformer.config.validate import data_parallel_size, world_size
 from rapidformer.model_shape import ModelShape
 
 GB = 2**30
@@ -57,16 +58,6 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.model_states + self.activations + self.buffers
-
-
-def world_size(cfg: RunConfig) -> int:
-    return cfg.launcher.nproc_per_node * cfg.launcher.nnodes
-
-
-def data_parallel_size(cfg: RunConfig) -> int:
-    par = cfg.parallelism
-    return max(world_size(cfg) // (par.tensor_model_parallel_size
-                                   * par.pipeline_model_parallel_size), 1)
 
 
 def candidate_modes(cfg: RunConfig) -> list[Mode]:

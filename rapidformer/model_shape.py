@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rapidformer.config.schema import RunConfig
+from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError
 
 
@@ -62,7 +63,7 @@ def vocab_size(cfg: RunConfig) -> int:
     from pathlib import Path
 
     m = cfg.model
-    if cfg.task.name in ("bert_pretraining", "causal_lm") and m.tokenizer_type and m.tokenizer \
+    if cfg.task.name in PRETRAINING_TASKS and m.tokenizer_type and m.tokenizer \
             and Path(m.tokenizer).exists():
         from rapidformer.tokenizer import load_pretraining_tokenizer
 
@@ -107,7 +108,7 @@ def _meta_model(cfg: RunConfig):
     with torch.device("meta"):
         if m.source == "pretrained":
             return _pretrained_on_meta(cfg)
-        if cfg.task.name in ("bert_pretraining", "causal_lm"):
+        if cfg.task.name in PRETRAINING_TASKS:
             return hf.build_pretraining_model(m, cfg.task.name, tokenizer)
         labels = {"num_labels": cfg.task.num_labels or 2} if cfg.task.name in (
             "sequence_classification", "token_classification") else {}

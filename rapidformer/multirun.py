@@ -15,6 +15,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from rapidformer.observability import read_metrics
+
 STATUS_FILE = "status.json"
 
 
@@ -27,9 +29,7 @@ def job_row(job_dir: Path) -> dict:
         if (job_dir / ".hydra" / "overrides.yaml").is_file() else []
     status = json.loads((job_dir / STATUS_FILE).read_text()) \
         if (job_dir / STATUS_FILE).is_file() else {"status": "failed", "error": "no status"}
-    records = []
-    if (job_dir / "metrics.jsonl").is_file():
-        records = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(job_dir)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(k.startswith("validation/") for k in r)]
     metric = next((k for k in ("validation/accuracy", "validation/f1", "validation/loss")

@@ -68,6 +68,19 @@ def drop_torn_record(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl records ([] when it has none), without a torn last line of a
+    killed run."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
 def scalars(record: dict) -> dict:
     return {k: v for k, v in record.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -274,7 +274,7 @@ class LoggerConfig:
     run_name: Optional[str] = None
     # W&B: online, or offline (files under the run directory; `wandb sync` uploads them)
     mode: Literal["online", "offline"] = "online"
-    # MLflow: null writes a local file store under <run dir>/mlruns
+    # MLflow: null writes a local SQLite store, <run dir>/mlflow.db
     tracking_uri: Optional[str] = None
 
 

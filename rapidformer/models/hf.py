@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 from rapidformer.config.schema import ModelConfig
+from rapidformer.config.validate import ENCODER_DECODER_ARCHS
 from rapidformer.data.tokenizers import unreachable_model_message
 from rapidformer.errors import InputError
 
@@ -21,7 +22,6 @@ AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
                 "question_answering": "AutoModelForQuestionAnswering",
                 "masked_lm": "AutoModelForMaskedLM",
                 "seq2seq_lm": "AutoModelForSeq2SeqLM"}
-ENCODER_DECODERS = ("t5",)
 
 
 def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_names=()):
@@ -51,7 +51,7 @@ def build_task_model(m: ModelConfig, task: str, tokenizer, **extra):
 
 def _shape(m: ModelConfig, tokenizer) -> dict:
     """The model group's shape in the config keys of the architecture's family."""
-    if m.arch in ENCODER_DECODERS:  # T5: its own key names; the decoder starts from padding
+    if m.arch in ENCODER_DECODER_ARCHS:  # T5: its own key names; the decoder starts from padding
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None \
             else tokenizer.sep_token_id
         return {"vocab_size": len(tokenizer), "d_model": m.hidden_size,

@@ -1,34 +1,20 @@
 """Black-box tasks: each a template subclass driven only by the config."""
 from __future__ import annotations
 
+import importlib
+
+# task.name -> (module under rapidformer.tasks, class); imported only when chosen
+TASK_CLASSES = {
+    "sequence_classification": ("sequence_classification", "SequenceClassificationFinetuner"),
+    "token_classification": ("token_classification", "TokenClassificationFinetuner"),
+    "question_answering": ("question_answering", "QuestionAnsweringFinetuner"),
+    "masked_lm": ("masked_lm", "MaskedLMFinetuner"),
+    "seq2seq_lm": ("seq2seq_lm", "Seq2SeqFinetuner"),
+    "bert_pretraining": ("pretraining", "BertPretrainer"),
+    "causal_lm": ("pretraining", "CausalLMPretrainer"),
+}
+
 
 def task_class(name: str):
-    if name == "sequence_classification":
-        from rapidformer.tasks.sequence_classification import SequenceClassificationFinetuner
-
-        return SequenceClassificationFinetuner
-    if name == "token_classification":
-        from rapidformer.tasks.token_classification import TokenClassificationFinetuner
-
-        return TokenClassificationFinetuner
-    if name == "question_answering":
-        from rapidformer.tasks.question_answering import QuestionAnsweringFinetuner
-
-        return QuestionAnsweringFinetuner
-    if name == "masked_lm":
-        from rapidformer.tasks.masked_lm import MaskedLMFinetuner
-
-        return MaskedLMFinetuner
-    if name == "seq2seq_lm":
-        from rapidformer.tasks.seq2seq_lm import Seq2SeqFinetuner
-
-        return Seq2SeqFinetuner
-    if name == "bert_pretraining":
-        from rapidformer.tasks.pretraining import BertPretrainer
-
-        return BertPretrainer
-    if name == "causal_lm":
-        from rapidformer.tasks.pretraining import CausalLMPretrainer
-
-        return CausalLMPretrainer
-    raise KeyError(name)  # unreachable: task.name is a Literal checked by the schema
+    module, cls = TASK_CLASSES[name]  # task.name is a Literal checked by the schema
+    return getattr(importlib.import_module(f"rapidformer.tasks.{module}"), cls)

@@ -1,6 +1,5 @@
 """What the black-box fine-tuning tasks share: their data (local files, the hub, or the task's
-generated data), a tokenizer that stays the same on resume, sums over ranks, and the Hugging
-Face model under the wrappers (for `generate`)."""
+generated data), a tokenizer that stays the same on resume, and sums over ranks."""
 from __future__ import annotations
 
 import torch
@@ -48,12 +47,3 @@ class TaskFinetuner(Finetuner):
 
     def test_is_labelled(self, test_ds) -> bool:
         return "test" in getattr(self, "scored_splits", ())
-
-
-def hf_model(model):
-    """The Hugging Face model under DDP, DeepSpeed and torch.compile (FSDP2 keeps its class)."""
-    while True:
-        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
-        if inner is None:
-            return model
-        model = inner

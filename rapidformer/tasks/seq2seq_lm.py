@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 from rapidformer.models.hf import build_task_model
-from rapidformer.tasks.base import TaskFinetuner, hf_model
+from rapidformer.tasks.base import TaskFinetuner
 
 
 class Seq2SeqFinetuner(TaskFinetuner):
@@ -44,7 +44,7 @@ class Seq2SeqFinetuner(TaskFinetuner):
         from torchmetrics.functional.text.rouge import rouge_score
 
         wrapped, t, tokenizer = model[0], self.cfg.task, self.tokenizer
-        generator = hf_model(wrapped)
+        generator = self.engine.unwrapped_model()  # `generate` is the Hugging Face model's
         # sharded weights are gathered by every rank's forward: ranks generate in step
         synced = self.engine.world_size > 1 and self.cfg.memory.name in ("zero3", "fsdp")
         rouge_sum = loss_sum = rows = batches = 0.0

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from rapidformer import checkpoint
+from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError, NotAvailableError, RapidformerError
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -104,7 +105,7 @@ def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
         fake.pad_token_id = fake.hf_pad = tokenizer.pad_token_id or 0
         fake.eod = fake.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id \
             is not None else vocab - 1
-    if cfg.task.name in ("bert_pretraining", "causal_lm"):
+    if cfg.task.name in PRETRAINING_TASKS:
         return hf.build_pretraining_model(cfg.model, cfg.task.name, fake)
     if cfg.task.name in ("sequence_classification", "token_classification"):
         labels = _rows(state, "classifier.weight", "score.weight") or cfg.task.num_labels or 2
@@ -127,7 +128,8 @@ def export(path: Path, out: Path, step: int | None = None) -> Path:
             f"export of a Megatron checkpoint ({cfg.model.arch}) is not built: it needs the "
             f"run's tensor/pipeline layout; the run itself writes {run_dir}/hf_model at its end "
             f"(trainer.export_hf=true, megatron_gpt -> GPT-2)")
-    memory = checkpoint.read_state(ckpt).get("memory", "none")
+    saved = checkpoint.read_state(ckpt)
+    memory = saved.get("memory", "none")
     state = weights(ckpt, memory)
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
         if (ckpt / "tokenizer").is_dir() else None
@@ -147,7 +149,7 @@ def export(path: Path, out: Path, step: int | None = None) -> Path:
             tokenizer.save_pretrained(str(tmp))
         (tmp / "rapidformer_export.json").write_text(json.dumps(
             {"checkpoint": str(ckpt.absolute()), "memory": memory,
-             "step": checkpoint.read_state(ckpt).get("step")}, indent=1))
+             "step": saved.get("step")}, indent=1))
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

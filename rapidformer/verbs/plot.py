@@ -8,13 +8,13 @@ does this itself at its end (summary.md links the pictures).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import yaml
 
 from rapidformer.errors import InputError, RapidformerError
+from rapidformer.observability import read_metrics
 
 # file name -> (metric keys in order of preference, y-axis label)
 CURVES = {"loss.png": (("loss",), "training loss"),
@@ -33,18 +33,11 @@ def run_label(run_dir: Path) -> str:
     return run_dir.name
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+def run_metrics(run_dir: Path) -> list[dict]:
+    if not (run_dir / "metrics.jsonl").is_file():
         raise InputError(f"{run_dir}: no metrics.jsonl; give run directories (trainer.output_dir "
                          f"of finished or running runs)")
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line of a killed run
-    return records
+    return read_metrics(run_dir)
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
@@ -53,7 +46,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    runs = [(run_label(d), read_metrics(d)) for d in run_dirs]
+    runs = [(run_label(d), run_metrics(d)) for d in run_dirs]
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for filename, (keys, ylabel) in CURVES.items():
