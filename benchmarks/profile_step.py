@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     model = build_model(arch, layers, hidden, heads, seq, vocab)
     batch = batch_for(arch, micro, seq, vocab, device)
     if args.no_mask:
-        batch.pop("attention_mask")
+        batch.pop("attention_mask", None)
     if args.sdpa != "default":
         for name in ("flash", "cudnn", "mem_efficient"):
             getattr(torch.backends.cuda, f"enable_{name}_sdp")(args.sdpa in name)

@@ -70,7 +70,11 @@ def build_model(arch: str, layers: int, hidden: int, heads: int, seq: int, vocab
 
 
 def batch_for(arch: str, batch: int, seq: int, vocab: int, device) -> dict:
+    """GPT batches are pretraining batches: packed documents, so no padding and no mask (as
+    Megatron, nanoGPT and torchtitan feed them); BERT batches carry their padding mask."""
     ids = torch.randint(0, vocab, (batch, seq), device=device)
+    if arch == "gpt":
+        return {"input_ids": ids, "labels": ids}
     labels = torch.randint(0, 2, (batch,), device=device) if arch == "bert_cls" else ids
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
@@ -191,7 +195,8 @@ def markdown(rows: list[dict]) -> str:
         lines += ["", f"{first['date']}, {first['gpu']}, torch {first['versions']['torch']}, "
                       f"transformers {first['versions']['transformers']}; `{command}`"
                   + (" (smoke: tiny shapes, a plumbing check, not a speed result)"
-                     if "--smoke" in command else ""), "",
+                     if "--smoke" in command else "")
+                  + (f". {first['note']}." if first.get("note") else ""), "",
                   "| workload | system | precision | tokens/s | vs hf-compile | MFU | peak GB | "
                   "warm-up s |", "|---|---|---|---|---|---|---|---|"]
         base = {r["workload"]: r["tokens_per_s"] for r in run if r["system"] == "hf-compile"

@@ -27,6 +27,7 @@ from rapidformer.config.args import active
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
 from rapidformer.flops import ModelFlops, model_shape
+from rapidformer.models.attention import use_training_sdpa
 from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
 from rapidformer.optim import build_optimizer, build_scheduler
 from rapidformer.rank_progress import RankProgress
@@ -175,6 +176,8 @@ class RapidformerEngine:
         t = self.cfg.trainer
         model = model_obj.to(self.device)
         self._kv_cache_was_on = training_without_kv_cache(model)
+        if self.cfg.graph.name != "ort":  # ONNX export would bake the mask decision in
+            use_training_sdpa(model)
         if t.checkpoint_activations and self.parallel is None:  # megatron-core: in its config
             enable_recompute(model)  # before any wrapper: it hooks the model's own layers
         self.num_parameters = (parallel.count_parameters(model) if self.parallel is not None

@@ -67,7 +67,12 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
         data = mpu.broadcast_data(GPT_KEYS, next(data_iterator), torch.int64)
         if self.engine.parallel is not None:
             return megatron_gpt_forward(model, data)
-        logits = model(input_ids=data["input_ids"], position_ids=data["position_ids"]).logits
+        # position ids that restart at each document are the model's input; plain ones
+        # (0..s-1) are its default, and passing them would make transformers look for packed
+        # documents in every batch and build a full attention mask for them
+        positions = ({"position_ids": data["position_ids"]} if self.cfg.data.reset_position_ids
+                     else {})
+        logits = model(input_ids=data["input_ids"], **positions).logits
         # the labels are shifted already (Megatron's samples), so no second shift as in
         # Hugging Face's own LM loss; -100 marks the masked positions (EOD, padding)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),

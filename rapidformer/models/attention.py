@@ -1,0 +1,132 @@
+"""Hugging Face SDPA attention that stays on the fast kernels under torch.compile.
+
+Transformers builds no attention mask for a batch without padding, so SDPA runs with
+`is_causal=True` (decoders) or no mask at all (encoders) and picks its fused kernels. It decides
+that only outside a traced graph: under torch.compile it always materializes the full
+`[batch, 1, seq, seq]` mask (before torch 2.14, dynamo also reports every compile as an export,
+and an exported graph must not bake `is_causal` in). With the mask, SDPA computes the masked
+half of a causal attention too and reads the mask: on one H200, GPT 1.3B's attention took
+131 ms of a 364 ms compiled step against 34 ms eager (docs/benchmarks.md).
+
+`training_sdpa` is transformers' own SDPA attention under another name, with a mask rule that
+skips the mask in exactly the case transformers skips it in eager mode when no padding mask is
+passed: no padding mask, no KV cache offset, query and key lengths equal, no sliding window, and
+no packed-sequence or custom mask pattern (transformers clears `allow_is_causal_skip` for
+those). Every other case goes to transformers' `sdpa_mask` unchanged. Transformers also treats
+every traced batch as possibly packed documents, because telling needs the position ids'
+values; when the caller passed no position ids the model numbers them 0..s-1 itself, nothing
+is packed, and rapidformer says so (`find_packed_sequence_indices` returns None for that forward
+only; hooks on the switched model set and clear the flag). The engine switches a
+model's `sdpa` to it for training (`use_training_sdpa`); the name is not written to a saved
+config (transformers drops `_attn_implementation` when it serializes one).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+TRAINING_SDPA = "rapidformer_sdpa"
+
+
+def training_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                       mask_function=None, attention_mask=None, local_size=None,
+                       allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: bool = False,
+                       **kwargs):
+    """None (SDPA needs no mask) when there is nothing but causality or full attention to
+    express; otherwise transformers' `sdpa_mask` with the same arguments."""
+    from transformers.masking_utils import sdpa_mask
+
+    plain = (attention_mask is None and isinstance(q_offset, int) and q_offset == 0
+             and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length
+             and (local_size is None or kv_length < local_size))
+    if plain and (allow_is_causal_skip or allow_is_bidirectional_skip):
+        return None
+    if mask_function is not None:
+        kwargs["mask_function"] = mask_function
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                     allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+
+
+# True only during the forward of a switched model whose caller passed no position ids: the
+# model then numbers the positions 0..s-1 itself, so no batch row holds packed documents
+_positions_are_the_models_own = False
+
+
+def _note_caller_positions(module, args, kwargs):
+    global _positions_are_the_models_own
+    _positions_are_the_models_own = len(args) <= 1 and kwargs.get("position_ids") is None
+
+
+def _forget_caller_positions(module, args, kwargs, output):
+    global _positions_are_the_models_own
+    _positions_are_the_models_own = False
+
+
+def _packed_sequences_unless_own_positions(find):
+    """transformers' packed-document detection, skipped for the model's own positions. It
+    reads the position ids' values, which a traced graph cannot, so under torch.compile
+    transformers assumes packing and builds the full mask for every batch."""
+    def find_packed_sequence_indices(position_ids):
+        if _positions_are_the_models_own:
+            return None
+        return find(position_ids)
+    find_packed_sequence_indices.rapidformer_wrapped = find
+    return find_packed_sequence_indices
+
+
+def register() -> None:
+    """Make `rapidformer_sdpa` a transformers attention implementation (idempotent)."""
+    from transformers import AttentionInterface, masking_utils
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(TRAINING_SDPA, sdpa_attention_forward)
+    masking_utils.AttentionMaskInterface.register(TRAINING_SDPA, training_sdpa_mask)
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is not None and not hasattr(find, "rapidformer_wrapped"):
+        masking_utils.find_packed_sequence_indices = _packed_sequences_unless_own_positions(find)
+
+
+def _switchable(model) -> bool:
+    """True if the model's attention reads its implementation from transformers' interface by
+    name and its code never tests for the name "sdpa" (a few families do, and would take a
+    slower branch under another name)."""
+    cls = type(model)
+    if not getattr(cls, "_can_set_attn_implementation", lambda: False)():
+        return False
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (KeyError, OSError, TypeError):
+        return False
+    return '== "sdpa"' not in source and "== 'sdpa'" not in source
+
+
+def use_training_sdpa(model) -> bool:
+    """Switch a Hugging Face model that uses `sdpa` (itself and its sub-models) to
+    `rapidformer_sdpa`; True if it did. Other models and implementations are left alone."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    if not models or not all(_switchable(m) for m in models):
+        return False
+    configs = {id(m.config): m.config for m in models}
+    if any(c._attn_implementation != "sdpa" for c in configs.values()):
+        return False
+    register()
+    for config in configs.values():
+        config._attn_implementation_internal = TRAINING_SDPA
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if sub is not None and getattr(sub, "_attn_implementation", None) == "sdpa":
+                sub._attn_implementation_internal = TRAINING_SDPA
+    model.register_forward_pre_hook(_note_caller_positions, with_kwargs=True)
+    model.register_forward_hook(_forget_caller_positions, with_kwargs=True, always_call=True)
+    log.info("attention: transformers' SDPA, without a causal mask for batches without padding "
+             "under torch.compile too (%s)", TRAINING_SDPA)
+    return True
