@@ -99,3 +99,32 @@ def test_the_skipped_mask_means_the_causal_kernel():
     explicit = torch.ones(16, 16, dtype=torch.bool).tril()
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True),
                                F.scaled_dot_product_attention(q, k, v, attn_mask=explicit))
+
+
+def test_a_compiled_gpt2_builds_no_mask_unless_the_caller_packs_documents(monkeypatch):
+    """GPT-2 hands its own positions 0..s-1 to transformers' packing check, which under compile
+    cannot read them and assumes packing; the model's own positions are never packed."""
+    import rapidformer.models.attention as attention
+    from transformers.masking_utils import AttentionMaskInterface
+
+    model = _gpt2()
+    assert use_training_sdpa(model)
+    built = []
+
+    def spy(*args, **kwargs):
+        mask = training_sdpa_mask(*args, **kwargs)
+        built.append(mask is not None)
+        return mask
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, TRAINING_SDPA, spy)
+    ids = torch.randint(0, 50, (2, 16))
+    compiled = torch.compile(model)
+    compiled(input_ids=ids, labels=ids)
+    assert built == [False]
+    assert not attention._positions_are_the_models_own  # cleared after the forward
+    # two documents per row: the caller's positions restart, and the mask keeps them apart
+    positions = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, -1)
+    loss = compiled(input_ids=ids, labels=ids, position_ids=positions).loss
+    assert built[-1] is True
+    expected = _gpt2()(input_ids=ids, labels=ids, position_ids=positions).loss
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)

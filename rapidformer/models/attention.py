@@ -8,7 +8,7 @@ and an exported graph must not bake `is_causal` in). With the mask, SDPA compute
 half of a causal attention too and reads the mask: on one H200, GPT 1.3B's attention took
 131 ms of a 364 ms compiled step against 34 ms eager (docs/benchmarks.md).
 
-`training_sdpa` is transformers' own SDPA attention under another name, with a mask rule that
+`rapidformer_sdpa` is transformers' own SDPA attention under another name, with a mask rule that
 skips the mask in exactly the case transformers skips it in eager mode when no padding mask is
 passed: no padding mask, no KV cache offset, query and key lengths equal, no sliding window, and
 no packed-sequence or custom mask pattern (transformers clears `allow_is_causal_skip` for
