@@ -42,7 +42,14 @@ class WandbLogger:
         self._run.log(scalars(record), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # finish() can return before W&B's service has written the run file (seen on a loaded
+        # 2-core machine: the offline file held only its header); teardown waits for it, unless
+        # the user's own script still has a run open
+        if wandb.run is None:
+            wandb.teardown()
 
 
 class MlflowLogger:
