@@ -5,20 +5,18 @@ padding mask). Run from the project root; results in docs/benchmarks/experiments
 
     python benchmarks/attention_probe_backends.py docs/benchmarks/experiments/attention_probe_backends.json
 """
-import sys, time, json, contextlib
+import sys, json, contextlib
 sys.path.insert(0, "benchmarks")
 import torch, torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
-from run import build_model, batch_for, WORKLOADS
+from run import build_model, batch_for, measure, WORKLOADS
 
 dev = torch.device("cuda")
 out = {}
 
 def timeit(fn, warm=3, n=10):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(n): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1000
+    """ms per call after `warm` calls (the speed suite's timing)."""
+    return measure(fn, warm, n, dev)[1] * 1000
 
 def kernels_of(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:

@@ -7,18 +7,16 @@ attention kernels' time per step. It ran before rapidformer_sdpa existed: the co
 
     python benchmarks/attention_probe_layouts.py docs/benchmarks/experiments/attention_probe_layouts.json
 """
-import sys, time, json, contextlib
+import sys, json
 sys.path.insert(0, "benchmarks")
 import torch, torch.nn.functional as F
-from run import build_model, batch_for, WORKLOADS
+from run import build_model, batch_for, measure, WORKLOADS
 
 dev = torch.device("cuda")
 out = {}
 def timeit(fn, warm=3, n=10):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(n): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1000
+    """ms per call after `warm` calls (the speed suite's timing)."""
+    return measure(fn, warm, n, dev)[1] * 1000
 
 def attn_ms(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
@@ -56,7 +54,6 @@ for kind in ("packed", "packed_contig", "bshd", "bhsd"):
         print(key, out[key], flush=True)
 torch._dynamo.reset()
 
-import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 def contiguous_sdpa(module, query, key, value, *args, **kwargs):

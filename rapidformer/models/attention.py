@@ -31,25 +31,22 @@ log = logging.getLogger(__name__)
 TRAINING_SDPA = "rapidformer_sdpa"
 
 
-def training_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-                       mask_function=None, attention_mask=None, local_size=None,
-                       allow_is_causal_skip: bool = True, allow_is_bidirectional_skip: bool = False,
-                       **kwargs):
+def training_sdpa_mask(**kwargs):
     """None (SDPA needs no mask) when there is nothing but causality or full attention to
-    express; otherwise transformers' `sdpa_mask` with the same arguments."""
+    express; otherwise transformers' `sdpa_mask` with the same arguments (transformers passes
+    them by name)."""
     from transformers.masking_utils import sdpa_mask
 
-    plain = (attention_mask is None and isinstance(q_offset, int) and q_offset == 0
-             and isinstance(kv_offset, int) and kv_offset == 0 and q_length == kv_length
-             and (local_size is None or kv_length < local_size))
-    if plain and (allow_is_causal_skip or allow_is_bidirectional_skip):
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    local_size = kwargs.get("local_size")
+    plain = (kwargs.get("attention_mask") is None and isinstance(q_offset, int) and q_offset == 0
+             and isinstance(kv_offset, int) and kv_offset == 0
+             and kwargs["q_length"] == kwargs["kv_length"]
+             and (local_size is None or kwargs["kv_length"] < local_size))
+    if plain and (kwargs.get("allow_is_causal_skip", True)
+                  or kwargs.get("allow_is_bidirectional_skip", False)):
         return None
-    if mask_function is not None:
-        kwargs["mask_function"] = mask_function
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                     q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
-                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
-                     allow_is_bidirectional_skip=allow_is_bidirectional_skip, **kwargs)
+    return sdpa_mask(**kwargs)
 
 
 # True only during the forward of a switched model whose caller passed no position ids: the
