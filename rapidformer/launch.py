@@ -22,6 +22,7 @@ from rapidformer.errors import EXIT_PREEMPTED, RapidformerError, debug_enabled
 from rapidformer.rank_progress import describe_laggards, mark_timed_out
 
 log = logging.getLogger("rapidformer")
+LAUNCHER_PID = "RAPIDFORMER_LAUNCHER_PID"
 
 
 def already_launched() -> bool:
@@ -60,6 +61,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
                                     tee={0: Std.ALL}))
     # as torchrun does: CPU threads shared out between the workers instead of oversubscribed
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ln.nproc_per_node)))
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the parent each worker must still have
     log.info("starting %d worker(s) on node %d of %d (rendezvous %s:%d)", ln.nproc_per_node,
              ln.node_rank, ln.nnodes, addr, port)
     try:
@@ -160,7 +162,9 @@ def die_with_launcher() -> None:
         return
     import ctypes
 
-    launcher = os.getppid()
+    # the launcher's pid from the launcher itself: read here, os.getppid() would already be
+    # the reaper's pid when the launcher died while this worker was starting
+    launcher = int(os.environ.get(LAUNCHER_PID) or os.getppid())
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != launcher:  # it died before the request was in place

@@ -70,3 +70,21 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
     assert "Traceback" not in result.stderr.split("Its last output:")[0]
     complete, _ = checkpoint.scan(run / "checkpoints")
     assert [p.name for p in complete] == ["step_00000002", "step_00000004"]
+
+
+def test_a_worker_whose_launcher_died_while_it_started_exits_at_once(tmp_path):
+    """The launcher is gone before the worker could ask to die with it: the worker is then
+    already a child of the reaper, and must stop instead of training on beside a restarted
+    job in the same run directory."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "config.yaml"
+    config.write_text("not read: the worker stops first\n")
+    not_its_parent = str(os.getpid() + 1_000_000)
+    result = subprocess.run([sys.executable, "-m", "rapidformer.launch", "--worker", str(config)],
+                            env={**os.environ, "RAPIDFORMER_LAUNCHER_PID": not_its_parent},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 128 + 9, result.stderr[-2000:]
+    assert result.stderr == ""
