@@ -1,6 +1,6 @@
-"""The short kill campaign: a 2-process run killed with SIGKILL twice (once at a random moment,
-once in the middle of a checkpoint write) and resumed each time ends with the weights of an
-uninterrupted run. The 20-kill version is `python tools/kill_campaign.py`."""
+"""The short kill campaign: a 2-process run killed with SIGKILL at least twice (at a random
+moment, and in the middle of a checkpoint write) and resumed each time ends with the weights of
+an uninterrupted run. The 20-kill version is `python tools/kill_campaign.py`."""
 from __future__ import annotations
 
 import json
@@ -20,8 +20,9 @@ def test_killed_and_resumed_run_ends_with_the_uninterrupted_weights(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads(out.read_text())
     summary = record["summary"]
-    assert summary["kills"] == 2 and summary["resumes"] == 2 and summary["completed"]
-    assert summary["kills_during_checkpoint_write"] == 1
+    # a kill aimed at a write that ended first is followed by another aimed at a write
+    assert summary["kills"] >= 2 and summary["resumes"] == summary["kills"]
+    assert summary["completed"] and summary["kills_during_checkpoint_write"] >= 1
     assert summary["final_step"] == 120
     assert summary["max_abs_weight_diff"] == 0.0
     # a kill loses at most the steps since the last checkpoint (one every 2 steps), plus the

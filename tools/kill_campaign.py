@@ -9,7 +9,9 @@ First an uninterrupted reference run; then the same command, started with
 `trainer.resume=auto` again and again in one run directory. Each attempt is killed (SIGKILL to
 the launcher and its workers, nothing can be flushed) after a random delay, or, for every
 `--write-every`-th kill, the moment a checkpoint's temporary directory appears (a kill during
-the write). When the kills are done the last attempt runs to the end. Every attempt must start
+the write; one that comes after the write has finished counts as a kill, and the next one
+aims at a write again, up to 5 extra kills). When the kills are done the last attempt runs to
+the end. Every attempt must start
 from the newest complete checkpoint (never a half-written one), and the exported weights must
 equal the reference's. Writes a JSON record (every kill: its delay, what the run was doing,
 the step reached, the step resumed from, the steps lost) and prints a summary.
@@ -100,12 +102,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+PF_EXITING = 0x4  # the kernel's task flag: the process is being torn down
+
+
 def alive(pid: int) -> bool:
+    """Still able to run code: not gone, not a zombie, and not exiting (a killed process with
+    many threads was seen taking over 10 s to be torn down on a loaded 2-core machine)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return False
-    return state != "Z"
+    return fields[0] != "Z" and not int(fields[6]) & PF_EXITING
 
 
 def kill_attempt(process: subprocess.Popen, run_dir: Path, delay: float, during_write: bool,
@@ -113,10 +120,15 @@ def kill_attempt(process: subprocess.Popen, run_dir: Path, delay: float, during_
     """Kill the attempt after `delay` s, or at its next checkpoint write; None if it ended
     first. Returns (what it was doing, seconds since start)."""
     started = time.monotonic()
+    workers, listed = [], -1.0
     while True:
         now = time.monotonic() - started
         if process.poll() is not None:
             return None
+        if now - listed > 0.2:
+            # listed ahead of time: walking /proc between seeing a write and the kill gave a
+            # small checkpoint's write time to finish first
+            workers, listed = descendants(process.pid), now
         if during_write and writing(run_dir, stale):
             break
         if not during_write and now >= delay:
@@ -124,7 +136,6 @@ def kill_attempt(process: subprocess.Popen, run_dir: Path, delay: float, during_
         if now > limit:
             raise SystemExit(f"attempt ran {limit:.0f} s without a checkpoint write to kill")
         time.sleep(0.001 if during_write else 0.01)
-    workers = descendants(process.pid)
     os.killpg(process.pid, signal.SIGKILL)  # the launcher; its workers must die with it
     process.wait()
     deadline = time.monotonic() + 10
@@ -171,17 +182,26 @@ def campaign(args) -> dict:
 
     run_dir = work / "killed"
     kills, attempt = [], 0
+    writes_wanted = args.kills // args.write_every if args.write_every > 0 else 0
     while True:
         attempt += 1
         resumed_from = newest_step(run_dir)
         before = last_step(run_dir)
         stale = temp_dirs(run_dir)  # what earlier kills left: not this attempt's writes
         process = start(command(args, run_dir, resume=attempt > 1), work / f"attempt_{attempt}.log")
-        if len(kills) == args.kills:
+        writes_hit = sum(k["phase"] == "checkpoint write" for k in kills)
+        if len(kills) >= args.kills and writes_hit >= writes_wanted:
             if process.wait() != 0:
                 raise SystemExit(f"the final attempt failed: see {work}/attempt_{attempt}.log")
             break
-        during_write = args.write_every > 0 and (len(kills) + 1) % args.write_every == 0
+        if len(kills) >= args.kills + 5:
+            raise SystemExit(f"{len(kills)} kills, {writes_hit} of them during a checkpoint "
+                             f"write of the {writes_wanted} wanted: the writes end too fast "
+                             f"to be hit here")
+        # a kill aimed at a write that finished first counts as a kill, and the next one aims
+        # at a write again
+        writes_due = (len(kills) + 1) // args.write_every if args.write_every > 0 else 0
+        during_write = writes_hit < min(writes_due, writes_wanted) or len(kills) >= args.kills
         # never later than most of an uninterrupted run: the attempt must still be running
         delay = rng.uniform(0.5, min(args.max_delay, 0.8 * reference_s))
         outcome = kill_attempt(process, run_dir, delay, during_write, limit=reference_s * 3,
