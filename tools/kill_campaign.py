@@ -10,10 +10,9 @@ First an uninterrupted reference run; then the same command, started with
 the launcher and its workers, nothing can be flushed) after a random delay, or, for every
 `--write-every`-th kill, the moment a checkpoint's temporary directory appears (a kill during
 the write; one that comes after the write has finished counts as a kill, and the next one
-aims at a write again, up to 5 extra kills). When the kills are done the last attempt runs to
-the end. Every attempt must start
-from the newest complete checkpoint (never a half-written one), and the exported weights must
-equal the reference's. Writes a JSON record (every kill: its delay, what the run was doing,
+aims at a write again). When the kills are done the last attempt runs to the end. Every
+attempt must start from the newest complete checkpoint (never a half-written one), and the
+exported weights must equal the reference's. Writes a JSON record (every kill: its delay, what the run was doing,
 the step reached, the step resumed from, the steps lost) and prints a summary.
 """
 from __future__ import annotations
@@ -182,26 +181,25 @@ def campaign(args) -> dict:
 
     run_dir = work / "killed"
     kills, attempt = [], 0
-    writes_wanted = args.kills // args.write_every if args.write_every > 0 else 0
+    # a kill aimed at a write that had finished first counts as a kill, and the next kill aims
+    # at a write again
+    retry_write = False
     while True:
+        if len(kills) >= args.kills + 5:
+            raise SystemExit(f"{len(kills)} kills, and the last 5 aimed at checkpoint writes "
+                             f"all came after the write had finished: writes end too fast to "
+                             f"be hit here")
         attempt += 1
         resumed_from = newest_step(run_dir)
         before = last_step(run_dir)
         stale = temp_dirs(run_dir)  # what earlier kills left: not this attempt's writes
         process = start(command(args, run_dir, resume=attempt > 1), work / f"attempt_{attempt}.log")
-        writes_hit = sum(k["phase"] == "checkpoint write" for k in kills)
-        if len(kills) >= args.kills and writes_hit >= writes_wanted:
+        if len(kills) >= args.kills and not retry_write:
             if process.wait() != 0:
                 raise SystemExit(f"the final attempt failed: see {work}/attempt_{attempt}.log")
             break
-        if len(kills) >= args.kills + 5:
-            raise SystemExit(f"{len(kills)} kills, {writes_hit} of them during a checkpoint "
-                             f"write of the {writes_wanted} wanted: the writes end too fast "
-                             f"to be hit here")
-        # a kill aimed at a write that finished first counts as a kill, and the next one aims
-        # at a write again
-        writes_due = (len(kills) + 1) // args.write_every if args.write_every > 0 else 0
-        during_write = writes_hit < min(writes_due, writes_wanted) or len(kills) >= args.kills
+        during_write = retry_write or (args.write_every > 0
+                                       and (len(kills) + 1) % args.write_every == 0)
         # never later than most of an uninterrupted run: the attempt must still be running
         delay = rng.uniform(0.5, min(args.max_delay, 0.8 * reference_s))
         outcome = kill_attempt(process, run_dir, delay, during_write, limit=reference_s * 3,
@@ -212,6 +210,7 @@ def campaign(args) -> dict:
                                  f"{work}/attempt_{attempt}.log")
             raise SystemExit(f"the run finished after {len(kills)} kills; raise --iters")
         phase, at = outcome
+        retry_write = during_write and phase != "checkpoint write"
         reached = max(last_step(run_dir), before)
         check_resume(work / f"attempt_{attempt}.log", resumed_from)
         _, broken = checkpoint.scan(run_dir / "checkpoints")
