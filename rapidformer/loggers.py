@@ -4,6 +4,7 @@ chosen with the `logger` group (optional extras: `pip install 'rapidformer[wandb
 
     python -m rapidformer logger=wandb logger.project=my-project            # online
     python -m rapidformer logger=wandb logger.mode=offline                  # files only; `wandb sync` later
+    WANDB_MODE=offline python -m rapidformer logger=wandb                   # W&B's own variable, too
     python -m rapidformer logger=mlflow                                     # <run dir>/mlflow.db
     python -m rapidformer logger=mlflow logger.tracking_uri=http://host:5000
 
@@ -34,9 +35,15 @@ class WandbLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict):
         import wandb
 
-        self._run = wandb.init(project=cfg.project, name=cfg.run_name or run_dir.name,
-                               dir=str(run_dir), mode=cfg.mode, config=config,
-                               settings=wandb.Settings(console="off", silent=True))
+        try:
+            self._run = wandb.init(project=cfg.project, name=cfg.run_name or run_dir.name,
+                                   dir=str(run_dir), mode=cfg.mode, config=config,
+                                   settings=wandb.Settings(console="off", silent=True))
+        except (wandb.errors.UsageError, wandb.errors.CommError) as exc:
+            raise NotAvailableError(
+                f"logger=wandb: Weights & Biases could not start a run ({exc}). Log in with "
+                f"`wandb login` or set WANDB_API_KEY, or write the run to files only with "
+                f"logger.mode=offline (`wandb sync` uploads it later)") from exc
 
     def log(self, step: int, record: dict) -> None:
         self._run.log(scalars(record), step=step)

@@ -44,9 +44,9 @@ def wandb_history(path):
 
 def test_wandb_offline_writes_a_run_with_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # followed: logger.mode is null by default
     monkeypatch.setenv("WANDB_SILENT", "true")
-    train(tmp_path, "logger=wandb", "logger.mode=offline", "logger.project=tests")
+    train(tmp_path, "logger=wandb", "logger.project=tests")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     records = list(runs[0].glob("run-*.wandb"))
@@ -54,6 +54,21 @@ def test_wandb_offline_writes_a_run_with_the_metrics(tmp_path, monkeypatch):
     losses = [json.loads(items["loss"]) for items in wandb_history(records[0]) if "loss" in items]
     expected = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
     assert losses == pytest.approx(expected)
+
+
+def test_wandb_online_without_a_key_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # logger.mode, when set, wins
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no W&B settings
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(SystemExit) as exit_info:
+        train(tmp_path, "logger=wandb", "logger.mode=online")
+    assert exit_info.value.code == 3
+    err = capsys.readouterr().err
+    assert "logger=wandb: Weights & Biases could not start a run" in err
+    assert "wandb login" in err and "logger.mode=offline" in err
+    assert "Traceback" not in err
 
 
 def test_mlflow_logs_params_and_metric_history_to_a_local_store(tmp_path):

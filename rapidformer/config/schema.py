@@ -272,8 +272,9 @@ class LoggerConfig:
     project: str = "rapidformer"
     # null: the run directory's name
     run_name: Optional[str] = None
-    # W&B: online, or offline (files under the run directory; `wandb sync` uploads them)
-    mode: Literal["online", "offline"] = "online"
+    # W&B: online, or offline (files under the run directory; `wandb sync` uploads them);
+    # null: W&B's own choice (the WANDB_MODE environment variable, else online)
+    mode: Optional[Literal["online", "offline"]] = None
     # MLflow: null writes a local SQLite store, <run dir>/mlflow.db
     tracking_uri: Optional[str] = None
 
