@@ -11,6 +11,7 @@ import sys, json
 sys.path.insert(0, "benchmarks")
 import torch, torch.nn.functional as F
 from run import build_model, batch_for, measure, WORKLOADS
+from profile_step import kind_of
 
 dev = torch.device("cuda")
 out = {}
@@ -24,7 +25,7 @@ def attn_ms(fn):
     tot = {}
     for e in p.key_averages():
         if e.device_time_total > 0:
-            k = "attention" if any(s in e.key.lower() for s in ("sdpa", "flash", "fmha", "attention")) else "other"
+            k = "attention" if kind_of(e.key) == "attention" else "other"
             tot[k] = tot.get(k, 0) + e.device_time_total / 1000
     return tot
 

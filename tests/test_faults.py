@@ -2,6 +2,9 @@
 and a hung rank ends the job within launcher.collective_timeout with an error naming it."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 from rapidformer import checkpoint
@@ -76,10 +79,6 @@ def test_a_worker_whose_launcher_died_while_it_started_exits_at_once(tmp_path):
     """The launcher is gone before the worker could ask to die with it: the worker is then
     already a child of the reaper, and must stop instead of training on beside a restarted
     job in the same run directory."""
-    import os
-    import subprocess
-    import sys
-
     config = tmp_path / "config.yaml"
     config.write_text("not read: the worker stops first\n")
     not_its_parent = str(os.getpid() + 1_000_000)
