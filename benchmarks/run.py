@@ -19,7 +19,10 @@ model here); `rapidformer-blocks` compiles per transformer block (the scope unde
 `rapidformer-cudagraphs` adds `graph.mode=reduce-overhead` (CUDA graphs: for launch-bound small
 batches); `rapidformer-eager` isolates the framework's overhead against `hf-eager`,
 `rapidformer-fp32` (TF32 off) gives the AMP speed-up, and `rapidformer-bf16-weights` keeps bf16
-weights with fp32 master copies (DeepSpeed ZeRO-1 on one GPU) instead of casting fp32 weights. Tokens/s counts every token of the batch
+weights with fp32 master copies (DeepSpeed ZeRO-1 on one GPU) instead of casting fp32 weights;
+`rapidformer-fsdp` does the same with FSDP2's mixed precision on one GPU (bf16 compute, fp32
+master weights and gradient reduction), and `rapidformer-tuned` adds inductor's coordinate
+descent tuning of its generated kernels (`graph.options.coordinate_descent_tuning=true`). Tokens/s counts every token of the batch
 (no padding here); MFU follows rapidformer/flops.py; warm-up s is the first steps' time, compile
 included (the inductor cache is shared within a process, so a later system may reuse an earlier
 one's kernels). Writes the rows to docs/benchmarks/results.json and the table between the suite
@@ -52,7 +55,7 @@ WORKLOADS = {"bert_mlm": ("bert_mlm", 12, 768, 12, 512, 32, 30522),
 SMOKE = {name: (arch, 2, 64, 4, 64, 4, 500) for name, (arch, *_rest) in WORKLOADS.items()}
 SYSTEMS = ["hf-eager", "hf-compile", "rapidformer", "rapidformer-blocks",
            "rapidformer-cudagraphs", "rapidformer-eager", "rapidformer-fp32",
-           "rapidformer-bf16-weights"]
+           "rapidformer-bf16-weights", "rapidformer-fsdp", "rapidformer-tuned"]
 
 
 def build_model(arch: str, layers: int, hidden: int, heads: int, seq: int, vocab: int):
@@ -154,6 +157,10 @@ def run_row(name: str, shape: tuple, system: str, args, device, work: Path) -> d
                      # per-step casts of fp32 weights under autocast
                      "rapidformer-bf16-weights": [f"precision={precision}", "graph=compile",
                                                   "memory=zero1"],
+                     "rapidformer-fsdp": [f"precision={precision}", "graph=compile",
+                                          "memory=fsdp"],
+                     "rapidformer-tuned": [f"precision={precision}", "graph=compile",
+                                           "graph.options.coordinate_descent_tuning=true"],
                      "rapidformer-fp32": ["precision=fp32"]}[system]
         step = rapidformer_loop(model, batch, [*overrides, f"trainer.device={device.type}"],
                                 work / f"{name}_{system}")

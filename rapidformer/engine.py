@@ -314,14 +314,35 @@ class RapidformerEngine:
         clip = self.cfg.trainer.clip_grad
         self.precision.unscale_(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor norm over all shards
-            grad_norm = grad_norm.full_tensor()
-        stepped = self.precision.step(self.optimizer)
+        if self._clips_in_optimizer():
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params
+                                                       if p.grad is not None], foreach=True)
+            if clip > 0:
+                # the fused kernel divides each gradient by grad_scale as it reads it: clipping
+                # without a pass of its own over the gradients (GradScaler's hook, unused here)
+                self.optimizer.grad_scale = ((grad_norm + 1e-6) / clip).clamp(min=1.0)
+            try:
+                stepped = self.precision.step(self.optimizer)
+            finally:
+                self.optimizer.__dict__.pop("grad_scale", None)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor norm over all shards
+                grad_norm = grad_norm.full_tensor()
+            stepped = self.precision.step(self.optimizer)
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "stepped": stepped}
+
+    def _clips_in_optimizer(self) -> bool:
+        """Whether clipping folds into the optimizer step: a fused torch optimizer (it takes a
+        gradient divisor, the hook GradScaler uses), no loss scaler of its own using that hook,
+        and plain tensors (not FSDP's DTensors)."""
+        o = self.optimizer
+        return (isinstance(o, torch.optim.Optimizer) and bool(o.defaults.get("fused"))
+                and getattr(o, "_step_supports_amp_scaling", False)
+                and self.precision.scaler is None and self.fsdp is None)
 
     def to_device(self, batch):
         if isinstance(batch, torch.Tensor):

@@ -12,6 +12,7 @@ from rapidformer.config.compose import compose, resolve
 from rapidformer.config.schema import SchedulerConfig
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.optim import lr_multiplier, parameter_groups
+from rapidformer.errors import ConfigError
 from rapidformer.tasks.sequence_classification import classification_metrics
 
 
@@ -162,7 +163,6 @@ def test_trained_vocabulary_is_reproducible(tmp_path):
 def test_precision_needs_a_device_with_autocast():
     from rapidformer.accelerators.precision import MixedPrecision
     from rapidformer.config.schema import PrecisionConfig
-    from rapidformer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="autocast is not available on device 'meta'"):
         MixedPrecision(PrecisionConfig(name="fp16", dtype="fp16"), torch.device("meta"))
@@ -172,7 +172,6 @@ def test_precision_needs_a_device_with_autocast():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_device_without_a_gpu_is_refused():
     from rapidformer.engine import pick_device
-    from rapidformer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible"):
         pick_device("cuda")
@@ -183,7 +182,6 @@ def test_activation_recompute_hooks_hugging_face_layers_and_refuses_others():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from rapidformer.accelerators.recompute import enable_recompute
-    from rapidformer.errors import ConfigError
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50))
     enable_recompute(model)
@@ -360,3 +358,59 @@ def test_deepspeed_on_a_cpu_does_not_compile_its_inference_all_reduce():
 
     import_deepspeed(torch.device("cpu"))
     assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0])
+def test_clipping_folded_into_the_fused_optimizer_matches_clip_grad_norm(tmp_path, clip):
+    """With a fused AdamW the engine clips inside the optimizer's kernel (no pass of its own
+    over the gradients): the weights must follow clip_grad_norm_ + step, clipping or not.
+    Adam is nearly blind to a gradient's scale; a large eps makes the clip show in the weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rapidformer.engine import RapidformerEngine
+    from rapidformer.optim import build_optimizer
+
+    _, cfg = resolve(compose(["model=bert_tiny", "trainer.train_iters=4", "trainer.device=cpu",
+                              f"trainer.clip_grad={clip}", "trainer.lr=1e-2",
+                              "scheduler=constant", "optim.eps=1e-3"]), str(tmp_path))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50,
+                                       resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    reference = GPT2LMHeadModel(model.config)
+    reference.load_state_dict(model.state_dict())
+    engine = RapidformerEngine(cfg=cfg, run_dir=tmp_path)
+    model, optimizer, _ = engine.compose(model)
+    assert engine._clips_in_optimizer()
+    ref_optimizer = build_optimizer(reference, cfg.optim, cfg.trainer.lr,
+                                    cfg.trainer.weight_decay, torch.device("cpu"))
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(4):
+        engine.backward(model(input_ids=ids, labels=ids).loss)
+        norm = engine.step()["grad_norm"]
+        reference(input_ids=ids, labels=ids).loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(),
+                                                  clip if clip > 0 else float("inf"))
+        ref_optimizer.step()
+        ref_optimizer.zero_grad(set_to_none=True)
+        assert float(norm) == pytest.approx(float(ref_norm), rel=1e-5)
+        if clip:
+            assert float(ref_norm) > 4 * clip  # the clip is active, not a no-op
+    assert not hasattr(optimizer, "grad_scale")  # GradScaler's hook is left as found
+    for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_inductor_options_reach_torch_compile_and_a_misspelt_one_is_refused(tmp_path):
+    from rapidformer.accelerators.graph import _compile_kwargs
+    from rapidformer.engine import RapidformerEngine
+
+    _, cfg = resolve(compose(["graph=compile", "graph.options.coordinate_descent_tuning=true",
+                              "trainer.device=cpu"]), str(tmp_path))
+    assert _compile_kwargs(cfg.graph)["options"] == {"coordinate_descent_tuning": True}
+    _, cfg = resolve(compose(["graph=compile", "graph.options.coordinate_descent_tunin=true",
+                              "trainer.device=cpu", "trainer.train_iters=1"]), str(tmp_path))
+    engine = RapidformerEngine(cfg=cfg, run_dir=tmp_path)
+    with pytest.raises(ConfigError) as info:  # at compose, not at the first compiled step
+        engine.compose(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    assert "graph.options.coordinate_descent_tunin: not an inductor option; did you mean " \
+           "'coordinate_descent_tuning'?" in str(info.value)

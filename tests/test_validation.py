@@ -33,6 +33,9 @@ BAD = [
     (["parallelism.tensor_model_parallel_size=2"],
      ["needs a Megatron model, but model=bert_tiny is a Hugging Face model"]),
     (["task.num_labels=1"], ["task.num_labels=1 must be at least 2"]),
+    (["graph=compile", "graph.options=3"], ["graph.options: expected a mapping, got 3"]),
+    (["graph=compile", "graph.mode=max-autotune", "graph.options.coordinate_descent_tuning=true"],
+     ["torch.compile takes a mode or inductor options, not both"]),
 ]
 
 

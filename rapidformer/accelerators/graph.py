@@ -23,7 +23,24 @@ def _compile_kwargs(g: GraphConfig) -> dict:
     kwargs = {"fullgraph": g.fullgraph, "dynamic": g.dynamic}
     if g.mode:
         kwargs["mode"] = g.mode
+    if g.options:
+        check_inductor_options(g.options)
+        kwargs["options"] = dict(g.options)
     return kwargs
+
+
+def check_inductor_options(options: dict) -> None:
+    """Unknown names fail here, before the model is built, not at the first compiled step."""
+    from torch._inductor import config as inductor_config
+
+    from rapidformer.config.validate import closest
+
+    valid = set(inductor_config.get_config_copy())
+    wrong = [name for name in options if name not in valid]
+    if wrong:
+        raise ConfigError([f"graph.options.{name}: not an inductor option"
+                           + (f"; did you mean '{closest(name, valid)}'?" if closest(name, valid)
+                              else " (see torch._inductor.config)") for name in wrong])
 
 
 def compile_scope(g: GraphConfig, memory: str) -> str:

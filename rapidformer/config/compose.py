@@ -45,6 +45,8 @@ def _schema_at(path: list[str]):
     """The dataclass (or field type) that a dotted path points at, or the first bad part."""
     cls = RunConfig
     for i, part in enumerate(path):
+        if cls is dict:  # a free mapping (graph.options): any key below it
+            return dict, len(path)
         if not dataclasses.is_dataclass(cls):
             return None, i
         hints = typing.get_type_hints(cls)

@@ -170,6 +170,9 @@ class GraphConfig:
     mode: Optional[str] = None
     fullgraph: bool = False
     dynamic: Optional[bool] = None
+    # inductor options passed to torch.compile (instead of a mode; torch takes one or the
+    # other), e.g. {coordinate_descent_tuning: true}
+    options: dict = field(default_factory=dict)
 
 
 @dataclass

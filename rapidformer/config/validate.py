@@ -37,7 +37,8 @@ def _describe(tp) -> str:
     if origin is Union:
         parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(parts) + " or null"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            dict: "a mapping"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -64,6 +65,8 @@ def _coerce(value: Any, tp) -> tuple[bool, Any]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return math.isfinite(float(value)), float(value)
         return False, value
+    if tp is dict:
+        return isinstance(value, dict), value
     if tp is str:
         # YAML turns `mrpc` into a str but `1.0` into a float: a str field takes plain scalars
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -244,6 +247,9 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"graph.scope=model with memory={cfg.memory.name}: the whole-model compile "
                  f"wraps what {'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed'} shards; "
                  f"use graph.scope=blocks (or auto, the default), which compiles each transformer block")
+    if cfg.graph.mode and cfg.graph.options:
+        p.append(f"graph.mode={cfg.graph.mode} with graph.options: torch.compile takes a mode or "
+                 f"inductor options, not both; drop one (a mode is a named set of options)")
     if cfg.graph.name == "ort" and cfg.memory.name != "none":
         p.append(f"graph=ort with memory={cfg.memory.name}: ORTModule is run here with DDP only "
                  f"(memory=none); use graph=eager or graph=compile with memory={cfg.memory.name}")
