@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     from rapidformer.config.compose import check_overrides, compose, resolve, with_default_recipe
     from rapidformer.config.paths import check_paths
     from rapidformer.factory import check_available
+    from rapidformer.fast_exit import install as exit_fast
 
+    exit_fast()
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, overrides = split_argv(argv)
     overrides = with_default_recipe(overrides)

@@ -175,8 +175,10 @@ def worker_main(config_file: str) -> None:
     """A worker: read the resolved config the parent wrote, and run it."""
     from rapidformer.config.validate import build_run_config
     from rapidformer.factory import run
+    from rapidformer.fast_exit import install as exit_fast
 
     die_with_launcher()
+    exit_fast()  # the error exits; a finished run leaves through os._exit below
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s")
