@@ -19,7 +19,8 @@ import yaml
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, RapidformerError, debug_enabled
-from rapidformer.rank_progress import describe_laggards, mark_timed_out
+from rapidformer.rank_progress import (clear_failed, describe_laggards, failure_times,
+                                       mark_failed, mark_timed_out)
 
 log = logging.getLogger("rapidformer")
 LAUNCHER_PID = "RAPIDFORMER_LAUNCHER_PID"
@@ -74,9 +75,13 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
     except ChildFailedError as exc:
         if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
             raise _preempted(run_dir, "a signal") from exc
-        # the root cause: the earliest failure that was not the launcher's own SIGTERM
-        failures = [(f.timestamp, rank, f) for rank, f in exc.failures.items() if f.exitcode > 0]
-        _, rank, failure = min(failures or [(f.timestamp, r, f) for r, f in exc.failures.items()])
+        # the root cause: the earliest failure that was not the launcher's own SIGTERM, by the
+        # workers' own nanosecond marks where they left one (torch elastic's are in seconds)
+        marks = failure_times(run_dir)
+        failures = [(marks.get(rank, f.timestamp * 10**9), rank, f)
+                    for rank, f in exc.failures.items() if f.exitcode > 0]
+        _, rank, failure = min(failures or [(f.timestamp * 10**9, r, f)
+                                            for r, f in exc.failures.items()])
         raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank),
                            describe_laggards(run_dir), ln) from exc
 
@@ -174,7 +179,6 @@ def die_with_launcher() -> None:
 def worker_main(config_file: str) -> None:
     """A worker: read the resolved config the parent wrote, and run it."""
     from rapidformer.config.validate import build_run_config
-    from rapidformer.factory import run
     from rapidformer.fast_exit import install as exit_fast
 
     die_with_launcher()
@@ -185,6 +189,26 @@ def worker_main(config_file: str) -> None:
     resolved = yaml.safe_load(Path(config_file).read_text())
     cfg = build_run_config(resolved)
     run_dir = Path(config_file).parent
+    clear_failed(run_dir, rank)
+    try:
+        _run_worker(cfg, run_dir, resolved, rank)
+    except BaseException as exc:
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            mark_failed(run_dir, rank)  # the launcher names the rank that failed first
+        raise
+    # The run is complete: files closed, process group left together. Skip the interpreter's
+    # teardown, where a native thread of the collective library has been seen to abort a
+    # finished worker (SIGABRT, "terminate called without an active exception") and with it
+    # a successful job.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _run_worker(cfg: RunConfig, run_dir: Path, resolved: dict, rank: int) -> None:
+    from rapidformer.factory import run
+
     resume_after_restart(cfg, run_dir, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     try:
         run(cfg, str(run_dir), resolved)
@@ -202,14 +226,6 @@ def worker_main(config_file: str) -> None:
               f"launcher.collective_timeout={cfg.launcher.collective_timeout} s: another rank "
               f"stopped responding ({first_line})", file=sys.stderr)
         sys.exit(1)
-    # The run is complete: files closed, process group left together. Skip the interpreter's
-    # teardown, where a native thread of the collective library has been seen to abort a
-    # finished worker (SIGABRT, "terminate called without an active exception") and with it
-    # a successful job.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

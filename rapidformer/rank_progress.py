@@ -67,6 +67,31 @@ def mark_timed_out(run_dir: Path, rank: int) -> None:
     path.write_text(f"{time.time()}\n")
 
 
+def mark_failed(run_dir: Path, rank: int) -> None:
+    """The moment this rank's Python code failed, in nanoseconds: torch elastic stamps a
+    failure to the second, and a peer that errors out of a collective because this rank exited
+    fails within that second too; the earlier mark is the cause."""
+    path = progress_dir(run_dir) / f"rank_{rank}.failed_at"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{time.time_ns()}\n")
+
+
+def clear_failed(run_dir: Path, rank: int) -> None:
+    """At a worker's start: an earlier attempt's mark must not name this one's cause."""
+    (progress_dir(run_dir) / f"rank_{rank}.failed_at").unlink(missing_ok=True)
+
+
+def failure_times(run_dir: Path) -> dict[int, int]:
+    """rank -> the nanosecond its code failed, for the ranks of this node that marked it."""
+    found = {}
+    for path in progress_dir(run_dir).glob("rank_*.failed_at"):
+        try:
+            found[int(path.name[5:].split(".")[0])] = int(path.read_text().strip())
+        except ValueError:  # a mark torn by a kill mid-write: no time to go by
+            continue
+    return found
+
+
 def describe_laggards(run_dir: Path) -> str:
     """One sentence naming the ranks that hung or died first, or '' when it cannot tell.
 
