@@ -321,15 +321,14 @@ class RapidformerEngine:
                 # the fused kernel divides each gradient by grad_scale as it reads it: clipping
                 # without a pass of its own over the gradients (GradScaler's hook, unused here)
                 self.optimizer.grad_scale = ((grad_norm + 1e-6) / clip).clamp(min=1.0)
-            try:
-                stepped = self.precision.step(self.optimizer)
-            finally:
-                self.optimizer.__dict__.pop("grad_scale", None)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
             if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor norm over all shards
                 grad_norm = grad_norm.full_tensor()
+        try:
             stepped = self.precision.step(self.optimizer)
+        finally:
+            self.optimizer.__dict__.pop("grad_scale", None)
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

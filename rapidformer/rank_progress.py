@@ -62,18 +62,20 @@ def read_progress(run_dir: Path) -> dict[int, tuple[int, float]]:
 
 def mark_timed_out(run_dir: Path, rank: int) -> None:
     """This rank gave up waiting in a collective (launcher.collective_timeout)."""
-    path = progress_dir(run_dir) / f"rank_{rank}.timed_out"
+    _mark(run_dir, rank, "timed_out", time.time())
+
+
+def _mark(run_dir: Path, rank: int, suffix: str, value) -> None:
+    path = progress_dir(run_dir) / f"rank_{rank}.{suffix}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{time.time()}\n")
+    path.write_text(f"{value}\n")
 
 
 def mark_failed(run_dir: Path, rank: int) -> None:
     """The moment this rank's Python code failed, in nanoseconds: torch elastic stamps a
     failure to the second, and a peer that errors out of a collective because this rank exited
     fails within that second too; the earlier mark is the cause."""
-    path = progress_dir(run_dir) / f"rank_{rank}.failed_at"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{time.time_ns()}\n")
+    _mark(run_dir, rank, "failed_at", time.time_ns())
 
 
 def clear_failed(run_dir: Path, rank: int) -> None:

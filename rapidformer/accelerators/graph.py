@@ -36,11 +36,15 @@ def check_inductor_options(options: dict) -> None:
     from rapidformer.config.validate import closest
 
     valid = set(inductor_config.get_config_copy())
-    wrong = [name for name in options if name not in valid]
-    if wrong:
-        raise ConfigError([f"graph.options.{name}: not an inductor option"
-                           + (f"; did you mean '{closest(name, valid)}'?" if closest(name, valid)
-                              else " (see torch._inductor.config)") for name in wrong])
+    problems = []
+    for name in options:
+        if name not in valid:
+            hint = closest(name, valid)
+            problems.append(f"graph.options.{name}: not an inductor option"
+                            + (f"; did you mean '{hint}'?" if hint
+                               else " (see torch._inductor.config)"))
+    if problems:
+        raise ConfigError(problems)
 
 
 def compile_scope(g: GraphConfig, memory: str) -> str:
