@@ -32,6 +32,10 @@ def check_available(cfg: RunConfig) -> None:
             raise NotAvailableError(
                 "graph=ort on a GPU is not built: onnxruntime-training 1.19.2 was checked here "
                 "on the CPU only (fp32); set trainer.device=cpu, or use graph=compile on the GPU")
+    if cfg.graph.name == "compile" and cfg.graph.options:
+        from rapidformer.accelerators.graph import check_inductor_options
+
+        check_inductor_options(cfg.graph.options)  # before the run directory is made
     check_tracker_installed(cfg.logger.name)
     check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
     check_fsdp_precision(cfg)
