@@ -48,7 +48,8 @@ def report(error: BaseException) -> None:
     print(f"rapidformer: {kind}: {error}", file=sys.stderr)
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+# the installed package (the repository's conf/), not a folder beside this file
+@hydra.main(config_path="pkg://rapidformer.conf", config_name="config", version_base="1.3")
 def hydra_entry(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

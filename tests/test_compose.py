@@ -2,9 +2,11 @@
 habit), and the default command is the quickstart recipe."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from rapidformer.config.compose import compose, group_options, resolve
+from rapidformer.config.compose import compose, group_options, option_folder, resolve
 from rapidformer.config.schema import GROUPS
 from rapidformer.errors import ConfigError
 
@@ -42,6 +44,17 @@ RECIPE_REQUIRED = {"bert_pretrain": ["data.path=corpus_text_sentence", "model.to
 def test_every_group_has_options():
     for group in GROUPS:
         assert group_options(group), group
+
+
+def test_the_tests_below_cover_every_file_of_conf_and_recipes():
+    """Every folder of the repository's conf/ is a group, and the options composed below are its
+    files; the recipes are the files of recipes/."""
+    repo = Path(__file__).resolve().parents[1]
+    folders = [p for p in (repo / "conf").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert sorted(p.name for p in folders) == sorted(GROUPS)
+    for folder in folders:
+        assert group_options(folder.name) == sorted(p.stem for p in folder.glob("*.yaml"))
+    assert group_options("recipe") == sorted(p.stem for p in (repo / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
@@ -135,9 +148,8 @@ def documented_offline_commands():
     """The `python -m rapidformer ...` lines in recipe headers that need no hub: a config-built
     model (bert_tiny, t5_tiny) on generated or local data."""
     import shlex
-    from importlib import resources
 
-    recipes = resources.files("rapidformer.conf").joinpath("recipe")
+    recipes = option_folder("recipe")
     for recipe in sorted(group_options("recipe")):
         for line in recipes.joinpath(f"{recipe}.yaml").read_text().splitlines():
             if not line.startswith("#") or "python -m rapidformer +recipe=" not in line:

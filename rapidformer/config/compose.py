@@ -16,18 +16,48 @@ from omegaconf.errors import OmegaConfBaseException
 import rapidformer.config.resolvers  # noqa: F401  (registers the configs' resolvers)
 from rapidformer.config.schema import GROUPS, RunConfig
 from rapidformer.config.validate import build_run_config, closest, unknown_key_message
-from rapidformer.errors import ConfigError
+from rapidformer.errors import ConfigError, NotAvailableError
 
+# the repository's conf/ and recipes/, installed as these packages (pyproject.toml)
 CONF_PACKAGE = "rapidformer.conf"
+RECIPE_PACKAGE = "rapidformer.recipes"
 CONFIG_NAME = "config"
 DEFAULT_RECIPE = "quickstart"
 # group-like names a command line may pick an option of (`recipe` is added with `+recipe=`)
 OPTION_GROUPS = GROUPS + ("recipe",)
 
 
+def installed_files(package: str):
+    """The files of CONF_PACKAGE or RECIPE_PACKAGE, or an error saying how to mend the install."""
+    import importlib
+
+    try:
+        module = importlib.import_module(package)
+    except ModuleNotFoundError:
+        raise NotAvailableError(f"{package} is not installed: reinstall rapidformer "
+                                f"(pip install -e . in a checkout)") from None
+    if getattr(module, "__file__", None) is None:
+        raise NotAvailableError(
+            f"{package} is the folder {list(module.__path__)[0]}, without __init__.py: a leftover "
+            f"of the layout before conf/ and recipes/ moved to the top of the repository; delete "
+            f"it, and run pip install -e . again if this checkout was installed before the move")
+    return resources.files(module)
+
+
+def option_folder(group: str):
+    """Where a group's option files are: conf/<group>/, or recipes/ for the group `recipe`."""
+    conf = installed_files(CONF_PACKAGE)  # which registers the recipes with Hydra
+    return installed_files(RECIPE_PACKAGE) if group == "recipe" else conf.joinpath(group)
+
+
 def group_options(group: str) -> list[str]:
-    folder = resources.files(CONF_PACKAGE).joinpath(group)
+    folder = option_folder(group)
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def option_text(group: str, option: str) -> str:
+    """An option's YAML file as written (its header comment included)."""
+    return option_folder(group).joinpath(f"{option}.yaml").read_text(encoding="utf-8")
 
 
 def _key_of(override: str) -> str:
@@ -124,8 +154,6 @@ PLUGIN_OPTIONS = {
 def _require_plugin(group: str, option: str) -> None:
     import importlib.util
 
-    from rapidformer.errors import NotAvailableError
-
     need = PLUGIN_OPTIONS.get((group, option))
     if need and importlib.util.find_spec(need[0]) is None:
         raise NotAvailableError(f"{group}={option} needs the Hydra plugin {need[0]}: {need[1]}")
@@ -150,6 +178,7 @@ def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> 
     if default_recipe:
         overrides = with_default_recipe(overrides)
     overrides = check_overrides(overrides)
+    installed_files(CONF_PACKAGE)  # a broken install says how to mend it, before Hydra's error
     try:
         with initialize_config_module(config_module=CONF_PACKAGE, version_base="1.3"):
             return hydra_compose(config_name=CONFIG_NAME, overrides=overrides)

@@ -1,6 +1,7 @@
 """Typed schemas: one dataclass per config group, one field per key.
 
-The YAML files under `rapidformer/conf/` are the option values; these classes are the contract.
+The YAML files under the repository's `conf/` and `recipes/` are the option values; these
+classes are the contract.
 `validate.py` walks a composed config against them, so a key that is not a field here is an error
 (with the closest valid name), and so is a value of the wrong type.
 """

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import re
 import sys
-from importlib import resources
 
 import yaml
 
-from rapidformer.config.compose import (CONF_PACKAGE, OPTION_GROUPS, check_overrides, compose,
-                                        group_options, resolve, with_default_recipe)
+from rapidformer.config.compose import (OPTION_GROUPS, check_overrides, compose, group_options,
+                                        option_text, resolve, with_default_recipe)
 from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, ConfigError, RapidformerError
 
 SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
@@ -20,7 +19,7 @@ ABBREVIATIONS = ("e.g", "i.e", "etc", "vs")
 
 def description(group: str, option: str) -> str:
     """The first sentence of an option's leading comment (what `ls` shows)."""
-    text = resources.files(CONF_PACKAGE).joinpath(group, f"{option}.yaml").read_text()
+    text = option_text(group, option)
     words = []
     for line in text.splitlines():
         if not line.startswith("#"):

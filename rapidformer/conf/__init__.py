@@ -1,1 +1,0 @@
-"""Config groups and recipes (YAML), found by Hydra as the package rapidformer.conf."""
