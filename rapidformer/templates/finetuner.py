@@ -3,18 +3,18 @@ is the loop, written to read top to bottom."""
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import ResumableSampler
-from rapidformer.errors import InputError, NonFiniteLoss, RapidformerError
-from rapidformer.grad_spikes import GradNormSpikes
+from rapidformer.errors import InputError, RapidformerError
 from rapidformer.observability import MetricsSink
-from rapidformer.preemption import StopSignals, newest_checkpoint
 from rapidformer.templates.contract import check_overrides
+from rapidformer.templates.loop import CountingIterator, LoopControl
+from rapidformer.templates.loop import _Window  # noqa: F401  (importable from here, as before)
 
 log = logging.getLogger("rapidformer")
 
@@ -109,103 +109,74 @@ class Finetuner:
         with engine.main_process_first():  # rank 0 fills caches and writes generated files
             train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
         model, optimizer, lr_scheduler = self.model_optimizer_lr_scheduler_provider()
+        sampler = self._train_sampler(train_ds)
+        total_iters = t.train_iters or t.epochs * sampler.steps_per_epoch
+        model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
+                                                        total_iters=total_iters)
+        train_loader = self._train_loader(train_ds, sampler, collate_fn)
+        eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
+                        for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
 
-        sampler = ResumableSampler(len(train_ds), t.global_batch_size, engine.rank,
-                                   engine.world_size, shuffle=True, seed=t.seed,
+        state = TrainState()
+        if engine.resume_checkpoint is not None:
+            state = TrainState(**engine.load_checkpoint(engine.resume_checkpoint)["train_state"])
+        with LoopControl(engine, total_iters, state.step, self._save) as loop:
+            log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
+                     "precision=%s, device=%s", total_iters, sampler.steps_per_epoch,
+                     engine.accumulation, t.micro_batch_size, self.cfg.precision.dtype,
+                     engine.device)
+            batches = loop.count_input(CountingIterator(_epochs(train_loader, sampler, state),
+                                                        engine.to_device))
+            while state.step < total_iters:
+                result = self.train_step(model, batches, loop.window)
+                state.step += 1
+                state.step_in_epoch += 1
+                loop.step_taken(state.step, result, optimizer, epoch=state.epoch)
+                epoch_done = state.step_in_epoch == sampler.steps_per_epoch
+                if epoch_done:
+                    state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                if loop.eval_due(state.step, epoch_done):
+                    self._evaluate(model, eval_loaders, loop.sink, state)
+                if loop.save_or_stop(state, epoch_done):
+                    return state  # trainer.exit_interval: no final evaluation, save or export
+            loop.end_steps()
+            if loop.evaluated_at != state.step:
+                self._evaluate(model, eval_loaders, loop.sink, state)
+            self._test(model, test_ds, collate_fn, loop.sink, state)
+            loop.finish(state, self.tokenizer)
+        return state
+
+    def train_step(self, model, batches, window) -> StepResult:
+        """One optimizer step over engine.accumulation micro-batches from `batches`."""
+        model.train()
+        for loss in self.engine.forward_backward(self._forward_batch, batches, model,
+                                                 self.engine.accumulation):
+            window.add_micro(loss)
+        return self.engine.step()
+
+    def _forward_batch(self, batches, model):
+        return self.run_forward_step(next(batches), model)
+
+    def _train_sampler(self, train_ds) -> ResumableSampler:
+        t = self.cfg.trainer
+        sampler = ResumableSampler(len(train_ds), t.global_batch_size, self.engine.rank,
+                                   self.engine.world_size, shuffle=True, seed=t.seed,
                                    lengths=self._lengths(train_ds),
                                    micro_batch_size=t.micro_batch_size)
         if sampler.steps_per_epoch == 0:
             raise InputError(f"the training split has {len(train_ds)} examples, fewer than one "
                              f"global batch (trainer.global_batch_size={t.global_batch_size}); "
                              f"lower the batch size or add data")
-        total_iters = t.train_iters or t.epochs * sampler.steps_per_epoch
-        model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
-                                                        total_iters=total_iters)
+        return sampler
+
+    def _train_loader(self, train_ds, sampler, collate_fn) -> DataLoader:
+        t = self.cfg.trainer
         # the loader's own generator: iter() would otherwise draw from the global RNG, and a
         # resumed run would then see other dropout masks than an uninterrupted one
-        train_loader = DataLoader(train_ds, batch_size=t.micro_batch_size, sampler=sampler,
-                                  collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
-                                  pin_memory=engine.device.type == "cuda",
-                                  generator=torch.Generator().manual_seed(t.seed))
-        eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
-                        for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
-        accumulation = t.global_batch_size // (t.micro_batch_size * engine.world_size)
-
-        state = TrainState()
-        resume_from = engine.resume_checkpoint
-        if resume_from is not None:
-            state = TrainState(**engine.load_checkpoint(resume_from)["train_state"])
-        sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process,
-                           logger=self.cfg.logger, config=asdict(self.cfg))
-        progress = _progress(total_iters, state.step, t.progress_bar and engine.is_main_process)
-        log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
-                 "precision=%s, device=%s", total_iters, sampler.steps_per_epoch, accumulation,
-                 t.micro_batch_size, self.cfg.precision.dtype, engine.device)
-
-        window = _Window(t.grad_norm_spike_factor)
-        last_eval_step = -1
-        stopped_early = False
-        stop = StopSignals().install(engine.world_size)
-        while state.step < total_iters and not stopped_early:
-            sampler.set_epoch(state.epoch, state.step_in_epoch)
-            batches = iter(train_loader)
-            while state.step_in_epoch < sampler.steps_per_epoch and state.step < total_iters:
-                model.train()
-                for micro in range(accumulation):
-                    waited = time.perf_counter()
-                    batch = engine.to_device(next(batches))
-                    window.data_wait += time.perf_counter() - waited
-                    with engine.accumulating(last_micro_batch=micro == accumulation - 1):
-                        with engine.autocast():
-                            loss = self.run_forward_step(batch, model)
-                        engine.rank_progress.tick()
-                        engine.backward(loss, accumulation_steps=accumulation)
-                    window.add_micro(loss.detach(), batch)
-                result = engine.step()
-                state.step += 1
-                state.step_in_epoch += 1
-                window.add_step(result)
-                progress.update(1)
-
-                if state.step % t.log_interval == 0 or state.step == total_iters:
-                    record = window.flush(optimizer, engine, state.step)
-                    sink.write(state.step, {"epoch": state.epoch, **record})
-                    progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-                    log.info("step %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s",
-                             state.step, total_iters, record["loss"], record["lr"],
-                             record["grad_norm"], record["samples_per_s"])
-                epoch_done = state.step_in_epoch == sampler.steps_per_epoch
-                if epoch_done:
-                    state.epoch += 1
-                    state.step_in_epoch = 0
-                if (t.eval_interval and state.step % t.eval_interval == 0) or \
-                        (epoch_done and t.eval_interval is None):
-                    self._evaluate(model, eval_loaders, sink, state)
-                    last_eval_step = state.step
-                exiting = bool(t.exit_interval and state.step % t.exit_interval == 0
-                               and state.step < total_iters)
-                preempted = stop.requested()
-                if (t.save_interval and state.step % t.save_interval == 0) or \
-                        (epoch_done and t.save_interval is None) or exiting or preempted:
-                    save_if_finite(self._save, state, window, engine)
-                if preempted:
-                    end_preempted(stop, engine, state.step, progress, sink)
-                if exiting:
-                    log.info("trainer.exit_interval=%d reached at step %d: checkpoint saved, "
-                             "stopping (resume with trainer.resume=auto)", t.exit_interval,
-                             state.step)
-                    stopped_early = True
-                if exiting or epoch_done:
-                    break
-
-        progress.close()
-        stop.restore()
-        if not stopped_early:
-            if last_eval_step != state.step:
-                self._evaluate(model, eval_loaders, sink, state)
-            self._finish(model, test_ds, collate_fn, sink, state, window)
-        sink.close()
-        return state
+        return DataLoader(train_ds, batch_size=t.micro_batch_size, sampler=sampler,
+                          collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
+                          pin_memory=self.engine.device.type == "cuda",
+                          generator=torch.Generator().manual_seed(t.seed))
 
     # --- the verbs the loop uses -------------------------------------------------------------------
     def _evaluate(self, model, loaders: dict, sink: MetricsSink, state: TrainState) -> dict:
@@ -232,146 +203,24 @@ class Finetuner:
         self.engine.save_checkpoint(state.step, {"step": state.step,
                                                  "train_state": asdict(state)}, extra)
 
-    def _finish(self, model, test_ds, collate_fn, sink, state, window) -> None:
-        """End of training: score a labelled test split, keep a final checkpoint, export."""
+    def _test(self, model, test_ds, collate_fn, sink, state) -> None:
+        """End of training: score the test split, if it is labelled."""
         if test_ds is not None and len(test_ds) and self.test_is_labelled(test_ds):
             metrics = self.evaluate(model, self.build_data_loader(test_ds, collate_fn=collate_fn))
             sink.write(state.step, {f"test/{k}": v for k, v in metrics.items()})
             log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        if self.cfg.trainer.save_last and \
-                not (self.engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
-            save_if_finite(self._save, state, window, self.engine)
-        if self.cfg.trainer.export_hf:
-            self.engine.export_hf(self.tokenizer, step=state.step)
 
     def test_is_labelled(self, test_ds) -> bool:
         """Whether the test split can be scored; GLUE's test labels are -1."""
         return False
 
 
-def save_if_finite(save, state, window, engine) -> bool:
-    """Checkpoint unless the last step's loss was NaN/Inf: a diverged model must never
-    replace (or, through keep_last, prune) a good checkpoint."""
-    if not window.loss_is_finite(engine, state.step):
-        log.warning("no checkpoint at step %d: its loss is not finite (the newest complete "
-                    "checkpoint stays the resume point)", state.step)
-        return False
-    save(state)
-    return True
-
-
-def end_preempted(stop, engine, step: int, progress, sink) -> None:
-    """A run stopped by a signal, after its checkpoint: close the outputs, leave with code 75."""
-    progress.close()
-    sink.close()
-    stop.restore()
-    raise stop.error(step, engine.checkpoint_root)
-
-
-class _Window:
-    """Loss, tokens and timing since the last log line, kept on the device until then."""
-
-    def __init__(self, spike_factor: float | None = None):
-        self.spikes = GradNormSpikes(spike_factor)
-        # steps in a row whose loss was NaN/Inf, and the most of them since the last check:
-        # device tensors, read only at log lines and before checkpoints (no sync per step)
-        self.nonfinite_run = self.nonfinite_peak = 0
-        self.step_loss = 0.0
-        self.reset()
-
-    def reset(self):
-        self.loss_sum, self.micro, self.steps, self.skipped = 0.0, 0, 0, 0
-        self.samples, self.tokens, self.grad_norm = 0, 0, None
-        self.grad_norm_max = None  # the window's largest norm, on the device (NaN ignored)
-        self.slots = 0  # token positions computed, padding included
-        self.data_wait = 0.0  # seconds blocked waiting for the next batch
-        self.started = time.perf_counter()
-
-    def add_micro(self, loss, batch=None):
-        self.loss_sum = self.loss_sum + loss.float()
-        self.step_loss = self.step_loss + loss.float()
-        self.micro += 1
-        if batch is not None:
-            self.add_input(batch)
-
-    def add_input(self, batch):
-        ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        if ids is not None:
-            self.samples += ids.shape[0]
-            self.slots += ids.numel()
-            self.tokens = self.tokens + (mask.sum() if mask is not None else ids.numel())
-
-    def add_step(self, result):
-        self.steps += 1
-        self.grad_norm = result["grad_norm"]
-        norm = torch.as_tensor(self.grad_norm, dtype=torch.float32)
-        self.grad_norm_max = norm if self.grad_norm_max is None else \
-            torch.fmax(self.grad_norm_max, norm.to(self.grad_norm_max.device))
-        if torch.is_tensor(self.step_loss):  # a pipeline stage without the loss has none
-            bad = (~torch.isfinite(self.step_loss)).to(torch.int64)
-            self.nonfinite_run = (self.nonfinite_run + bad) * bad
-            self.nonfinite_peak = torch.maximum(torch.as_tensor(self.nonfinite_peak,
-                                                                device=bad.device),
-                                                self.nonfinite_run)
-        self.step_loss = 0.0
-
-    def loss_is_finite(self, engine, step: int) -> bool:
-        """Whether the last step's loss was finite on every rank; stops the run (with the
-        newest complete checkpoint untouched) after trainer.max_nonfinite_steps bad steps."""
-        counts = engine.all_reduce_max(torch.stack([
-            torch.as_tensor(self.nonfinite_peak, device=engine.device),
-            torch.as_tensor(self.nonfinite_run, device=engine.device)]).to(torch.int64)).tolist()
-        peak, run = counts
-        self.nonfinite_peak = 0
-        limit = engine.cfg.trainer.max_nonfinite_steps
-        if limit is not None and peak >= limit:
-            name = newest_checkpoint(engine.checkpoint_root)
-            newest = (f"the newest complete checkpoint, {name}, is untouched "
-                      f"(trainer.resume=auto resumes from it)" if name
-                      else "no checkpoint was written")
-            raise NonFiniteLoss(
-                f"the loss was NaN or infinite for {peak} steps in a row (by step {step}); "
-                f"stopped without saving: {newest}. Lower trainer.lr, set trainer.clip_grad, "
-                f"or use precision=bf16 or fp32; trainer.max_nonfinite_steps={limit} sets how "
-                f"many such steps stop a run")
-        return run == 0
-
-    def flush(self, optimizer, engine, step: int) -> dict:
-        self.loss_is_finite(engine, step)  # raises after too many non-finite steps
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        # one small all-reduce per log line: the loss of the whole global batch, all ranks' work
-        totals = engine.all_reduce_sum(torch.stack([
-            torch.as_tensor(self.loss_sum, dtype=torch.float64, device=engine.device),
-            torch.as_tensor(float(self.micro), dtype=torch.float64, device=engine.device),
-            torch.as_tensor(float(self.samples), dtype=torch.float64, device=engine.device),
-            torch.as_tensor(self.tokens, dtype=torch.float64, device=engine.device),
-            torch.as_tensor(float(self.slots), dtype=torch.float64, device=engine.device)])).tolist()
-        loss_sum, micro, samples, tokens, slots = totals
-        record = {"loss": loss_sum / max(micro, 1),
-                  "lr": optimizer.param_groups[0]["lr"],
-                  "grad_norm": float(self.grad_norm),
-                  "grad_norm_max": float(self.grad_norm_max),
-                  "samples_per_s": samples / elapsed,
-                  "tokens_per_s": tokens / elapsed,
-                  # model FLOPs at the window's mean sequence length (rapidformer/flops.py)
-                  **engine.model_flops.record(tokens / elapsed, tokens / max(samples, 1)),
-                  # share of this rank's wall time spent blocked on input: the loader must keep
-                  # it near zero
-                  "data_wait_frac": self.data_wait / elapsed,
-                  # share of the computed token positions that were padding
-                  "padding_frac": 1.0 - tokens / slots if slots else 0.0}
-        if self.spikes.check(step, record["grad_norm_max"]):
-            record["grad_norm_spikes"] = self.spikes.count
-        if engine.precision.loss_scale is not None:
-            record["loss_scale"] = engine.precision.loss_scale
-            record["skipped_steps"] = engine.precision.skipped_steps
-        if engine.device.type == "cuda":
-            # between steps the allocation is the model states; the peak adds activations
-            record["mem_allocated_gb"] = torch.cuda.memory_allocated(engine.device) / 2**30
-            record["peak_mem_gb"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
-        self.reset()
-        return record
+def _epochs(loader, sampler, state):
+    """The training micro-batches, epoch after epoch, from the state's position: each epoch in
+    the sampler's order for (epoch, steps already taken in it)."""
+    while True:
+        sampler.set_epoch(state.epoch, state.step_in_epoch)
+        yield from loader
 
 
 def even_eval_batches(size: int, rank: int, world_size: int, batch_size: int) -> list[list[int]]:
@@ -401,9 +250,3 @@ class _DeviceLoader:
     def __len__(self):
         return len(self.loader)
 
-
-def _progress(total: int, initial: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="it",
-                dynamic_ncols=True)

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils.data import DataLoader
 
+from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.observability import MetricsSink
-from rapidformer.preemption import StopSignals
 from rapidformer.templates.contract import check_overrides
-from rapidformer.templates.finetuner import _progress, _Window, end_preempted, save_if_finite
+from rapidformer.templates.loop import CountingIterator, LoopControl
 
 log = logging.getLogger("rapidformer")
 
@@ -88,13 +87,11 @@ class PreTrainer:
             raise ConfigError(["the PreTrainer counts iterations, not epochs: set "
                                "trainer.train_iters (the seed's --train-iters)"])
         total_iters = t.train_iters
-        _, dp_size = engine.data_parallel
-        accumulation = t.global_batch_size // (t.micro_batch_size * dp_size)
         num_samples = megatron_num_samples(total_iters, t.eval_interval, t.eval_iters,
                                            t.global_batch_size)
         log.info("asking the dataset provider for %s train/valid/test samples", num_samples)
         train_ds, valid_ds, test_ds = self.train_valid_test_datasets_provider(num_samples)
-        if train_ds is None or len(train_ds) < t.micro_batch_size * dp_size:
+        if train_ds is None or len(train_ds) < t.micro_batch_size * engine.data_parallel[1]:
             raise InputError(f"the training dataset has {0 if train_ds is None else len(train_ds)} "
                              f"samples, fewer than one micro-batch per process; add data or "
                              f"give training a larger share of data.split")
@@ -103,80 +100,41 @@ class PreTrainer:
                                                         total_iters=total_iters)
 
         state = PretrainState()
-        resume_from = engine.resume_checkpoint
-        if resume_from is not None:
-            state = PretrainState(**engine.load_checkpoint(resume_from)["train_state"])
+        if engine.resume_checkpoint is not None:
+            state = PretrainState(**engine.load_checkpoint(engine.resume_checkpoint)["train_state"])
         train_iter = self.build_data_iterator(train_ds, state.consumed_train_samples)
         valid_iter = self.build_data_iterator(valid_ds, state.consumed_valid_samples)
-        sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process,
-                           logger=self.cfg.logger, config=asdict(self.cfg))
-        progress = _progress(total_iters, state.step, t.progress_bar and engine.is_main_process)
-        log.info("pretraining %d iterations from iteration %d (%d micro-batches of %d per "
-                 "process per iteration), precision=%s, device=%s", total_iters, state.step,
-                 accumulation, t.micro_batch_size, self.cfg.precision.dtype, engine.device)
-
-        window = _Window(t.grad_norm_spike_factor)
-        train_iter.window = window if engine.parallel is None or engine.parallel.counts_input \
-            else None
-        last_eval_step = -1
-        stop = StopSignals().install(engine.world_size)
-        while state.step < total_iters:
-            model.train()
-            if engine.parallel is not None:  # megatron-core's schedule runs the micro-batches
-                with engine.autocast():
-                    for loss in self._megatron_steps(train_iter, model, accumulation):
-                        window.add_micro(loss)
-            else:
-                for micro in range(accumulation):
-                    with engine.accumulating(last_micro_batch=micro == accumulation - 1):
-                        with engine.autocast():
-                            loss = self.run_forward_step(train_iter, model)
-                        engine.rank_progress.tick()
-                        engine.backward(loss, accumulation_steps=accumulation)
-                    window.add_micro(loss.detach())
-            result = engine.step()
-            state.step += 1
-            state.consumed_train_samples += t.global_batch_size
-            window.add_step(result)
-            progress.update(1)
-
-            if state.step % t.log_interval == 0 or state.step == total_iters:
-                record = window.flush(optimizer, engine, state.step)
-                sink.write(state.step, {"consumed_samples": state.consumed_train_samples, **record})
-                progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
-                log.info("iteration %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s "
-                         "(%.1f%% waiting for data)", state.step, total_iters, record["loss"],
-                         record["lr"], record["grad_norm"], record["samples_per_s"],
-                         100 * record["data_wait_frac"])
-            if t.eval_interval and state.step % t.eval_interval == 0:
-                self._evaluate("validation", model, valid_iter, state, sink)
-                last_eval_step = state.step
-            exiting = bool(t.exit_interval and state.step % t.exit_interval == 0
-                           and state.step < total_iters)
-            preempted = stop.requested()
-            if (t.save_interval and state.step % t.save_interval == 0) or exiting or preempted:
-                save_if_finite(self._save, state, window, engine)
-            if preempted:
-                end_preempted(stop, engine, state.step, progress, sink)
-            if exiting:
-                log.info("trainer.exit_interval=%d reached at iteration %d: checkpoint saved, "
-                         "stopping (resume with trainer.resume=auto)", t.exit_interval, state.step)
-                progress.close()
-                sink.close()
-                stop.restore()
-                return state
-
-        progress.close()
-        stop.restore()
-        if last_eval_step != state.step:
-            self._evaluate("validation", model, valid_iter, state, sink)
-        self._evaluate("test", model, self.build_data_iterator(test_ds, 0), state, sink)
-        if t.save_last and not (engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
-            save_if_finite(self._save, state, window, engine)
-        if t.export_hf:
-            engine.export_hf(self.tokenizer, step=state.step)
-        sink.close()
+        with LoopControl(engine, total_iters, state.step, self._save, unit="iteration") as loop:
+            log.info("pretraining %d iterations from iteration %d (%d micro-batches of %d per "
+                     "process per iteration), precision=%s, device=%s", total_iters, state.step,
+                     engine.accumulation, t.micro_batch_size, self.cfg.precision.dtype,
+                     engine.device)
+            loop.count_input(train_iter)
+            while state.step < total_iters:
+                result = self.train_step(model, train_iter, loop.window)
+                state.step += 1
+                state.consumed_train_samples += t.global_batch_size
+                loop.step_taken(state.step, result, optimizer,
+                                consumed_samples=state.consumed_train_samples)
+                if loop.eval_due(state.step):
+                    self._evaluate("validation", model, valid_iter, state, loop.sink)
+                if loop.save_or_stop(state):
+                    return state  # trainer.exit_interval: no final evaluation, save or export
+            loop.end_steps()
+            if loop.evaluated_at != state.step:
+                self._evaluate("validation", model, valid_iter, state, loop.sink)
+            self._evaluate("test", model, self.build_data_iterator(test_ds, 0), state, loop.sink)
+            loop.finish(state, self.tokenizer)
         return state
+
+    def train_step(self, model, data_iterator, window) -> StepResult:
+        """One iteration: engine.accumulation micro-batches through `run_forward_step` (with
+        megatron-core: its pipeline schedule), then the optimizer step."""
+        model.train()
+        for loss in self.engine.forward_backward(self.run_forward_step, data_iterator, model,
+                                                 self.engine.accumulation):
+            window.add_micro(loss)
+        return self.engine.step()
 
     # --- data --------------------------------------------------------------------------------------
     def build_data_iterator(self, dataset, consumed_samples: int = 0):
@@ -200,7 +158,7 @@ class PreTrainer:
                             num_workers=workers, pin_memory=engine.device.type == "cuda",
                             persistent_workers=workers > 0,
                             prefetch_factor=4 if workers > 0 else None)
-        return _CountingIterator(iter(loader))
+        return CountingIterator(iter(loader))
 
     # --- the verbs the loop uses -------------------------------------------------------------------
     def _evaluate(self, name: str, model, data_iterator, state: PretrainState,
@@ -214,15 +172,10 @@ class PreTrainer:
         model.eval()
         # (sum of micro-batch losses, their count): with pipeline stages only the last has them
         total = torch.zeros(2, dtype=torch.float64, device=engine.device)
-        with torch.no_grad(), engine.autocast():
-            if engine.parallel is not None:
-                for loss in self._megatron_steps(data_iterator, model, micro_batches,
-                                                 forward_only=True):
-                    total += torch.stack([loss.double(), torch.ones_like(loss, dtype=torch.float64)])
-            else:
-                for _ in range(micro_batches):
-                    loss = self.run_forward_step(data_iterator, model).detach().double()
-                    total += torch.stack([loss, torch.ones_like(loss)])
+        with torch.no_grad():
+            for loss in engine.forward_backward(self.run_forward_step, data_iterator, model,
+                                                micro_batches, forward_only=True):
+                total += torch.stack([loss.double(), torch.ones_like(loss, dtype=torch.float64)])
         model.train()
         if name == "validation":
             state.consumed_valid_samples += t.eval_iters * t.global_batch_size
@@ -234,56 +187,11 @@ class PreTrainer:
                  results[f"{name}/ppl"])
         return results
 
-    def _megatron_steps(self, data_iterator, model, num_microbatches: int,
-                        forward_only: bool = False) -> list:
-        """One step's micro-batches through megatron-core's schedule (1F1B over pipeline
-        stages); the micro-batch losses on the last stage, none elsewhere."""
-        from rapidformer.accelerators.parallel import forward_backward
-
-        t = self.cfg.trainer
-
-        def forward_step(iterator, chunk):
-            result = self.run_forward_step(iterator, chunk)
-            if not forward_only:  # every pipeline stage runs this once per micro-batch
-                self.engine.rank_progress.tick()
-            if isinstance(result, tuple):  # megatron-core's (output, loss_func)
-                return result
-            if self.engine.parallel.pp > 1:
-                raise RapidformerError(
-                    "with pipeline parallelism run_forward_step must return megatron-core's "
-                    "(output_tensor, loss_func) pair: each stage passes its output on, and only "
-                    "the last computes the loss")
-            return result, lambda loss: (loss, {"loss": loss.detach().clone()})
-
-        losses = forward_backward(forward_step, data_iterator, model, num_microbatches,
-                                  self.cfg.data.max_seq_length, t.micro_batch_size, forward_only)
-        return [entry["loss"].detach().float() for entry in losses]
-
     def _save(self, state: PretrainState) -> None:
         tokenizer = self.tokenizer
         extra = (lambda d: tokenizer.save_pretrained(str(d / "tokenizer"))) if tokenizer else None
         self.engine.save_checkpoint(state.step, {"step": state.step,
                                                  "train_state": asdict(state)}, extra)
-
-
-class _CountingIterator:
-    """Wraps the loader's iterator: the samples, tokens and seconds spent waiting for each
-    batch go into `window` (the loop's log window) when one is attached."""
-
-    def __init__(self, iterator):
-        self.iterator = iterator
-        self.window = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        started = time.perf_counter()
-        batch = next(self.iterator)
-        if self.window is not None:
-            self.window.data_wait += time.perf_counter() - started
-            self.window.add_input(batch)
-        return batch
 
 
 def build_train_valid_test_datasets_for_huggingface(

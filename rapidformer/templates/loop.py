@@ -1,0 +1,295 @@
+"""What the Finetuner's and the PreTrainer's loops share around their steps: the metrics window
+and sink, the progress bar, the step's log line, when to log, evaluate, save and stop, the stop
+signals (SIGTERM/SIGINT: a checkpoint, then exit code 75), the non-finite-loss guard before
+every save, and the run's end (a last checkpoint and the Hugging Face export).
+
+    with LoopControl(engine, total_iters, state.step, self._save) as loop:
+        while state.step < total_iters:
+            result = self.train_step(model, batches, loop.window)
+            state.step += 1
+            loop.step_taken(state.step, result, optimizer)
+            if loop.eval_due(state.step):
+                ...evaluate...
+            if loop.save_or_stop(state):
+                return state  # trainer.exit_interval
+        loop.end_steps()
+        ...final evaluations...
+        loop.finish(state, tokenizer)
+
+Leaving the block, also by an exception, restores the signal handlers and closes the progress
+bar and the sink.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+
+from rapidformer.errors import NonFiniteLoss
+from rapidformer.grad_spikes import GradNormSpikes
+from rapidformer.observability import MetricsSink
+from rapidformer.preemption import StopSignals, newest_checkpoint
+
+log = logging.getLogger("rapidformer")
+
+# the step line: the Finetuner counts steps; the PreTrainer counts iterations in Megatron's
+# manner and adds the share of the window spent waiting for data
+STEP_LINES = {"step": "step %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s",
+              "iteration": "iteration %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s "
+                           "(%.1f%% waiting for data)"}
+
+
+class LoopControl:
+    """The control around a training loop's steps, for `total_iters` steps from `start_step`;
+    `save(state)` writes a checkpoint of `state` (which has `.step`). `unit` names the steps in
+    the log: "step" (the Finetuner) or "iteration" (the PreTrainer). An epoch-based loop tells
+    `eval_due` and `save_or_stop` when a step ended an epoch: with trainer.eval_interval or
+    trainer.save_interval unset, it evaluates or saves then."""
+
+    def __init__(self, engine, total_iters: int, start_step: int, save: Callable,
+                 unit: str = "step"):
+        self.engine, self.total_iters, self.start_step = engine, total_iters, start_step
+        self.save, self.unit = save, unit
+        self.t = engine.cfg.trainer
+        self.window = _Window(self.t.grad_norm_spike_factor)
+        self.evaluated_at = -1  # the step of the last evaluation
+        self.sink = self.progress = self.stop = None
+        self._closing = contextlib.ExitStack()
+
+    def __enter__(self) -> LoopControl:
+        engine, t = self.engine, self.t
+        with self._closing as closing:  # undone at once if a part fails to start
+            self.sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process,
+                                    logger=engine.cfg.logger, config=asdict(engine.cfg))
+            closing.callback(self.sink.close)
+            self.progress = _progress(self.total_iters, self.start_step,
+                                      t.progress_bar and engine.is_main_process)
+            closing.callback(self.progress.close)
+            self.stop = StopSignals()
+            closing.callback(self.stop.restore)
+            self.stop.install(engine.world_size)
+            self._closing = closing.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closing.close()
+
+    def count_input(self, iterator: CountingIterator | None) -> CountingIterator | None:
+        """Count `iterator`'s batches (samples, tokens, time waited) in the window, where this
+        rank's input counts towards throughput (one rank per model replica)."""
+        if iterator is not None:
+            iterator.window = self.window if self.engine.strategy.counts_input else None
+        return iterator
+
+    # --- after each step --------------------------------------------------------------------
+    def step_taken(self, step: int, result, optimizer, **fields) -> None:
+        """Step `step` is done (`result`: its StepResult). At trainer.log_interval and at the
+        last step the window becomes one metrics record (`fields` first) and one log line."""
+        self.window.add_step(result)
+        self.progress.update(1)
+        if not (step % self.t.log_interval == 0 or step == self.total_iters):
+            return
+        record = self.window.flush(optimizer, self.engine, step)
+        self.sink.write(step, {**fields, **record})
+        self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        args = [step, self.total_iters, record["loss"], record["lr"], record["grad_norm"],
+                record["samples_per_s"]]
+        if self.unit == "iteration":
+            args.append(100 * record["data_wait_frac"])
+        log.info(STEP_LINES[self.unit], *args)
+
+    def eval_due(self, step: int, epoch_done: bool = False) -> bool:
+        """Whether to evaluate after `step`: at trainer.eval_interval (when it is unset, at
+        each epoch's end)."""
+        interval = self.t.eval_interval
+        due = bool(interval and step % interval == 0) or (epoch_done and interval is None)
+        if due:
+            self.evaluated_at = step
+        return due
+
+    def save_or_stop(self, state, epoch_done: bool = False) -> bool:
+        """After a step (and its evaluation): a checkpoint at trainer.save_interval (when it
+        is unset, at each epoch's end), at trainer.exit_interval and after a stop signal,
+        unless the loss is not finite. A signal then ends the run with exit code 75
+        (Preempted); True when trainer.exit_interval ends it here."""
+        t, step = self.t, state.step
+        exiting = bool(t.exit_interval and step % t.exit_interval == 0
+                       and step < self.total_iters)
+        preempted = self.stop.requested()  # a collective: every rank asks after every step
+        if (t.save_interval and step % t.save_interval == 0) or \
+                (epoch_done and t.save_interval is None) or exiting or preempted:
+            self.save_if_finite(state)
+        if preempted:
+            raise self.stop.error(step, self.engine.checkpoint_root)
+        if exiting:
+            log.info("trainer.exit_interval=%d reached at %s %d: checkpoint saved, stopping "
+                     "(resume with trainer.resume=auto)", t.exit_interval, self.unit, step)
+        return exiting
+
+    def save_if_finite(self, state) -> bool:
+        """Checkpoint unless the last step's loss was NaN/Inf: a diverged model must never
+        replace (or, through keep_last, prune) a good checkpoint."""
+        if not self.window.loss_is_finite(self.engine, state.step):
+            log.warning("no checkpoint at step %d: its loss is not finite (the newest complete "
+                        "checkpoint stays the resume point)", state.step)
+            return False
+        self.save(state)
+        return True
+
+    # --- the end ----------------------------------------------------------------------------
+    def end_steps(self) -> None:
+        """The steps are over: close the progress bar and give the stop signals their previous
+        handlers back (the final evaluations run without them). Leaving the block does it too."""
+        self.progress.close()
+        self.stop.restore()
+
+    def finish(self, state, tokenizer=None) -> None:
+        """A last checkpoint (trainer.save_last, unless this step has one), then the Hugging
+        Face export (trainer.export_hf)."""
+        engine = self.engine
+        if self.t.save_last and not (engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
+            self.save_if_finite(state)
+        if self.t.export_hf:
+            engine.export_hf(tokenizer, step=state.step)
+
+
+class CountingIterator:
+    """Wraps a batch iterator (moving each batch to the device with `to_device` when given):
+    the samples, tokens and seconds spent waiting for each batch go into `window` (the loop's
+    log window) when one is attached."""
+
+    def __init__(self, iterator, to_device: Callable | None = None):
+        self.iterator, self.to_device = iterator, to_device
+        self.window = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        started = time.perf_counter()
+        batch = next(self.iterator)
+        if self.to_device is not None:
+            batch = self.to_device(batch)
+        if self.window is not None:
+            self.window.data_wait += time.perf_counter() - started
+            self.window.add_input(batch)
+        return batch
+
+
+class _Window:
+    """Loss, tokens and timing since the last log line, kept on the device until then."""
+
+    def __init__(self, spike_factor: float | None = None):
+        self.spikes = GradNormSpikes(spike_factor)
+        # steps in a row whose loss was NaN/Inf, and the most of them since the last check:
+        # device tensors, read only at log lines and before checkpoints (no sync per step)
+        self.nonfinite_run = self.nonfinite_peak = 0
+        self.step_loss = 0.0
+        self.loss_scale, self.skipped_steps = None, 0  # fp16 loss scaling, as of the last step
+        self.reset()
+
+    def reset(self):
+        self.loss_sum, self.micro, self.steps, self.skipped = 0.0, 0, 0, 0
+        self.samples, self.tokens, self.grad_norm = 0, 0, None
+        self.grad_norm_max = None  # the window's largest norm, on the device (NaN ignored)
+        self.slots = 0  # token positions computed, padding included
+        self.data_wait = 0.0  # seconds blocked waiting for the next batch
+        self.started = time.perf_counter()
+
+    def add_micro(self, loss, batch=None):
+        self.loss_sum = self.loss_sum + loss.float()
+        self.step_loss = self.step_loss + loss.float()
+        self.micro += 1
+        if batch is not None:
+            self.add_input(batch)
+
+    def add_input(self, batch):
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if ids is not None:
+            self.samples += ids.shape[0]
+            self.slots += ids.numel()
+            self.tokens = self.tokens + (mask.sum() if mask is not None else ids.numel())
+
+    def add_step(self, result):
+        self.steps += 1
+        self.grad_norm = result.grad_norm
+        self.loss_scale, self.skipped_steps = result.loss_scale, result.skipped_steps
+        norm = torch.as_tensor(self.grad_norm, dtype=torch.float32)
+        self.grad_norm_max = norm if self.grad_norm_max is None else \
+            torch.fmax(self.grad_norm_max, norm.to(self.grad_norm_max.device))
+        if torch.is_tensor(self.step_loss):  # a pipeline stage without the loss has none
+            bad = (~torch.isfinite(self.step_loss)).to(torch.int64)
+            self.nonfinite_run = (self.nonfinite_run + bad) * bad
+            self.nonfinite_peak = torch.maximum(torch.as_tensor(self.nonfinite_peak,
+                                                                device=bad.device),
+                                                self.nonfinite_run)
+        self.step_loss = 0.0
+
+    def loss_is_finite(self, engine, step: int) -> bool:
+        """Whether the last step's loss was finite on every rank; stops the run (with the
+        newest complete checkpoint untouched) after trainer.max_nonfinite_steps bad steps."""
+        counts = engine.all_reduce_max(torch.stack([
+            torch.as_tensor(self.nonfinite_peak, device=engine.device),
+            torch.as_tensor(self.nonfinite_run, device=engine.device)]).to(torch.int64)).tolist()
+        peak, run = counts
+        self.nonfinite_peak = 0
+        limit = engine.cfg.trainer.max_nonfinite_steps
+        if limit is not None and peak >= limit:
+            name = newest_checkpoint(engine.checkpoint_root)
+            newest = (f"the newest complete checkpoint, {name}, is untouched "
+                      f"(trainer.resume=auto resumes from it)" if name
+                      else "no checkpoint was written")
+            raise NonFiniteLoss(
+                f"the loss was NaN or infinite for {peak} steps in a row (by step {step}); "
+                f"stopped without saving: {newest}. Lower trainer.lr, set trainer.clip_grad, "
+                f"or use precision=bf16 or fp32; trainer.max_nonfinite_steps={limit} sets how "
+                f"many such steps stop a run")
+        return run == 0
+
+    def flush(self, optimizer, engine, step: int) -> dict:
+        self.loss_is_finite(engine, step)  # raises after too many non-finite steps
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        # one small all-reduce per log line: the loss of the whole global batch, all ranks' work
+        totals = engine.all_reduce_sum(torch.stack([
+            torch.as_tensor(self.loss_sum, dtype=torch.float64, device=engine.device),
+            torch.as_tensor(float(self.micro), dtype=torch.float64, device=engine.device),
+            torch.as_tensor(float(self.samples), dtype=torch.float64, device=engine.device),
+            torch.as_tensor(self.tokens, dtype=torch.float64, device=engine.device),
+            torch.as_tensor(float(self.slots), dtype=torch.float64, device=engine.device)])).tolist()
+        loss_sum, micro, samples, tokens, slots = totals
+        record = {"loss": loss_sum / max(micro, 1),
+                  "lr": optimizer.param_groups[0]["lr"],
+                  "grad_norm": float(self.grad_norm),
+                  "grad_norm_max": float(self.grad_norm_max),
+                  "samples_per_s": samples / elapsed,
+                  "tokens_per_s": tokens / elapsed,
+                  # model FLOPs at the window's mean sequence length (rapidformer/flops.py)
+                  **engine.model_flops.record(tokens / elapsed, tokens / max(samples, 1)),
+                  # share of this rank's wall time spent blocked on input: the loader must keep
+                  # it near zero
+                  "data_wait_frac": self.data_wait / elapsed,
+                  # share of the computed token positions that were padding
+                  "padding_frac": 1.0 - tokens / slots if slots else 0.0}
+        if self.spikes.check(step, record["grad_norm_max"]):
+            record["grad_norm_spikes"] = self.spikes.count
+        if self.loss_scale is not None:
+            record["loss_scale"] = self.loss_scale
+            record["skipped_steps"] = self.skipped_steps
+        if engine.device.type == "cuda":
+            # between steps the allocation is the model states; the peak adds activations
+            record["mem_allocated_gb"] = torch.cuda.memory_allocated(engine.device) / 2**30
+            record["peak_mem_gb"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+        self.reset()
+        return record
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="it",
+                dynamic_ncols=True)
