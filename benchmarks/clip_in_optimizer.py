@@ -50,14 +50,14 @@ def main(out: str) -> None:
         model, _, _ = engine.compose(model, total_iters=1000)
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [torch.randn_like(p) for p in params]
-        folded = engine._clips_in_optimizer
+        folded = engine.strategy.clips_in_optimizer
         assert folded(), "the fused path needs a fused torch AdamW and no fp16 loss scaler"
         rows = {"folded into the fused AdamW": [], "clip_grad_norm_ then step": []}
         for _ in range(3):  # alternate, so clock drift hits both alike
-            engine._clips_in_optimizer = folded
+            engine.strategy.clips_in_optimizer = folded
             time_steps(engine, params, grads, 3)
             rows["folded into the fused AdamW"].append(time_steps(engine, params, grads, 20))
-            engine._clips_in_optimizer = lambda: False
+            engine.strategy.clips_in_optimizer = lambda: False
             time_steps(engine, params, grads, 3)
             rows["clip_grad_norm_ then step"].append(time_steps(engine, params, grads, 20))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -51,15 +51,15 @@ def make_data(work: Path, vocab_size: int, docs: int) -> list[str]:
 
 
 def mode_overrides(memory, offload_optimizer, offload_params, checkpointing) -> list[str]:
-    from rapidformer.memory_plan import Mode
+    from rapidformer.planning.memory_plan import Mode
 
     return Mode(memory, offload_optimizer, offload_params, checkpointing).overrides()
 
 
 def estimate_gb(overrides: list[str]) -> tuple[float, int, int]:
     from rapidformer.config.compose import compose, resolve
-    from rapidformer.memory_plan import Mode, estimate
-    from rapidformer.model_shape import model_shape
+    from rapidformer.planning.memory_plan import Mode, estimate
+    from rapidformer.planning.model_shape import model_shape
 
     _, cfg = resolve(compose(overrides))
     mode = Mode(cfg.memory.name, cfg.memory.offload_optimizer, cfg.memory.offload_params,
@@ -78,8 +78,8 @@ def reestimate(path: Path, vocab: int) -> None:
     placeholders = ["+recipe=gpt_pretrain", "data.path=DATA", "model.tokenizer=VOCAB",
                     "model.merge_file=MERGES"]
     from rapidformer.config.compose import compose, resolve
-    from rapidformer.memory_plan import Mode, estimate
-    from rapidformer.model_shape import model_shape
+    from rapidformer.planning.memory_plan import Mode, estimate
+    from rapidformer.planning.model_shape import model_shape
 
     for row in meta["rows"]:
         # the tokenizer the data was made with (its files are gone): its size

@@ -55,14 +55,14 @@ def hydra_entry(cfg: DictConfig):
     from hydra.types import RunMode
 
     from rapidformer.config.compose import resolve
-    from rapidformer.factory import run
+    from rapidformer.factory import run, settle
     from rapidformer.multirun import job_row, write_status
     from rapidformer.run_record import write_environment
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     try:
-        resolved, run_cfg = resolve(cfg, run_dir)
+        resolved, run_cfg = settle(*resolve(cfg, run_dir))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
             yaml.safe_dump(resolved, f, sort_keys=False)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from rapidformer.config.compose import check_overrides, compose, resolve, with_default_recipe
     from rapidformer.config.paths import check_paths
-    from rapidformer.factory import check_available
+    from rapidformer.factory import check_available, settle
     from rapidformer.fast_exit import install as exit_fast
 
     exit_fast()
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         if not multirun and not asks_help:
             # validate the whole config before Hydra creates a run directory
             composed = compose(overrides, default_recipe=False)
-            _, run_cfg = resolve(composed, "(run directory)")
+            _, run_cfg = settle(*resolve(composed, "(run directory)"))
             if run_cfg.trainer.dry_run and not prints_only:
                 from rapidformer.verbs.inspect import print_plan
 

@@ -43,13 +43,32 @@ def temp_dir(root: Path, step: int) -> Path:
     return root / f".tmp-step_{step:08d}"
 
 
+def _write_error(final: Path, exc: OSError) -> InputError:
+    return InputError(f"could not write checkpoint {final}: {exc.strerror or exc}; free disk "
+                      f"space or choose another trainer.output_dir (earlier checkpoints are "
+                      f"untouched)")
+
+
+def prepare(root: Path, step: int) -> Path:
+    """An empty temporary directory for step `step`, which every rank then writes its shards
+    into (rank 0 calls this, the others wait)."""
+    tmp = temp_dir(root, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as exc:
+        raise _write_error(root / f"step_{step:08d}", exc) from exc
+    return tmp
+
+
 def save(root: Path, step: int, tensors: dict[str, object], state: dict,
          extra: Callable[[Path], None] | None = None, keep_last: int = 2,
-         prepared: bool = False) -> Path:
+         prepared: bool = False, manifest: dict | None = None) -> Path:
     """Write `tensors` (name -> object for torch.save) and `state` (json) as step `step`.
 
-    `prepared`: the temporary directory already holds files written by every rank (DeepSpeed's
-    shards); they are sealed together with these.
+    `prepared`: the temporary directory already holds files written by every rank (sharded
+    strategies' files); they are sealed together with these. `manifest`: what the manifest
+    records beside the files (the strategy and its layout).
     """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
@@ -70,9 +89,9 @@ def save(root: Path, step: int, tensors: dict[str, object], state: dict,
             if entry["bytes"] < SMALL_FILE:
                 entry["sha256"] = _sha256(path)
             files[str(path.relative_to(tmp))] = entry
-        manifest = tmp / MANIFEST
-        manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
-        _fsync(manifest)
+        seal = tmp / MANIFEST
+        seal.write_text(json.dumps({"step": step, **(manifest or {}), "files": files}, indent=1))
+        _fsync(seal)
         _fsync(tmp)
         if final.exists():  # the same step saved again (e.g. epoch end == exit step)
             shutil.rmtree(final)
@@ -80,9 +99,7 @@ def save(root: Path, step: int, tensors: dict[str, object], state: dict,
         _fsync(root)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise InputError(f"could not write checkpoint {final}: {exc.strerror or exc}; free disk "
-                         f"space or choose another trainer.output_dir (earlier checkpoints are "
-                         f"untouched)") from exc
+        raise _write_error(final, exc) from exc
     prune(root, keep_last)
     return final
 

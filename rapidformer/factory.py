@@ -1,4 +1,5 @@
-"""Resolved config -> the template that runs it: a black-box task, or the user's script."""
+"""Resolved config -> the run: the planning step (memory=auto decided), then the template that
+runs it (a black-box task, or the user's script) with an engine built on the run's plan."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError, NotAvailableError
 from rapidformer.loggers import check_tracker_installed
+from rapidformer.planning.memory_plan import resolve_auto
 
 log = logging.getLogger("rapidformer")
 
@@ -20,7 +22,7 @@ def check_available(cfg: RunConfig) -> None:
     import torch
 
     from rapidformer.accelerators.fsdp import check_fsdp_precision
-    from rapidformer.accelerators.memory import check_zero_precision
+    from rapidformer.accelerators.zero import check_zero_precision
 
     on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
                                                and torch.cuda.is_available())
@@ -45,6 +47,13 @@ def check_available(cfg: RunConfig) -> None:
         require_megatron_core()
 
 
+def settle(resolved: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
+    """The planning step between the resolved config and the run: memory=auto becomes the
+    memory mode (and recompute) the memory plan picks, so the recorded config.yaml says what
+    ran."""
+    return resolve_auto(resolved, cfg)
+
+
 def run(cfg: RunConfig, run_dir: str, resolved: dict):
     check_available(cfg)
     from rapidformer.launch import launch_workers, needs_workers, shutdown_process_group
@@ -56,9 +65,11 @@ def run(cfg: RunConfig, run_dir: str, resolved: dict):
         result = run_user_script(Path(cfg.user_script))
     else:
         from rapidformer.engine import RapidformerEngine
+        from rapidformer.planning.run_plan import RunPlan
         from rapidformer.tasks import task_class
 
-        result = task_class(cfg.task.name)(engine=RapidformerEngine()).train()
+        engine = RapidformerEngine(cfg, run_dir, plan=RunPlan.for_process(cfg))
+        result = task_class(cfg.task.name)(engine=engine).train()
     shutdown_process_group()
     return result
 

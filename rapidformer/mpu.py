@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from rapidformer.config.args import current
 from rapidformer.errors import InputError
+from rapidformer.planning.run_plan import pick_device
 
 
 def _tensor_parallel_group():
@@ -27,6 +29,11 @@ def _tensor_parallel_group():
 
 
 def _device() -> torch.device:
+    """The run's device (trainer.device, as the engine picked it); outside a run, the current
+    GPU if there is one."""
+    run = current()
+    if run is not None:
+        return pick_device(run.cfg.trainer.device)
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
 

@@ -171,7 +171,7 @@ def test_precision_needs_a_device_with_autocast():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_device_without_a_gpu_is_refused():
-    from rapidformer.engine import pick_device
+    from rapidformer.planning.run_plan import pick_device
 
     with pytest.raises(ConfigError, match="trainer.device=cuda but no CUDA GPU is visible"):
         pick_device("cuda")
@@ -302,11 +302,12 @@ def test_gradient_norm_spikes_are_logged_against_the_recent_median(caplog):
 
 
 def test_the_log_window_keeps_the_largest_gradient_norm_on_the_device():
+    from rapidformer.accelerators.base import StepResult
     from rapidformer.templates.finetuner import _Window
 
     window = _Window()
     for norm in (1.0, float("nan"), 3.0, 2.0):
-        window.add_step({"grad_norm": torch.tensor(norm)})
+        window.add_step(StepResult(stepped=True, grad_norm=torch.tensor(norm)))
     assert float(window.grad_norm_max) == 3.0 and float(window.grad_norm) == 2.0
 
 
@@ -354,7 +355,7 @@ def test_deepspeed_on_a_cpu_does_not_compile_its_inference_all_reduce():
 
     import torch
 
-    from rapidformer.accelerators.memory import import_deepspeed
+    from rapidformer.accelerators.zero import import_deepspeed
 
     import_deepspeed(torch.device("cpu"))
     assert importlib.import_module("deepspeed.comm.torch").build_shm_op() is None
@@ -380,13 +381,13 @@ def test_clipping_folded_into_the_fused_optimizer_matches_clip_grad_norm(tmp_pat
     reference.load_state_dict(model.state_dict())
     engine = RapidformerEngine(cfg=cfg, run_dir=tmp_path)
     model, optimizer, _ = engine.compose(model)
-    assert engine._clips_in_optimizer()
+    assert engine.strategy.clips_in_optimizer()
     ref_optimizer = build_optimizer(reference, cfg.optim, cfg.trainer.lr,
                                     cfg.trainer.weight_decay, torch.device("cpu"))
     ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
     for _ in range(4):
         engine.backward(model(input_ids=ids, labels=ids).loss)
-        norm = engine.step()["grad_norm"]
+        norm = engine.step().grad_norm
         reference(input_ids=ids, labels=ids).loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(),
                                                   clip if clip > 0 else float("inf"))

@@ -85,14 +85,15 @@ def test_env_names_versions_devices_and_what_each_accelerator_needs(capsys):
 
 def _cfg(*overrides: str):
     from rapidformer.config.compose import compose, resolve
+    from rapidformer.factory import settle
 
-    return resolve(compose(list(overrides)))[1]
+    return settle(*resolve(compose(list(overrides))))[1]
 
 
 def test_the_plan_counts_the_parameters_of_the_model_the_run_builds():
     from transformers import BertConfig, BertForSequenceClassification
 
-    from rapidformer.model_shape import model_shape
+    from rapidformer.planning.model_shape import model_shape
 
     shape = model_shape(_cfg("model=bert_tiny"))
     real = BertForSequenceClassification(BertConfig(
@@ -105,8 +106,8 @@ def test_the_plan_counts_the_parameters_of_the_model_the_run_builds():
 
 def test_model_state_estimates_follow_the_zero_arithmetic():
     """16 bytes per parameter unsharded; ZeRO/FSDP divide what they shard by the ranks."""
-    from rapidformer.memory_plan import Mode, estimate
-    from rapidformer.model_shape import ModelShape
+    from rapidformer.planning.memory_plan import Mode, estimate
+    from rapidformer.planning.model_shape import ModelShape
 
     p = 1_000_000_000
     shape = ModelShape(p, p // 24, 24, 2048, 16, 8192, 50257, True)
@@ -127,8 +128,8 @@ def test_model_state_estimates_follow_the_zero_arithmetic():
 
 
 def test_memory_auto_picks_the_fastest_mode_that_fits(capsys):
-    from rapidformer.memory_plan import plan
-    from rapidformer.model_shape import model_shape
+    from rapidformer.planning.memory_plan import plan
+    from rapidformer.planning.model_shape import model_shape
 
     big = ["model=bert_base", "data.max_seq_length=512", "trainer.micro_batch_size=32",
            "trainer.global_batch_size=64", "launcher.nproc_per_node=2", "precision=bf16"]

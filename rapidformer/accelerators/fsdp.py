@@ -7,11 +7,21 @@ set per rank; the export gathers one full fp32 state dict on rank 0.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from rapidformer.accelerators.base import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
+from rapidformer.accelerators.ddp import DDPStrategy
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError
+from rapidformer.models.blocks import transformer_blocks
+from rapidformer.runtime.distributed import join_group_of_one
+
+log = logging.getLogger("rapidformer")
 
 DCP_DIR = "dcp"
 
@@ -21,12 +31,6 @@ def check_fsdp_precision(cfg: RunConfig) -> None:
         raise ConfigError(["precision=fp16 with memory=fsdp is not supported yet (loss scaling of "
                            "sharded gradients); use precision=bf16 with FSDP, or fp16 with "
                            "memory=zero2/zero3"])
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: every child of every ModuleList (BertLayer, GPT2Block, ...)."""
-    return [block for module in model.modules() if isinstance(module, nn.ModuleList)
-            for block in module if any(p.requires_grad for p in block.parameters())]
 
 
 def shard_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> nn.Module:
@@ -73,3 +77,63 @@ def full_state_dict(model: nn.Module) -> dict:
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))
+
+
+def read_full_state_dict(directory) -> dict:
+    """The model weights of DCP shards, on one CPU process (torch's DCP converter)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(directory), f"{tmp}/full.pt")
+        return torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
+
+
+class FSDP2Strategy(DDPStrategy):
+    """The torch optimizer and step of the DDP strategy, over FSDP2-sharded parameters."""
+
+    name = "fsdp2"
+    shards = frozenset({OPTIMIZER_STATE, GRADIENTS, PARAMETERS})
+    compiles_blocks = True
+
+    def wrap(self, model, optimizer, build_scheduler):
+        model = self.inner_graph(model)
+        if optimizer is not None:
+            raise ConfigError(["memory=fsdp shards the parameters, so the optimizer must be "
+                               "built after sharding: return None for the optimizer from "
+                               "model_optimizer_lr_scheduler_provider"])
+        join_group_of_one(self.device)
+        model = shard_model(model, self.cfg, self.device)
+        log.info("memory=fsdp: FSDP2 over %d transformer blocks", len(transformer_blocks(model)))
+        optimizer = self.build_optimizer(model)
+        self.model, self.optimizer = model, optimizer
+        self.lr_scheduler = build_scheduler(optimizer)
+        return model, optimizer, self.lr_scheduler
+
+    def autocast(self):
+        return contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts
+
+    def accumulate(self, last_micro_batch: bool):
+        self.model.set_requires_gradient_sync(last_micro_batch)
+        return contextlib.nullcontext()
+
+    def clips_in_optimizer(self) -> bool:
+        return False  # the fused kernel's divisor would have to be a DTensor
+
+    def save(self, directory: Path) -> dict:
+        save_shards(self.model, self.optimizer, directory / DCP_DIR)
+        return self._schedule_and_precision()
+
+    def load(self, directory: Path) -> None:
+        load_shards(self.model, self.optimizer, directory / DCP_DIR)
+        self._load_schedule_and_precision(directory)
+
+    def export_model(self, model, tokenizer, checkpoint_dir):
+        if self.hf_model(model) is None:
+            return None
+        return model, full_state_dict(model)  # collective
+
+    @classmethod
+    def read_weights(cls, checkpoint_dir: Path) -> dict:
+        return read_full_state_dict(checkpoint_dir / DCP_DIR)

@@ -15,6 +15,7 @@ import torch
 
 from rapidformer.config.schema import GraphConfig
 from rapidformer.errors import ConfigError
+from rapidformer.models.blocks import transformer_blocks
 
 log = logging.getLogger("rapidformer")
 
@@ -47,19 +48,18 @@ def check_inductor_options(options: dict) -> None:
         raise ConfigError(problems)
 
 
-def compile_scope(g: GraphConfig, memory: str) -> str:
-    """graph.scope, with auto decided: the whole model unless FSDP2 or DeepSpeed shard it."""
+def compile_scope(g: GraphConfig, sharded: bool) -> str:
+    """graph.scope, with auto decided: the whole model unless the strategy shards its blocks
+    (FSDP2, DeepSpeed)."""
     if g.scope != "auto":
         return g.scope
-    return "model" if memory == "none" else "blocks"
+    return "blocks" if sharded else "model"
 
 
-def compile_blocks(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch.nn.Module:
+def compile_blocks(model: torch.nn.Module, g: GraphConfig, sharded: bool) -> torch.nn.Module:
     """graph=compile, scope=blocks: before any wrapper (DDP, FSDP2, DeepSpeed)."""
-    if g.name != "compile" or compile_scope(g, memory) != "blocks":
+    if g.name != "compile" or compile_scope(g, sharded) != "blocks":
         return model
-    from rapidformer.accelerators.fsdp import transformer_blocks
-
     blocks = transformer_blocks(model)
     if not blocks:
         raise ConfigError([f"graph.scope=blocks: {type(model).__name__} has no repeated "
@@ -71,21 +71,17 @@ def compile_blocks(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch
     return model
 
 
-def apply_graph(model: torch.nn.Module, g: GraphConfig, memory: str) -> torch.nn.Module:
+def apply_graph(model: torch.nn.Module, g: GraphConfig, sharded: bool) -> torch.nn.Module:
     """graph=compile, scope=model: around the (DDP-wrapped) model."""
-    if g.name != "compile" or compile_scope(g, memory) != "model":
+    if g.name != "compile" or compile_scope(g, sharded) != "model":
         return model
     log.info("graph=compile: the whole model compiled")
     return torch.compile(model, **_compile_kwargs(g))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module under torch.compile's, DDP's and ORTModule's wrappers (for state
-    dicts, export)."""
+    """The user's module under torch.compile's and DDP's wrappers (for state dicts, export)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from rapidformer.accelerators.ort import is_ort_module
-
     model = getattr(model, "_orig_mod", model)
-    model = model.module if isinstance(model, DistributedDataParallel) else model
-    return model.module if is_ort_module(model) else model
+    return model.module if isinstance(model, DistributedDataParallel) else model

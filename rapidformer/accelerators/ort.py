@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from rapidformer.accelerators.ddp import DDPStrategy
 from rapidformer.errors import NotAvailableError
 
 log = logging.getLogger("rapidformer")
@@ -126,6 +127,22 @@ def wrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_ort_module(model: torch.nn.Module) -> bool:
     return type(model).__name__ == "ORTModule" and hasattr(model, "module")
+
+
+
+class OrtStrategy(DDPStrategy):
+    """graph=ort: ORTModule inside DDP (which then sees ORT's parameters); the rest, checkpoints
+    included, is the DDP strategy's."""
+
+    name = "ort"
+    training_sdpa = False  # the ONNX export would bake its mask decision in
+
+    def inner_graph(self, model):
+        return wrap(model)
+
+    def unwrap(self, model):
+        model = super().unwrap(model)
+        return model.module if is_ort_module(model) else model
 
 
 if __name__ == "__main__":

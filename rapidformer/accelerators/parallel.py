@@ -3,7 +3,6 @@ schedules and its tensor-parallel layers, with weights drawn the same way at eve
 
     state = initialize(cfg, device)       # TP x PP groups; data parallelism takes the rest
     model = build_megatron_gpt(...)       # rapidformer.models.megatron
-    layout_independent_init(model, ...)   # the same weights whatever the layout
     losses = forward_backward(...)        # megatron-core's schedule for this layout
 
 Precision, gradient buffers and the optimizer are megatron-core's too
@@ -12,14 +11,13 @@ Precision, gradient buffers and the optimizer are megatron-core's too
 """
 from __future__ import annotations
 
-import re
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from rapidformer.config.schema import RunConfig
+from rapidformer.runtime.distributed import join_group_of_one
 
 
 @dataclass
@@ -37,10 +35,6 @@ class ParallelState:
         return self.tp_rank == 0 and self.pp_rank == 0
 
 
-def is_megatron(cfg: RunConfig) -> bool:
-    return cfg.model.arch.startswith("megatron")
-
-
 def initialize(cfg: RunConfig, device: torch.device) -> ParallelState:
     """megatron-core's groups for parallelism.tensor/pipeline_model_parallel_size, and its
     per-group RNG streams (the same dropout outside tensor-parallel regions within a group,
@@ -53,8 +47,6 @@ def initialize(cfg: RunConfig, device: torch.device) -> ParallelState:
     from megatron.core import tensor_parallel
 
     p = cfg.parallelism
-    from rapidformer.engine import join_group_of_one
-
     join_group_of_one(device)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
@@ -65,38 +57,6 @@ def initialize(cfg: RunConfig, device: torch.device) -> ParallelState:
                          tp_rank=ps.get_tensor_model_parallel_rank(),
                          pp_rank=ps.get_pipeline_model_parallel_rank(),
                          dp_rank=ps.get_data_parallel_rank())
-
-
-def layout_independent_init(model: torch.nn.Module, std: float, num_layers: int) -> None:
-    """Every weight drawn whole from a generator seeded by its global name, then cut to this
-    rank's shard: the model is the same at TP=1 and TP=2, PP=1 and PP=2, so a layout can be
-    checked against another (and a run reproduced on another one). Matrices ~ N(0, std),
-    norm weights 1, biases 0; a tied output layer gets the word embedding's values."""
-    from megatron.core import parallel_state as ps
-
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    offset = ps.get_pipeline_model_parallel_rank() * (num_layers //
-                                                      ps.get_pipeline_model_parallel_world_size())
-    for name, param in model.named_parameters():
-        name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
-        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights",
-                                                     False):
-            name = "embedding.word_embeddings.weight"
-        shape = list(param.shape)
-        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1
-        if dim >= 0:
-            shape[dim] *= tp
-        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        if "norm" in name and name.endswith("weight"):
-            full = torch.ones(shape)
-        elif name.endswith("weight"):
-            full = torch.randn(shape, generator=generator) * std
-        else:
-            full = torch.zeros(shape)
-        if dim >= 0:
-            full = full.chunk(tp, dim)[tp_rank]
-        with torch.no_grad():
-            param.copy_(full)
 
 
 def forward_backward(forward_step, data_iterator, model, num_microbatches: int,

@@ -11,8 +11,8 @@ import torch
 
 from rapidformer.config.schema import PrecisionConfig
 from rapidformer.errors import ConfigError
+from rapidformer.models.dtypes import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_device_supports(p: PrecisionConfig, device: torch.device) -> None:

@@ -27,6 +27,11 @@ def activate(cfg: RunConfig, run_dir: str, resolved: dict) -> ActiveRun:
     return _ACTIVE
 
 
+def current() -> ActiveRun | None:
+    """The active run, or None outside one (the seed-compatible helpers' fallback)."""
+    return _ACTIVE
+
+
 def active() -> ActiveRun:
     if _ACTIVE is None:
         raise RapidformerError(

@@ -187,7 +187,8 @@ def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> 
 
 
 def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunConfig]:
-    """Resolve interpolations once and validate: (plain dict for the record, typed config)."""
+    """Resolve interpolations once and validate: (plain dict for the record, typed config).
+    Config is data here: memory=auto is left for the factory's planning step to decide."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     cfg.pop("hydra", None)
     if output_dir is not None:
@@ -200,11 +201,5 @@ def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunCo
         if "Missing mandatory value" in msg and key:
             raise ConfigError([f"{key} must be set (it is ??? in its config file); e.g. {key}=VALUE"]) from exc
         raise ConfigError([f"{key or 'config'}: {msg}"]) from exc
-    run_cfg = build_run_config(plain)
-    if run_cfg.memory.name == "auto":
-        from rapidformer.memory_plan import resolve_auto
-
-        plain = resolve_auto(plain, run_cfg)
-        run_cfg = build_run_config(plain)
-    return plain, run_cfg
+    return plain, build_run_config(plain)
 

@@ -304,7 +304,7 @@ def _task_problems(cfg: RunConfig) -> list[str]:
 
 def _pretraining_problems(cfg: RunConfig) -> list[str]:
     """Pretraining tasks read Megatron data with the tokenizer that made it, by iterations."""
-    from rapidformer.data.splits import parse_split
+    from rapidformer.config.splits import parse_split
 
     p: list[str] = []
     t, d, m, task = cfg.trainer, cfg.data, cfg.model, cfg.task.name

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import zlib
 
 import torch
 
-from rapidformer.accelerators.precision import DTYPES
 from rapidformer.config.schema import ModelConfig, RunConfig
+from rapidformer.models.dtypes import DTYPES
 
 log = logging.getLogger("rapidformer")
 # the embedding table is padded so that it splits evenly over tensor-parallel ranks and keeps
@@ -123,8 +125,6 @@ def _initialized(model, kind: str, m: ModelConfig, vocab: int, vocab_size: int, 
     """The built model with its layout-independent weights, and one log line describing it."""
     from megatron.core import parallel_state as ps
 
-    from rapidformer.accelerators.parallel import layout_independent_init
-
     layout_independent_init(model, m.initializer_range, m.num_layers)
     log.info("megatron-core %s: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
              "%s layers%s; this rank: pipeline stage %d of %d, tensor shard %d of %d",
@@ -134,3 +134,35 @@ def _initialized(model, kind: str, m: ModelConfig, vocab: int, vocab_size: int, 
              ps.get_pipeline_model_parallel_rank() + 1, ps.get_pipeline_model_parallel_world_size(),
              ps.get_tensor_model_parallel_rank() + 1, ps.get_tensor_model_parallel_world_size())
     return model
+
+
+def layout_independent_init(model: torch.nn.Module, std: float, num_layers: int) -> None:
+    """Every weight drawn whole from a generator seeded by its global name, then cut to this
+    rank's shard: the model is the same at TP=1 and TP=2, PP=1 and PP=2, so a layout can be
+    checked against another (and a run reproduced on another one). Matrices ~ N(0, std),
+    norm weights 1, biases 0; a tied output layer gets the word embedding's values."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    offset = ps.get_pipeline_model_parallel_rank() * (num_layers //
+                                                      ps.get_pipeline_model_parallel_world_size())
+    for name, param in model.named_parameters():
+        name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
+        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights",
+                                                     False):
+            name = "embedding.word_embeddings.weight"
+        shape = list(param.shape)
+        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1
+        if dim >= 0:
+            shape[dim] *= tp
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if "norm" in name and name.endswith("weight"):
+            full = torch.ones(shape)
+        elif name.endswith("weight"):
+            full = torch.randn(shape, generator=generator) * std
+        else:
+            full = torch.zeros(shape)
+        if dim >= 0:
+            full = full.chunk(tp, dim)[tp_rank]
+        with torch.no_grad():
+            param.copy_(full)

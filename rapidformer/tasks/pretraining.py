@@ -28,9 +28,15 @@ class _MegatronDataPretrainer(PreTrainer):
 
     build_megatron_model = None  # the megatron-core builder for model=megatron_*
 
+    @property
+    def megatron_model(self) -> bool:
+        """model=megatron_*: a megatron-core model (its own forward and loss), else Hugging
+        Face's."""
+        return self.cfg.model.arch.startswith("megatron")
+
     def model_optimizer_lr_scheduler_provider(self):
         tokenizer = load_pretraining_tokenizer(self.cfg.model)
-        if self.engine.parallel is not None:
+        if self.megatron_model:
             return type(self).build_megatron_model(self.cfg, tokenizer.vocab_size), None, None
         return build_pretraining_model(self.cfg.model, self.cfg.task.name, tokenizer), None, None
 
@@ -47,7 +53,7 @@ class BertPretrainer(_MegatronDataPretrainer):
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(BERT_KEYS, next(data_iterator), torch.int64)
-        if self.engine.parallel is not None:
+        if self.megatron_model:
             return megatron_bert_forward(model, data)
         return model(**data).loss
 
@@ -65,7 +71,7 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(GPT_KEYS, next(data_iterator), torch.int64)
-        if self.engine.parallel is not None:
+        if self.megatron_model:
             return megatron_gpt_forward(model, data)
         # position ids that restart at each document are the model's input; plain ones
         # (0..s-1) are its default, and passing them would make transformers look for packed

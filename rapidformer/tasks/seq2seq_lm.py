@@ -46,7 +46,7 @@ class Seq2SeqFinetuner(TaskFinetuner):
         wrapped, t, tokenizer = model[0], self.cfg.task, self.tokenizer
         generator = self.engine.unwrapped_model()  # `generate` is the Hugging Face model's
         # sharded weights are gathered by every rank's forward: ranks generate in step
-        synced = self.engine.world_size > 1 and self.cfg.memory.name in ("zero3", "fsdp")
+        synced = self.engine.strategy.forward_is_collective
         rouge_sum = loss_sum = rows = batches = 0.0
         for batch in eval_dataloader:
             loss_sum += float(wrapped(**batch).loss)

@@ -20,7 +20,7 @@ import yaml
 
 from rapidformer import checkpoint
 from rapidformer.config.validate import PRETRAINING_TASKS
-from rapidformer.errors import InputError, NotAvailableError, RapidformerError
+from rapidformer.errors import InputError, RapidformerError
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -55,25 +55,11 @@ def _strip(name: str) -> str:
     return name
 
 
-def weights(ckpt: Path, memory: str) -> dict:
-    """The fp32 model weights of a checkpoint, by the memory mode that wrote it."""
-    import torch
+def weights(ckpt: Path, saved: dict) -> dict:
+    """The fp32 model weights of a checkpoint, read by the strategy that wrote it."""
+    from rapidformer.accelerators.table import strategy_of_checkpoint
 
-    if memory in ("zero1", "zero2", "zero3"):
-        from rapidformer.accelerators.memory import consolidated_state_dict, import_deepspeed
-
-        import_deepspeed(torch.device("cpu"))
-        state = consolidated_state_dict(str(ckpt))
-    elif memory == "fsdp":
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        from rapidformer.accelerators.fsdp import DCP_DIR
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(str(ckpt / DCP_DIR), f"{tmp}/full.pt")
-            state = torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)["model"]
-    else:
-        state = checkpoint.load(ckpt, "model.pt")
+    state = strategy_of_checkpoint(saved, ckpt).read_weights(ckpt)
     return {_strip(k): v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
@@ -83,7 +69,7 @@ def _rows(state: dict, *suffixes: str) -> int | None:
 
 def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
     """The run's Hugging Face model class and shape, on the CPU, to load the weights into."""
-    from rapidformer.model_shape import _VocabOnly
+    from rapidformer.planning.model_shape import _VocabOnly
     from rapidformer.models import hf
 
     exported = run_dir / "hf_model" / "config.json"
@@ -123,14 +109,9 @@ def export(path: Path, out: Path, step: int | None = None) -> Path:
                          f"overwritten)")
     ckpt, run_dir = locate(path, step)
     cfg = build_run_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    if cfg.model.arch.startswith("megatron"):
-        raise NotAvailableError(
-            f"export of a Megatron checkpoint ({cfg.model.arch}) is not built: it needs the "
-            f"run's tensor/pipeline layout; the run itself writes {run_dir}/hf_model at its end "
-            f"(trainer.export_hf=true, megatron_gpt -> GPT-2)")
     saved = checkpoint.read_state(ckpt)
     memory = saved.get("memory", "none")
-    state = weights(ckpt, memory)
+    state = weights(ckpt, saved)
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
         if (ckpt / "tokenizer").is_dir() else None
     model = skeleton(cfg, state, tokenizer, run_dir)

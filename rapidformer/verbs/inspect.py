@@ -66,9 +66,11 @@ def redact(tree):
 def _resolved(argv: list[str]):
     from rapidformer.__main__ import split_argv
 
+    from rapidformer.factory import settle
+
     _, overrides = split_argv(argv)
     overrides = check_overrides(with_default_recipe(overrides))
-    return resolve(compose(overrides, default_recipe=False))
+    return settle(*resolve(compose(overrides, default_recipe=False)))
 
 
 def _resolved_reporting_all(argv: list[str]):
@@ -83,8 +85,10 @@ def _resolved_reporting_all(argv: list[str]):
             good += check_overrides([override])
         except ConfigError as exc:
             problems += exc.problems
+    from rapidformer.factory import settle
+
     try:
-        plain, cfg = resolve(compose(good, default_recipe=False))
+        plain, cfg = settle(*resolve(compose(good, default_recipe=False)))
     except ConfigError as exc:
         raise ConfigError(problems + exc.problems) from exc
     if problems:
@@ -131,15 +135,15 @@ def validate_command(argv: list[str]) -> int:
               f"{'s' if len(problems) > 1 else ''}):\n{lines}", file=sys.stderr)
         return EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_NOT_AVAILABLE
     world = cfg.launcher.nproc_per_node * cfg.launcher.nnodes
-    print(f"ok: recipe={cfg.recipe} task={cfg.task.name} model={cfg.model.name} "
-          f"data={cfg.data.name} precision={cfg.precision.name} memory={cfg.memory.name} "
-          f"graph={cfg.graph.name}, {world} process{'es' if world > 1 else ''}")
+    choices = " ".join(f"{group}={getattr(cfg, group).name}"
+                       for group in ("task", "model", "data", "precision", "memory", "graph"))
+    print(f"ok: recipe={cfg.recipe} {choices}, {world} process{'es' if world > 1 else ''}")
     return 0
 
 
 def print_plan(cfg) -> None:
-    from rapidformer.memory_plan import plan_report
-    from rapidformer.model_shape import model_shape
+    from rapidformer.planning.memory_plan import plan_report
+    from rapidformer.planning.model_shape import model_shape
 
     print(plan_report(cfg, model_shape(cfg)))
 

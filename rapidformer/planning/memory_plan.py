@@ -12,11 +12,16 @@ runs (torch autocast keeps fp32 weights and an fp32 residual stream; DeepSpeed a
 """
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass, replace
 
 from rapidformer.config.schema import RunConfig
-from rapidformer.config.validate import data_parallel_size, world_size
-from rapidformer.model_shape import ModelShape
+from rapidformer.config.validate import build_run_config, data_parallel_size, world_size
+from rapidformer.errors import ConfigError
+from rapidformer.planning.model_shape import ModelShape, model_shape
+
+log = logging.getLogger("rapidformer")
 
 GB = 2**30
 # CUDA context, cuBLAS/cuDNN handles and allocator fragmentation: memory a process uses that
@@ -149,7 +154,7 @@ def _hf_activations(shape: ModelShape, cfg: RunConfig, mode: Mode, residual: int
 
 def _activation_bytes(activation: str, compute: int, residual: int) -> int:
     """Bytes the MLP's activation keeps per element of its input."""
-    from rapidformer.model_shape import ELEMENTWISE_ACTIVATIONS
+    from rapidformer.planning.model_shape import ELEMENTWISE_ACTIVATIONS
 
     if activation not in ELEMENTWISE_ACTIVATIONS:
         return compute
@@ -245,15 +250,11 @@ def plan_report(cfg: RunConfig, shape: ModelShape) -> str:
     return "\n".join(lines)
 
 
-def resolve_auto(plain: dict, cfg: RunConfig) -> dict:
-    """The resolved config with memory=auto replaced by the mode chosen for it."""
-    import copy
-    import logging
-
-    from rapidformer.errors import ConfigError
-    from rapidformer.model_shape import model_shape
-
-    log = logging.getLogger("rapidformer")
+def resolve_auto(plain: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
+    """The resolved config (plain and typed) with memory=auto replaced by the mode chosen for
+    it; any other memory mode unchanged."""
+    if plain["memory"]["name"] != "auto":
+        return plain, cfg
     estimates, capacity, source = plan(cfg, model_shape(cfg))
     if capacity is None:
         chosen = estimates[0]
@@ -274,4 +275,4 @@ def resolve_auto(plain: dict, cfg: RunConfig) -> dict:
     plain["memory"].update(name=chosen.mode.memory, offload_optimizer=chosen.mode.offload_optimizer,
                            offload_params=chosen.mode.offload_params)
     plain["trainer"]["checkpoint_activations"] = chosen.mode.checkpoint_activations
-    return plain
+    return plain, build_run_config(plain)

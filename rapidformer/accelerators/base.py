@@ -1,0 +1,204 @@
+"""The protocol every backend strategy follows, and what its step returns.
+
+The engine keeps the device, the process group, the RNG and the checkpoint directory protocol;
+a strategy owns everything that depends on the backend: how the model and optimizer are
+wrapped, the compute precision, gradient accumulation and synchronisation, the step, the files
+a checkpoint holds and how they are read back (also offline, by `rapidformer export`), and how
+the whole model is gathered for an export. One strategy per backend, chosen once by
+`rapidformer.accelerators.table.select`.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+
+from rapidformer.accelerators.recompute import enable_recompute
+from rapidformer.config.schema import RunConfig
+from rapidformer.models.attention import use_training_sdpa
+
+log = logging.getLogger("rapidformer")
+
+# what a strategy shards over the data-parallel ranks (the memory plan's vocabulary)
+OPTIMIZER_STATE, GRADIENTS, PARAMETERS = "optimizer state", "gradients", "parameters"
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: whether it was taken (fp16 skips steps whose gradients overflowed),
+    the gradient norm before clipping (a device tensor: read it only when logging), and the
+    loss scale and skipped-step count of fp16 loss scaling (None / 0 without it)."""
+    stepped: bool
+    grad_norm: torch.Tensor | float
+    loss_scale: float | None = None
+    skipped_steps: int = 0
+
+
+class Strategy(abc.ABC):
+    """A backend. Subclasses set `name` (recorded in every checkpoint's state.json and
+    manifest) and override what differs from the plain single-process defaults below."""
+
+    name: ClassVar[str]
+    shards: ClassVar[frozenset] = frozenset()  # what it splits over data-parallel ranks
+    # whether torch.compile's graph.scope=auto compiles each block (the wrapper shards them)
+    compiles_blocks: ClassVar[bool] = False
+    # Hugging Face models: the training attention path (rapidformer_sdpa), and their own
+    # per-layer activation recompute for trainer.checkpoint_activations
+    training_sdpa: ClassVar[bool] = True
+    hf_recompute: ClassVar[bool] = True
+
+    def __init__(self, cfg: RunConfig, device: torch.device, rank: int, world_size: int):
+        self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
+        self.model = self.optimizer = self.lr_scheduler = None
+
+    # --- who reads which data ---------------------------------------------------------------
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(this rank's data-parallel index, the data-parallel size)."""
+        return self.rank, self.world_size
+
+    @property
+    def counts_input(self) -> bool:
+        """Whether this rank's batches count towards throughput (one rank per replica)."""
+        return True
+
+    @property
+    def forward_is_collective(self) -> bool:
+        """Whether every forward pass gathers weights from the other ranks, so that ranks must
+        evaluate and generate in step (sharded parameters over several processes)."""
+        return PARAMETERS in self.shards and self.world_size > 1
+
+    # --- building ---------------------------------------------------------------------------
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on its device, before any wrapper: the training attention path and, when
+        asked for, Hugging Face's per-layer activation recompute."""
+        if self.training_sdpa:
+            use_training_sdpa(model)
+        if self.hf_recompute and self.cfg.trainer.checkpoint_activations:
+            enable_recompute(model)  # before any wrapper: it hooks the model's own layers
+        return model
+
+    def count_parameters(self, model: torch.nn.Module) -> int:
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    @abc.abstractmethod
+    def wrap(self, model: torch.nn.Module, optimizer, build_scheduler: Callable):
+        """(model, optimizer, lr_scheduler) ready to train; `build_scheduler(optimizer)` gives
+        the schedule (the user's, or the configured one)."""
+
+    def build_optimizer(self, model: torch.nn.Module):
+        from rapidformer.optim import build_optimizer
+
+        t = self.cfg.trainer
+        return build_optimizer(model, self.cfg.optim, t.lr, t.weight_decay, self.device)
+
+    # --- the step ---------------------------------------------------------------------------
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def accumulate(self, last_micro_batch: bool):
+        """Context for one micro-batch's forward and backward: gradients are synchronised
+        between ranks on the last micro-batch of a step only."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor, accumulation_steps: int) -> None:
+        """Gradients of `loss`, averaged over `accumulation_steps` micro-batches."""
+
+    @abc.abstractmethod
+    def step(self) -> StepResult:
+        """Unscale, clip, step (or skip), advance the lr schedule, zero the gradients."""
+
+    def forward_backward(self, forward_step: Callable, data_iterator, model, num_microbatches: int,
+                         forward_only: bool = False, tick: Callable = lambda: None) -> list:
+        """One step's micro-batches, `forward_step(data_iterator, model) -> loss` each, with
+        backward unless `forward_only`; their detached losses. `tick` marks each training
+        forward pass (the rank-progress counter)."""
+        losses = []
+        for micro in range(num_microbatches):
+            sync = contextlib.nullcontext() if forward_only else \
+                self.accumulate(last_micro_batch=micro == num_microbatches - 1)
+            with sync:
+                with self.autocast():
+                    loss = forward_step(data_iterator, model)
+                if not forward_only:
+                    tick()
+                    self.backward(loss, num_microbatches)
+            losses.append(loss.detach())
+        return losses
+
+    @property
+    def loss_scale(self) -> float | None:
+        return None
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def layout(self) -> dict:
+        """What a checkpoint records of the parallel layout (RNG streams restore only at the
+        same one)."""
+        return {}
+
+    def checkpoint_state(self) -> dict:
+        return {"strategy": self.name, "memory": self.cfg.memory.name, **self.layout()}
+
+    @abc.abstractmethod
+    def save(self, directory: Path) -> dict:
+        """Collective: every rank writes its shards into `directory`; returns the objects that
+        rank 0 writes with torch.save (name -> object)."""
+
+    @abc.abstractmethod
+    def load(self, directory: Path) -> None:
+        """Collective: the model, optimizer, schedule and precision states of `directory`."""
+
+    def resume_problem(self, saved: dict) -> str | None:
+        """Why a checkpoint with state.json `saved` cannot be resumed by this run (a phrase
+        after "checkpoint PATH "), or None."""
+        saved_memory = saved.get("memory", "none")
+        if saved_memory != self.cfg.memory.name:
+            return (f"was written with memory={saved_memory}, this run has "
+                    f"memory={self.cfg.memory.name}; resume with the same memory mode (export it "
+                    f"with its own mode first to change modes)")
+        return None
+
+    def rng_state(self) -> dict:
+        """Random streams of the backend's own, beside torch's, numpy's and Python's."""
+        return {}
+
+    def set_rng_state(self, state: dict) -> None:
+        pass
+
+    # --- export -----------------------------------------------------------------------------
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module under this strategy's wrappers."""
+        from rapidformer.accelerators.graph import unwrap
+
+        return unwrap(model)
+
+    def export_model(self, model: torch.nn.Module, tokenizer, checkpoint_dir: Path | None):
+        """Collective: (Hugging Face model, its full fp32 state dict or None for its own) on
+        rank 0, for `save_pretrained`; None where there is nothing to export (on other ranks:
+        anything). `checkpoint_dir` is the final checkpoint, for strategies that consolidate
+        from files."""
+        model = self.hf_model(model)
+        return None if model is None else (model, None)
+
+    def hf_model(self, model: torch.nn.Module):
+        """The unwrapped model if it is a Hugging Face model (it has save_pretrained)."""
+        model = self.unwrap(model)
+        if not hasattr(model, "save_pretrained"):
+            log.info("the model is not a Hugging Face model: no hf_model export")
+            return None
+        return model
+
+    @classmethod
+    @abc.abstractmethod
+    def read_weights(cls, checkpoint_dir: Path) -> dict:
+        """The full model weights of a checkpoint this strategy wrote, on one CPU process."""

@@ -1,0 +1,170 @@
+"""megatron-core models: tensor and pipeline parallelism (its parallel state and schedules), its
+gradient buffers and optimizer (memory=zero1/zero2: the distributed optimizer), its precision
+(bf16/fp16 weights with fp32 main weights) and its distributed checkpoints.
+
+The pieces are megatron-core's, each behind one module: `parallel` (groups, schedules, the
+layout-independent initialisation), `megatron_optimizer` (wrappers, optimizer, precision),
+`megatron_checkpoint` (sharded checkpoints that reshard across layouts); on a CPU,
+`megatron_cpu` maps its CUDA calls.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from rapidformer import checkpoint
+from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, parallel
+from rapidformer.accelerators.base import OPTIMIZER_STATE, StepResult, Strategy
+from rapidformer.accelerators.precision import check_device_supports
+from rapidformer.errors import ConfigError, NotAvailableError, RapidformerError
+
+log = logging.getLogger("rapidformer")
+
+
+class MegatronStrategy(Strategy):
+    name = "megatron"
+    hf_recompute = False  # activation recompute is in the model's own (megatron-core) config
+
+    def __init__(self, cfg, device, rank, world_size):
+        super().__init__(cfg, device, rank, world_size)
+        self.parallel = parallel.initialize(cfg, device)
+        check_device_supports(cfg.precision, device)
+        # megatron-core's optimizer owns the loss scale, unscaling, inf check and clipping
+        self.precision = megatron_optimizer.MegatronPrecision(cfg.precision.dtype)
+
+    @property
+    def shards(self):
+        return frozenset({OPTIMIZER_STATE}) if megatron_optimizer.uses_distributed_optimizer(
+            self.cfg) else frozenset()
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return self.parallel.dp_rank, self.parallel.dp
+
+    @property
+    def counts_input(self) -> bool:
+        return self.parallel.counts_input
+
+    # --- building ---------------------------------------------------------------------------
+    def count_parameters(self, model) -> int:
+        return parallel.count_parameters(model)
+
+    def wrap(self, model, optimizer, build_scheduler):
+        if optimizer is not None:
+            raise ConfigError(["a Megatron model trains with megatron-core's optimizer, built "
+                               "from optim.* and precision.*: return None for the optimizer from "
+                               "model_optimizer_lr_scheduler_provider"])
+        model = megatron_optimizer.wrap_model(model, self.cfg)
+        optimizer = self.precision.optimizer = megatron_optimizer.build_optimizer(model, self.cfg)
+        self.model, self.optimizer = model, optimizer
+        self.lr_scheduler = build_scheduler(optimizer)
+        return model, optimizer, self.lr_scheduler
+
+    # --- the step ---------------------------------------------------------------------------
+    def backward(self, loss, accumulation_steps: int) -> None:
+        raise RapidformerError("a Megatron model's backward runs inside megatron-core's "
+                               "schedule: use engine.forward_backward(...)")
+
+    def forward_backward(self, forward_step, data_iterator, model, num_microbatches: int,
+                         forward_only: bool = False, tick=lambda: None) -> list:
+        """megatron-core's schedule for this layout (1F1B across pipeline stages); the
+        micro-batch losses on the last stage, none elsewhere. `forward_step` returns the loss,
+        or megatron-core's (output_tensor, loss_func) pair (needed with pipeline stages)."""
+        def step(iterator, chunk):
+            result = forward_step(iterator, chunk)
+            if not forward_only:  # every pipeline stage runs this once per micro-batch
+                tick()
+            if isinstance(result, tuple):
+                return result
+            if self.parallel.pp > 1:
+                raise RapidformerError(
+                    "with pipeline parallelism run_forward_step must return megatron-core's "
+                    "(output_tensor, loss_func) pair: each stage passes its output on, and only "
+                    "the last computes the loss")
+            return result, lambda loss: (loss, {"loss": loss.detach().clone()})
+
+        t = self.cfg.trainer
+        losses = parallel.forward_backward(step, data_iterator, model, num_microbatches,
+                                           self.cfg.data.max_seq_length, t.micro_batch_size,
+                                           forward_only)
+        return [entry["loss"].detach().float() for entry in losses]
+
+    def step(self) -> StepResult:
+        """Unscale, clip over every shard, step (megatron-core's optimizer)."""
+        stepped, grad_norm = self.precision.step(self.optimizer)
+        if stepped:
+            self.lr_scheduler.step()
+        megatron_optimizer.zero_grad(self.model, self.optimizer)
+        return StepResult(stepped, torch.tensor(grad_norm), self.loss_scale, self.skipped_steps)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.precision.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.precision.skipped_steps
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def layout(self) -> dict:
+        return {"tensor_parallel": self.parallel.tp, "pipeline_parallel": self.parallel.pp,
+                "world_size": self.world_size, "precision": self.cfg.precision.dtype}
+
+    def save(self, directory: Path) -> dict:
+        megatron_checkpoint.save(self.model, self.optimizer, directory)
+        return {"scheduler.pt": self.lr_scheduler.state_dict(),
+                "precision.pt": self.precision.state_dict()}
+
+    def load(self, directory: Path) -> None:
+        megatron_checkpoint.load(self.model, self.optimizer, directory)
+        self.lr_scheduler.load_state_dict(checkpoint.load(directory, "scheduler.pt"))
+        self.precision.load_state_dict(checkpoint.load(directory, "precision.pt"))
+
+    def resume_problem(self, saved: dict) -> str | None:
+        problem = super().resume_problem(saved)
+        if problem:
+            return problem
+        problem = megatron_checkpoint.reshard_problem(
+            saved, self.layout(), megatron_optimizer.uses_distributed_optimizer(self.cfg))
+        return f"cannot be resumed by this run: {problem}" if problem else None
+
+    def rng_state(self) -> dict:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        return {"megatron_tracker": get_cuda_rng_tracker().get_states()}  # dropout in TP regions
+
+    def set_rng_state(self, state: dict) -> None:
+        if "megatron_tracker" in state:
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+    # --- export -----------------------------------------------------------------------------
+    def unwrap(self, model):
+        return megatron_optimizer.unwrap(model)
+
+    def export_model(self, model, tokenizer, checkpoint_dir):
+        """megatron-core GPT -> Hugging Face GPT-2, gathered on rank 0 (collective)."""
+        from rapidformer.models.megatron_export import gather_full_state, to_hf_gpt2
+
+        if self.cfg.model.arch != "megatron_gpt":
+            log.warning("trainer.export_hf: converting model.arch=%s to a Hugging Face model is "
+                        "not built (only megatron_gpt -> GPT-2); its weights are in the "
+                        "checkpoints", self.cfg.model.arch)
+            return None
+        full = gather_full_state(self.unwrap(model), self.cfg.model.num_layers)
+        if full is None:
+            return None
+        vocab = full["embedding.word_embeddings.weight"].shape[0]
+        eod = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        return to_hf_gpt2(full, self.cfg, vocab, eod), None
+
+    @classmethod
+    def read_weights(cls, checkpoint_dir: Path) -> dict:
+        raise NotAvailableError(
+            f"export of a Megatron checkpoint ({checkpoint_dir}) is not built: it needs the "
+            f"run's tensor/pipeline layout; the run itself writes "
+            f"{Path(checkpoint_dir).parent.parent}/hf_model at its end (trainer.export_hf=true, "
+            f"megatron_gpt -> GPT-2)")

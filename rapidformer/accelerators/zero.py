@@ -1,0 +1,179 @@
+"""memory=zero1/zero2/zero3: DeepSpeed ZeRO stages 1-3, configured from the resolved config.
+
+DeepSpeed owns precision (bf16/fp16 weights with fp32 masters), gradient accumulation,
+clipping and the optimizer step when it is on; the strategy only forwards to it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from rapidformer.accelerators.base import (GRADIENTS, OPTIMIZER_STATE, PARAMETERS, StepResult,
+                                           Strategy)
+from rapidformer.accelerators.graph import compile_blocks
+from rapidformer.accelerators.precision import check_device_supports
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import ConfigError, NotAvailableError
+from rapidformer.runtime.distributed import join_group_of_one
+
+log = logging.getLogger("rapidformer")
+
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+CHECKPOINT_TAG = "deepspeed"
+
+
+def import_deepspeed(device: torch.device):
+    if device.type == "cpu":
+        # DeepSpeed picks its accelerator at import time; on a CPU machine it must be told
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise NotAvailableError("memory=zero1/zero2/zero3 needs DeepSpeed: pip install "
+                                "'deepspeed>=0.19,<0.20'") from exc
+    if device.type == "cpu":
+        _skip_inference_shm_op()
+    return deepspeed
+
+
+def _skip_inference_shm_op() -> None:
+    """DeepSpeed's CPU backend compiles a shared-memory all-reduce on first init (25 s on 2
+    cores, again in every new environment) that only its inference engine calls; training's
+    collectives go through torch.distributed either way, so it is not built."""
+    import importlib
+
+    # by module path: the package attribute `deepspeed.comm.torch` is the torch module itself
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(ds_comm, "build_shm_op"):
+        ds_comm.build_shm_op = lambda: None
+
+
+def check_zero_precision(cfg: RunConfig, device_type: str) -> None:
+    if cfg.memory.name in ZERO_STAGES and cfg.precision.dtype == "fp16" and device_type == "cpu" \
+            and not cfg.model.arch.startswith("megatron"):  # megatron-core's optimizer, not DeepSpeed
+        raise ConfigError([f"precision=fp16 with memory={cfg.memory.name}: DeepSpeed has no fp16 "
+                           f"on a CPU; use precision=bf16 or fp32, or run on a GPU"])
+
+
+def deepspeed_config(cfg: RunConfig, accumulation: int, device: torch.device) -> dict:
+    """DeepSpeed's JSON config, every value taken from the resolved config."""
+    t, p, m = cfg.trainer, cfg.precision, cfg.memory
+    check_zero_precision(cfg, device.type)
+    zero: dict = {"stage": ZERO_STAGES[m.name]}
+    if m.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    if m.offload_params:
+        if zero["stage"] != 3:
+            raise ConfigError([f"memory.offload_params=true needs memory=zero3 (ZeRO stage "
+                               f"{zero['stage']} does not partition parameters)"])
+        zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    config = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": t.clip_grad,
+        "zero_optimization": zero,
+        "bf16": {"enabled": p.dtype == "bf16"},
+        "fp16": {"enabled": p.dtype == "fp16", "loss_scale": 0,
+                 "initial_scale_power": int(math.log2(p.initial_scale)),
+                 "loss_scale_window": p.growth_interval},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if zero["stage"] > 1 and m.offload_optimizer:
+        # DeepSpeed refuses a client torch optimizer with optimizer offload
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def consolidated_state_dict(checkpoint_dir: str) -> dict:
+    """fp32 weights gathered from a ZeRO checkpoint's shards (any stage), on one process."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=CHECKPOINT_TAG)
+
+
+class ZeroStrategy(Strategy):
+    """DeepSpeed's engine around the model and the client optimizer: it owns the compute
+    precision, the accumulation boundary, clipping and the step; checkpoints are its own
+    per-rank files under `deepspeed/`."""
+
+    name = "deepspeed"
+    compiles_blocks = True
+
+    def __init__(self, cfg, device, rank, world_size):
+        super().__init__(cfg, device, rank, world_size)
+        check_device_supports(cfg.precision, device)
+        self.stage = ZERO_STAGES[cfg.memory.name]
+        self.ds = None
+        self._skipped = 0  # DeepSpeed's count of overflow-skipped steps at the last step
+
+    @property
+    def shards(self):
+        return frozenset([OPTIMIZER_STATE, GRADIENTS, PARAMETERS][:self.stage])
+
+    def wrap(self, model, optimizer, build_scheduler):
+        model = compile_blocks(model, self.cfg.graph, self.compiles_blocks)
+        optimizer = optimizer if optimizer is not None else self.build_optimizer(model)
+        lr_scheduler = build_scheduler(optimizer)
+        deepspeed = import_deepspeed(self.device)
+        join_group_of_one(self.device)
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts on it, even for one
+        t = self.cfg.trainer
+        accumulation = t.global_batch_size // (t.micro_batch_size * self.world_size)
+        config = deepspeed_config(self.cfg, accumulation, self.device)
+        self.ds, optimizer, _, lr_scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
+        log.info("memory=%s: DeepSpeed ZeRO stage %d", self.cfg.memory.name, self.stage)
+        self.model, self.optimizer, self.lr_scheduler = self.ds, optimizer, lr_scheduler
+        return self.ds, optimizer, lr_scheduler
+
+    def backward(self, loss, accumulation_steps: int) -> None:
+        # DeepSpeed divides by its own accumulation steps and steps at the boundary
+        self.ds.backward(loss)
+        self.ds.step()
+
+    def step(self) -> StepResult:
+        norm = self.ds.get_global_grad_norm()
+        skipped = self.ds.skipped_steps
+        stepped = skipped == self._skipped
+        self._skipped = skipped
+        return StepResult(stepped, torch.tensor(float(norm) if norm is not None else float("nan")),
+                          self.loss_scale, skipped)
+
+    @property
+    def loss_scale(self) -> float | None:
+        if self.cfg.precision.dtype != "fp16" or self.ds is None:
+            return None
+        scale = getattr(self.ds.optimizer, "cur_scale", None)
+        return float(scale) if scale is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._skipped
+
+    def save(self, directory: Path) -> dict:
+        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG)
+        return {}
+
+    def load(self, directory: Path) -> None:
+        self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG)
+        self._skipped = self.ds.skipped_steps
+
+    def unwrap(self, model):
+        return self.ds.module if self.ds is not None else super().unwrap(model)
+
+    def export_model(self, model, tokenizer, checkpoint_dir):
+        model = self.hf_model(model)
+        if model is None or self.rank != 0:
+            return None
+        return model, consolidated_state_dict(str(checkpoint_dir))
+
+    @classmethod
+    def read_weights(cls, checkpoint_dir: Path) -> dict:
+        import_deepspeed(torch.device("cpu"))
+        return consolidated_state_dict(str(checkpoint_dir))

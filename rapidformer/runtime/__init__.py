@@ -1,0 +1,2 @@
+"""What a process of a run needs around the training itself: its process group, launch,
+preemption, rank progress, a fast exit."""
