@@ -1,0 +1,262 @@
+"""The strategy contract, strategy by strategy, on 2 gloo ranks started in-process
+(torch.multiprocessing): the same per-step losses as one plain process on the same global
+batches, an exact resume from a mid-run checkpoint, and an export whose weights equal those
+`rapidformer export` reads offline from the same checkpoint. The CLI's own multi-process tests
+(launcher, torchrun, failures) are in test_distributed.py."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.conftest import OFFLINE_ENV
+
+STEPS, SAVED_AT, VOCAB, SEQ = 4, 2, 64, 17  # Megatron reads SEQ - 1: a multiple of TP
+BASE = ["model=gpt2_tiny", "trainer.device=cpu", "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=8", f"trainer.train_iters={STEPS}", "trainer.lr=5e-3",
+        "trainer.export_hf=true", "trainer.progress_bar=false", "scheduler=linear"]
+
+
+def _model(cfg):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    if cfg.model.arch == "megatron_gpt":
+        from rapidformer.models.megatron import build_megatron_gpt
+
+        return build_megatron_gpt(cfg, VOCAB)
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=VOCAB,
+                                      n_positions=SEQ, bos_token_id=0, eos_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+
+
+def _global_batches() -> list[torch.Tensor]:
+    """The same 8 sequences every step: a loss that must fall (they are learnt by heart)."""
+    batch = torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(1))
+    return [batch] * STEPS
+
+
+def _forward(iterator, model):
+    ids = next(iterator)
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _megatron_forward(iterator, model):
+    """megatron-core's (output, loss_func): next-token prediction on the same sequences."""
+    from rapidformer.tasks.pretraining import megatron_gpt_forward
+
+    ids = next(iterator)
+    positions = torch.arange(SEQ - 1).expand(ids.shape[0], -1)
+    return megatron_gpt_forward(model, {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
+                                        "position_ids": positions})
+
+
+def _train(engine, model, first_step: int) -> dict[int, float]:
+    """Steps first_step..STEPS on this rank's micro-batches; the global-batch mean losses
+    (with pipeline stages only the last has them: summed and counted over every rank)."""
+    rank, size = engine.data_parallel
+    forward = _megatron_forward if engine.strategy.name == "megatron" else _forward
+    losses = {}
+    for step in range(first_step, STEPS + 1):
+        batch = _global_batches()[step - 1].to(engine.device)
+        mine = iter(batch[rank::size].split(engine.cfg.trainer.micro_batch_size))
+        micro = engine.forward_backward(forward, mine, model, engine.accumulation)
+        assert engine.step().stepped
+        total = torch.tensor([float(sum(micro)), float(len(micro))], dtype=torch.float64)
+        loss_sum, count = engine.all_reduce_sum(total).tolist()
+        losses[step] = loss_sum / count
+        if step in (SAVED_AT, STEPS):
+            engine.save_checkpoint(step, {"step": step, "train_state": {}})
+    return losses
+
+
+def run_contract(overrides: list[str], run_dir: str) -> dict:
+    """Train, resume in a fresh engine from the mid-run checkpoint, export; what rank 0 saw."""
+    from rapidformer.config.compose import compose, resolve
+    from rapidformer.engine import RapidformerEngine
+
+    def engine_for(*extra):
+        _, cfg = resolve(compose([*BASE, *overrides, *extra]), run_dir)
+        return RapidformerEngine(cfg=cfg, run_dir=run_dir)
+
+    engine = engine_for()
+    model, _, _ = engine.compose(_model(engine.cfg))
+    losses = _train(engine, model, 1)
+    exported = engine.export_hf(step=STEPS)
+    strategy = engine.strategy.name
+
+    resumed = engine_for(f"trainer.resume={run_dir}/checkpoints/step_{SAVED_AT:08d}")
+    fresh = _model(resumed.cfg)
+    with torch.no_grad():  # other weights than the checkpoint's: the load must replace them
+        for p in fresh.parameters():
+            p.add_(1.0)
+    model, _, _ = resumed.compose(fresh)
+    state = resumed.load_checkpoint(resumed.resume_checkpoint)
+    after = _train(resumed, model, state["step"] + 1)
+    return {"losses": losses, "resumed": after, "strategy": strategy,
+            "parameters": engine.num_parameters, "exported": str(exported) if exported else None}
+
+
+def _by_step(losses: dict) -> dict[int, float]:
+    return {int(step): loss for step, loss in losses.items()}  # JSON keys are strings
+
+
+def _worker(rank: int, world: int, port: int, cases: dict, run_dir: str, out: str):
+    """One rank: every case in turn, in the same process group (the imports and the group
+    paid for once); rank 0 writes what it saw."""
+    os.environ.update(OFFLINE_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    results = {}
+    for name, overrides in cases.items():
+        results[name] = run_contract([f"launcher.nproc_per_node={world}", *overrides],
+                                     f"{run_dir}/{name}")
+        if "megatron.core" in sys.modules:  # the next layout builds its own groups
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def on_two_ranks(cases: dict, run_dir: Path) -> dict:
+    """run_contract for each case on 2 gloo ranks, processes started here; rank 0's results."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = run_dir / "results.json"
+    mp.start_processes(_worker, args=(2, port, cases, str(run_dir), str(out)), nprocs=2,
+                       start_method="spawn")
+    return {name: {**result, "losses": _by_step(result["losses"]),
+                   "resumed": _by_step(result["resumed"])}
+            for name, result in json.loads(out.read_text()).items()}
+
+
+OFFLOAD_ALL = ["memory.offload_optimizer=true", "memory.offload_params=true"]
+# name: (overrides, strategy, precision of the one-process reference)
+CASES = {
+    "ddp": ([], "ddp", "fp32"),
+    "ddp_compile": (["graph=compile"], "ddp", "fp32"),
+    "ddp_bf16": (["precision=bf16"], "ddp", "bf16"),
+    "fsdp2": (["memory=fsdp"], "fsdp2", "fp32"),
+    "fsdp2_compile": (["memory=fsdp", "graph=compile"], "fsdp2", "fp32"),
+    "fsdp2_bf16": (["memory=fsdp", "precision=bf16"], "fsdp2", "bf16"),
+    "fsdp2_offload": (["memory=fsdp", *OFFLOAD_ALL], "fsdp2", "fp32"),
+    "zero1": (["memory=zero1"], "deepspeed", "fp32"),
+    "zero2_offload": (["memory=zero2", "memory.offload_optimizer=true"], "deepspeed", "fp32"),
+    "zero2_bf16": (["memory=zero2", "precision=bf16"], "deepspeed", "bf16"),
+    "zero3": (["memory=zero3"], "deepspeed", "fp32"),
+    "zero3_bf16": (["memory=zero3", "precision=bf16"], "deepspeed", "bf16"),
+    "zero3_offload": (["memory=zero3", *OFFLOAD_ALL], "deepspeed", "fp32"),
+}
+# bf16 rounds each layout's reductions differently; fp32 agrees to the last digits
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
+# Adam turns rounding noise in near-zero gradients into whole lr-sized steps, which differ
+# between layouts (their reductions add in other orders); a large eps keeps such steps small
+MEGATRON = ["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=unused",
+            "model.tokenizer=unused", "model.merge_file=unused", f"data.max_seq_length={SEQ - 1}",
+            "optim.eps=1e-3"]
+MEGATRON_CASES = {"tp2": ["parallelism=tp2"], "pp2": ["parallelism=pp2"],
+                  "tp2_sequence_parallel": ["parallelism=tp2", "parallelism.sequence_parallel=true"],
+                  "dp2": [], "dp2_distributed_optimizer": ["memory=zero1"]}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The references: the plain strategy in this process, 4 micro-batches per step."""
+    return {precision: run_contract([f"precision={precision}"],
+                                    str(tmp_path_factory.mktemp(f"one_process_{precision}")))
+            for precision in TOLERANCE}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return on_two_ranks({name: overrides for name, (overrides, _, _) in CASES.items()},
+                        tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def megatron_one_process(tmp_path_factory):
+    """megatron-core's reference: one process, this one."""
+    return run_contract(MEGATRON, str(tmp_path_factory.mktemp("megatron_one")))
+
+
+@pytest.fixture(scope="module")
+def megatron_two_ranks(tmp_path_factory):
+    return on_two_ranks({name: [*MEGATRON, *extra] for name, extra in MEGATRON_CASES.items()},
+                        tmp_path_factory.mktemp("megatron_two_ranks"))
+
+
+@pytest.mark.parametrize("precision", list(TOLERANCE))
+def test_one_process_resumes_exactly_and_exports_its_weights(one_process, precision):
+    reference = one_process[precision]
+    assert reference["strategy"] == "ddp"
+    assert sorted(reference["losses"]) == list(range(1, STEPS + 1))
+    assert sorted(reference["resumed"]) == list(range(SAVED_AT + 1, STEPS + 1))
+    for step, loss in reference["resumed"].items():
+        assert loss == reference["losses"][step], step
+    _assert_export_matches_offline(Path(reference["exported"]))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_strategy_on_two_ranks_keeps_the_contract(one_process, two_ranks, case):
+    got, (_, strategy, precision) = two_ranks[case], CASES[case]
+    assert got["strategy"] == strategy
+    reference, losses = one_process[precision], got["losses"]
+    assert got["parameters"] == reference["parameters"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert sorted(got["resumed"]) == list(range(SAVED_AT + 1, STEPS + 1))
+    for step, loss in reference["losses"].items():
+        assert losses[step] == pytest.approx(loss, abs=TOLERANCE[precision]), (case, step)
+    assert losses[STEPS] < losses[1]  # it trains
+    for step, loss in got["resumed"].items():  # resume is exact: the same steps again
+        assert loss == pytest.approx(got["losses"][step], abs=1e-6), (case, step)
+    _assert_export_matches_offline(Path(got["exported"]))
+
+
+@pytest.mark.parametrize("case", list(MEGATRON_CASES))
+def test_megatron_layouts_on_two_ranks_keep_the_contract(megatron_one_process,
+                                                         megatron_two_ranks, case):
+    """Every layout: the losses of one process, an exact resume, and shards that gather into
+    the same exported GPT-2."""
+    from safetensors.torch import load_file
+
+    got, reference = megatron_two_ranks[case], megatron_one_process
+    assert got["strategy"] == reference["strategy"] == "megatron"
+    assert got["parameters"] == reference["parameters"]  # the whole model, from any shards
+    assert reference["losses"][STEPS] < reference["losses"][1]
+    for step, loss in reference["losses"].items():
+        assert got["losses"][step] == pytest.approx(loss, rel=1e-4), (case, step)
+    for step, loss in got["resumed"].items():
+        assert loss == pytest.approx(got["losses"][step], abs=1e-6), (case, step)
+    mine = load_file(Path(got["exported"]) / "model.safetensors")
+    theirs = load_file(Path(reference["exported"]) / "model.safetensors")
+    assert set(mine) == set(theirs)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(mine[name], tensor, atol=1e-4, rtol=0, msg=name)
+
+
+def _assert_export_matches_offline(exported: Path) -> None:
+    """The run's own export and `rapidformer export`'s reading of the last checkpoint agree,
+    tensor for tensor, and name the strategy in the manifest."""
+    from safetensors.torch import load_file
+
+    from rapidformer import checkpoint
+    from rapidformer.verbs.export import weights
+
+    ckpt = exported.parent / "checkpoints" / f"step_{STEPS:08d}"
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
+    state = checkpoint.read_state(ckpt)
+    assert manifest["strategy"] == state["strategy"]
+    live = load_file(exported / "model.safetensors")
+    offline = weights(ckpt, state)
+    assert set(live) <= set(offline)
+    for name, tensor in live.items():
+        torch.testing.assert_close(tensor, offline[name], rtol=0, atol=0, msg=name)
