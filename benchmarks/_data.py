@@ -1,12 +1,12 @@
 """Benchmark data: a generated corpus, a GPT-2 BPE vocabulary trained on it, and its Megatron
-mmap files, made as a user would make them (`rapidformer.preprocess_data`)."""
+mmap files, made as a user would make them (`rapidformer.data.preprocess_data`)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus, write_gpt2_bpe
-from rapidformer.preprocess_data import main as preprocess
+from rapidformer.data.preprocess_data import main as preprocess
 
 
 def gpt_mmap_data(work: Path, mb: float) -> dict:

@@ -22,7 +22,7 @@ import torch
 
 from run import WORKLOADS, batch_for, build_model, measure, rapidformer_loop
 
-from rapidformer.flops import flops_per_token, peak_flops
+from rapidformer.observability.flops import flops_per_token, peak_flops
 from rapidformer.models.attention import use_training_sdpa
 
 

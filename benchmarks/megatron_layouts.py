@@ -29,7 +29,7 @@ from pathlib import Path
 from _data import gpt_mmap_data
 from _report import finish, write_report
 
-from rapidformer.flops import flops_per_token, peak_flops
+from rapidformer.observability.flops import flops_per_token, peak_flops
 
 # layout -> (processes, overrides)
 LAYOUTS = {"one": (1, ["parallelism=dp"]), "tp2": (2, ["parallelism=tp2"]),

@@ -37,7 +37,7 @@ MODES = [  # (memory, offload optimizer, offload params, activation checkpointin
 
 def make_data(work: Path, vocab_size: int, docs: int) -> list[str]:
     from rapidformer.data.corpus import iter_documents, write_corpus, write_gpt2_bpe
-    from rapidformer.preprocess_data import main as preprocess
+    from rapidformer.data.preprocess_data import main as preprocess
 
     write_corpus(work / "corpus.json", num_docs=docs, seed=5)
     vocab, merges = write_gpt2_bpe(list(iter_documents(docs, seed=5)), work / "gpt2",

@@ -1,4 +1,4 @@
-"""Speed of `python -m rapidformer.preprocess_data` on a synthetic corpus: MB/s of input JSON,
+"""Speed of `python -m rapidformer.data.preprocess_data` on a synthetic corpus: MB/s of input JSON,
 documents/s and tokens/s, for GPT-2 BPE (document level, --append-eod) and lower-case BERT
 WordPiece (--split-sentences).
 
@@ -36,12 +36,12 @@ def run_one(name: str, flags: list[str], level: str, corpus: dict, args, work: P
     command = ["--input", corpus["path"], "--output-prefix", str(prefix), "--dataset-impl", "mmap",
                "--workers", str(args.workers), "--log-interval", "1000000", *flags]
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "rapidformer.preprocess_data", *command],
+    result = subprocess.run([sys.executable, "-m", "rapidformer.data.preprocess_data", *command],
                             capture_output=True, text=True)
     seconds = time.perf_counter() - started
     row = {"name": name, "workers": args.workers, "seconds": round(seconds, 2),
            # the work directory is temporary: record the command relative to it
-           "command": ("python -m rapidformer.preprocess_data " + " ".join(command)).replace(
+           "command": ("python -m rapidformer.data.preprocess_data " + " ".join(command)).replace(
                str(work), "WORK")}
     if result.returncode != 0:
         row["error"] = (result.stderr.strip().splitlines() or ["(no output)"])[-1][:300]

@@ -25,7 +25,7 @@ from _report import finish
 
 from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus
 from rapidformer.data.corpus import write_wordpiece_vocab
-from rapidformer.preprocess_data import main as preprocess
+from rapidformer.data.preprocess_data import main as preprocess
 
 
 def run(work: Path, prefix: str, vocab: Path, workers: int, args) -> dict:

@@ -23,7 +23,7 @@ weights with fp32 master copies (DeepSpeed ZeRO-1 on one GPU) instead of casting
 `rapidformer-fsdp` does the same with FSDP2's mixed precision on one GPU (bf16 compute, fp32
 master weights and gradient reduction), and `rapidformer-tuned` adds inductor's coordinate
 descent tuning of its generated kernels (`graph.options.coordinate_descent_tuning=true`). Tokens/s counts every token of the batch
-(no padding here); MFU follows rapidformer/flops.py; warm-up s is the first steps' time, compile
+(no padding here); MFU follows rapidformer/observability/flops.py; warm-up s is the first steps' time, compile
 included (the inductor cache is shared within a process, so a later system may reuse an earlier
 one's kernels). Writes the rows to docs/benchmarks/results.json and the table between the suite
 markers of docs/benchmarks.md.
@@ -44,7 +44,7 @@ import torch
 
 from _report import write_report
 
-from rapidformer.flops import flops_per_token, peak_flops
+from rapidformer.observability.flops import flops_per_token, peak_flops
 
 MARK_START, MARK_END = "<!-- suite:start -->", "<!-- suite:end -->"
 # name -> (architecture, layers, hidden, heads, seq, micro batch, vocab)

@@ -31,7 +31,7 @@ from pathlib import Path
 from _data import gpt_mmap_data
 from _report import finish, portable_command
 
-from rapidformer.flops import flops_per_token, peak_flops
+from rapidformer.observability.flops import flops_per_token, peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "rapidformer_pretrain_megatron_gpt_trainer_pp.py"
@@ -64,9 +64,9 @@ def run(name: str, entry: str, tp: int, pp: int, args, data: dict, work: Path) -
               "trainer.save_last=false", "trainer.progress_bar=false", "data.num_workers=0",
               f"trainer.output_dir={out}"]
     if entry == "console":  # the seed's flags through the console script
-        command = [sys.executable, "-m", "rapidformer.cli", *flags, *common]
+        command = [sys.executable, "-m", "rapidformer.cli.console", *flags, *common]
     else:  # the same run as Hydra overrides: translated by the console script, run by -m
-        from rapidformer.cli import translate
+        from rapidformer.cli.console import translate
 
         _, overrides, _ = translate(flags)
         command = [sys.executable, "-m", "rapidformer", *overrides, *common]

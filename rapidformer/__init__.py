@@ -14,13 +14,13 @@ _EXPORTS = {
     "RapidformerEngine": "rapidformer.engine",
     "Finetuner": "rapidformer.templates.finetuner",
     "PreTrainer": "rapidformer.templates.pretrainer",
-    "build_train_valid_test_datasets_for_huggingface": "rapidformer.templates.pretrainer",
-    "build_train_valid_test_datasets": "rapidformer.templates.pretrainer",
-    "get_tokenizer": "rapidformer.tokenizer",
+    "build_train_valid_test_datasets_for_huggingface": "rapidformer.compat.datasets",
+    "build_train_valid_test_datasets": "rapidformer.compat.datasets",
+    "get_tokenizer": "rapidformer.compat.tokenizer",
     "get_ltor_masks_and_position_ids": "rapidformer.data.masks",
-    "get_args": "rapidformer.config.args",
-    "get_logger": "rapidformer.observability",
-    "get_timers": "rapidformer.observability",
+    "get_args": "rapidformer.compat.args",
+    "get_logger": "rapidformer.observability.metrics",
+    "get_timers": "rapidformer.observability.metrics",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -28,7 +28,7 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name == "mpu":
-        return importlib.import_module("rapidformer.mpu")
+        return importlib.import_module("rapidformer.compat.mpu")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'rapidformer' has no attribute '{name}'")

@@ -19,11 +19,11 @@ from rapidformer.accelerators.base import StepResult
 from rapidformer.accelerators.table import select
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
-from rapidformer.flops import ModelFlops, model_shape
+from rapidformer.observability.flops import ModelFlops, model_shape
 from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
 from rapidformer.optim import build_scheduler
 from rapidformer.planning.run_plan import RunPlan
-from rapidformer.rank_progress import RankProgress
+from rapidformer.runtime.rank_progress import RankProgress
 from rapidformer.runtime.distributed import init_distributed
 from rapidformer.runtime.rng import rng_state, seed_everything, set_rng_state
 
@@ -55,7 +55,7 @@ class RapidformerEngine:
                  plan: RunPlan | None = None):
         global ENGINES_CREATED
         if cfg is None:
-            from rapidformer.config.args import active  # the seed's no-argument form
+            from rapidformer.compat.args import active  # the seed's no-argument form
 
             run = active()
             cfg, run_dir = run.cfg, run.run_dir

@@ -7,11 +7,11 @@ import runpy
 from pathlib import Path
 
 from rapidformer import engine as engine_module
-from rapidformer.config.args import activate
+from rapidformer.compat.args import activate
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError, NotAvailableError
-from rapidformer.loggers import check_tracker_installed
+from rapidformer.observability.loggers import check_tracker_installed
 from rapidformer.planning.memory_plan import resolve_auto
 
 log = logging.getLogger("rapidformer")
@@ -56,7 +56,7 @@ def settle(resolved: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
 
 def run(cfg: RunConfig, run_dir: str, resolved: dict):
     check_available(cfg)
-    from rapidformer.launch import launch_workers, needs_workers, shutdown_process_group
+    from rapidformer.runtime.launch import launch_workers, needs_workers, shutdown_process_group
 
     if needs_workers(cfg):
         return launch_workers(cfg, Path(run_dir), Path(run_dir) / "config.yaml")

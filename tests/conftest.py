@@ -71,7 +71,7 @@ def pretraining_data(tmp_path_factory) -> dict:
     sentence-level data for BERT and document-level data (with EOD) for GPT."""
     from rapidformer.data.corpus import (iter_documents, write_corpus, write_gpt2_bpe,
                                          write_wordpiece_vocab)
-    from rapidformer.preprocess_data import main as preprocess
+    from rapidformer.data.preprocess_data import main as preprocess
 
     out = tmp_path_factory.mktemp("pretraining_data")
     write_corpus(out / "corpus.json", num_docs=600, seed=3)

@@ -254,7 +254,7 @@ def finished_run(tmp_path_factory) -> Path:
 def call(entry: str, argv: list[str], capsys) -> tuple[int, str]:
     """Run an entry point in this process: (exit code, stderr)."""
     from rapidformer import __main__ as module_main
-    from rapidformer import cli
+    from rapidformer.cli import console as cli
 
     os.environ.pop("RAPIDFORMER_DEBUG", None)
     target = cli.main if entry == "cli" else module_main.main

@@ -38,10 +38,10 @@ def test_recorded_commands_name_no_machine_paths(monkeypatch):
     from _report import portable_command
 
     monkeypatch.setenv("OUT", "/scratch/out")
-    command = (f"python -m rapidformer.cli --user-script {REPO}/examples/x.py --data-path "
+    command = (f"python -m rapidformer.cli.console --user-script {REPO}/examples/x.py --data-path "
                "/tmp/seed4-abc/gpt_text_document --out /scratch/out/plan.json")
     assert portable_command(command, {Path("/tmp/seed4-abc"): "DATA"}) == (
-        "python -m rapidformer.cli --user-script examples/x.py --data-path "
+        "python -m rapidformer.cli.console --user-script examples/x.py --data-path "
         "DATA/gpt_text_document --out plan.json")
     for report in (REPO / "docs").rglob("*.json"):
         text = report.read_text()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidformer.cli import SeedFlagError, hydra_command, translate
+from rapidformer.cli.console import SeedFlagError, hydra_command, translate
 from tests.conftest import read_metrics, run_cli
 
 # the seed's black-box fine-tuning example, verbatim
@@ -30,7 +30,7 @@ def test_seed_finetune_command_translates_flag_by_flag():
 
 
 def test_print_hydra_gives_the_equivalent_command(tmp_path):
-    result = run_cli([*SEED_FINETUNE, "--print-hydra"], cwd=tmp_path, module="rapidformer.cli")
+    result = run_cli([*SEED_FINETUNE, "--print-hydra"], cwd=tmp_path, module="rapidformer.cli.console")
     assert result.returncode == 0
     line = result.stdout.strip()
     assert line.startswith("python -m rapidformer task=sequence_classification model=hf")
@@ -91,7 +91,7 @@ def test_bad_or_unbuilt_flags_are_refused(argv, message, code):
 def test_seed_command_with_incompatible_accelerators_stops_clearly(tmp_path):
     """The seed's example asks for ONNX Runtime with fp16 and ZeRO-1 at once: each clash is
     named before any work."""
-    result = run_cli(SEED_FINETUNE, cwd=tmp_path, module="rapidformer.cli")
+    result = run_cli(SEED_FINETUNE, cwd=tmp_path, module="rapidformer.cli.console")
     assert result.returncode == 2
     assert "graph=ort with memory=zero1" in result.stderr
     assert "graph=ort with precision=fp16" in result.stderr
@@ -110,7 +110,7 @@ def test_seed_finetune_command_runs_on_local_model_and_data(tmp_path, pairs_dir,
     argv[argv.index("--lr") + 1] = "1e-3"
     run = tmp_path / "run"
     result = run_cli([*argv, "--seq-length", "64", "--log-interval", "1", "--save", str(run),
-                      "trainer.progress_bar=false"], cwd=tmp_path, module="rapidformer.cli")
+                      "trainer.progress_bar=false"], cwd=tmp_path, module="rapidformer.cli.console")
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(run)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))

@@ -74,7 +74,7 @@ def test_resume_on_two_processes_continues_with_the_same_losses(tmp_path, memory
     # `rapidformer export` reads the sharded checkpoint on one CPU process: the run's own export
     from safetensors.torch import load_file
 
-    from rapidformer.verbs.export import export
+    from rapidformer.cli.verbs.export import export
 
     exported = load_file(str(export(whole, tmp_path / "exported") / "model.safetensors"))
     at_end = load_file(str(whole / "hf_model" / "model.safetensors"))

@@ -82,7 +82,7 @@ def test_a_worker_whose_launcher_died_while_it_started_exits_at_once(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text("not read: the worker stops first\n")
     not_its_parent = str(os.getpid() + 1_000_000)
-    result = subprocess.run([sys.executable, "-m", "rapidformer.launch", "--worker", str(config)],
+    result = subprocess.run([sys.executable, "-m", "rapidformer.cli.worker", "--worker", str(config)],
                             env={**os.environ, "RAPIDFORMER_LAUNCHER_PID": not_its_parent},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 128 + 9, result.stderr[-2000:]

@@ -113,7 +113,7 @@ def test_seed_white_box_megatron_gpt_script(tmp_path, pretraining_data):
         "--lr-warmup-fraction", ".01", "--log-interval", "1", "--eod-mask-loss", "--save", str(run),
         "model=megatron_gpt", "trainer.export_hf=false", "launcher.nproc_per_node=2",
         "trainer.eval_iters=1", "data.num_workers=0", "trainer.progress_bar=false"],
-        cwd=tmp_path, module="rapidformer.cli"))
+        cwd=tmp_path, module="rapidformer.cli.console"))
     assert sorted(train_losses(run)) == [1, 2, 3, 4]
 
 

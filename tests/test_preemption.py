@@ -14,7 +14,7 @@ import pytest
 
 from rapidformer import checkpoint
 from rapidformer.errors import EXIT_PREEMPTED
-from rapidformer.preemption import StopSignals
+from rapidformer.runtime.preemption import StopSignals
 from tests.conftest import FAST, OFFLINE_ENV, assert_ok, run_cli, train_losses
 
 # constant lr: a run's step-k loss does not depend on how many steps it was asked for

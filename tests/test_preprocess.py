@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from rapidformer.preprocess_data import main as preprocess_main
+from rapidformer.data.preprocess_data import main as preprocess_main
 from tests.conftest import run_cli
 
 TEXTS = ["The doctor bought a car. It was red!", "A teacher found the boat near the river.",
@@ -141,10 +141,10 @@ def test_vocab_that_does_not_match_the_tokenizer_type(tmp_path, corpus, gpt2_fil
 def test_module_command_line_and_dataset_impl(tmp_path, corpus, bert_vocab):
     result = run_cli(["--input", str(corpus), "--output-prefix", str(tmp_path / "x"),
                       "--vocab-file", str(bert_vocab), "--tokenizer-type", "BertWordPieceCase",
-                      "--dataset-impl", "lazy"], cwd=tmp_path, module="rapidformer.preprocess_data")
+                      "--dataset-impl", "lazy"], cwd=tmp_path, module="rapidformer.data.preprocess_data")
     assert result.returncode == 2
     assert "megatron-core writes and reads only mmap" in " ".join(result.stderr.split())
     ok = run_cli(["--input", str(corpus), "--output-prefix", str(tmp_path / "x"),
                   "--vocab-file", str(bert_vocab), "--tokenizer-type", "BertWordPieceCase"],
-                 cwd=tmp_path, module="rapidformer.preprocess_data")
+                 cwd=tmp_path, module="rapidformer.data.preprocess_data")
     assert ok.returncode == 0 and "docs/s" in ok.stderr and "MB/s" in ok.stderr

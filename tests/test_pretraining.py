@@ -106,7 +106,7 @@ def test_seed_white_box_bert_pretrainer(tmp_path, pretraining_data):
         "--data-impl", "mmap", "--split", "980,20", "--lr", "1e-3", "--lr-decay-style", "linear",
         "--weight-decay", "1e-2", "--clip-grad", "1.0", "--lr-warmup-fraction", ".01",
         "--log-interval", "5", "--save", str(run), *QUIET], cwd=tmp_path,
-        module="rapidformer.cli"))
+        module="rapidformer.cli.console"))
     assert sorted(train_losses(run)) == [5, 10]
     assert (run / "hf_model" / "config.json").is_file()
 

@@ -13,7 +13,7 @@ from rapidformer.data.megatron import (MegatronTokenizer, build_bert_datasets,
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.data.splits import split_boundaries, split_ranges
 from rapidformer.errors import ConfigError, InputError
-from rapidformer.preprocess_data import build_tokenizer
+from rapidformer.data.preprocess_data import build_tokenizer
 from rapidformer.templates.pretrainer import megatron_num_samples
 
 
@@ -129,7 +129,7 @@ def test_bert_samples(pretraining_data, bert_tokenizer, tmp_path):
 
 
 def test_bert_needs_sentence_level_data(pretraining_data, bert_tokenizer, tmp_path):
-    from rapidformer.preprocess_data import main as preprocess
+    from rapidformer.data.preprocess_data import main as preprocess
 
     preprocess(["--input", str(pretraining_data["dir"] / "corpus.json"), "--output-prefix",
                 str(tmp_path / "docs"), "--vocab-file", str(pretraining_data["vocab"]),

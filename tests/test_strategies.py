@@ -249,7 +249,7 @@ def _assert_export_matches_offline(exported: Path) -> None:
     from safetensors.torch import load_file
 
     from rapidformer import checkpoint
-    from rapidformer.verbs.export import weights
+    from rapidformer.cli.verbs.export import weights
 
     ckpt = exported.parent / "checkpoints" / f"step_{STEPS:08d}"
     manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())

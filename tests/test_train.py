@@ -172,7 +172,7 @@ def test_user_script_that_builds_no_engine(tmp_path):
 
 def test_console_script_forwards_hydra_arguments(tmp_path):
     printed = assert_ok(run_cli(["+recipe=bert_mrpc", "--cfg", "job"], cwd=tmp_path,
-                          module="rapidformer.cli"))
+                          module="rapidformer.cli.console"))
     assert "recipe: bert_mrpc" in printed.stdout
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rapidformer import checkpoint
-from rapidformer.config.args import Args
+from rapidformer.compat.args import Args
 from rapidformer.config.compose import compose, resolve
 from rapidformer.config.schema import SchedulerConfig
 from rapidformer.data.sampler import ResumableSampler
@@ -195,7 +195,7 @@ def test_activation_recompute_hooks_hugging_face_layers_and_refuses_others():
 def test_model_flops_follow_the_palm_formula():
     from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
-    from rapidformer.flops import ModelFlops, flops_per_token, model_shape
+    from rapidformer.observability.flops import ModelFlops, flops_per_token, model_shape
 
     # GPT-2 124M at seq 1024, by hand: 6 x 124,439,808 + 12 x 12 layers x 768 x 1024
     assert flops_per_token(124_439_808, 12, 768, 1024) == 746_638_848 + 113_246_208
@@ -214,7 +214,7 @@ def test_model_flops_follow_the_palm_formula():
                                        ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362e12),
                                        ("NVIDIA L4", 121e12), ("Tesla V100-SXM2-32GB", None)])
 def test_mfu_peak_comes_from_the_gpu_name(monkeypatch, name, peak):
-    from rapidformer import flops
+    from rapidformer.observability import flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert flops.peak_flops(torch.device("cuda", 0)) == peak
@@ -287,7 +287,7 @@ def test_training_runs_without_the_kv_cache_and_the_export_keeps_it(tmp_path):
 
 
 def test_gradient_norm_spikes_are_logged_against_the_recent_median(caplog):
-    from rapidformer.grad_spikes import GradNormSpikes
+    from rapidformer.observability.grad_spikes import GradNormSpikes
 
     spikes = GradNormSpikes(factor=10.0, warmup=3)
     norms = [1.0, 1.2, 0.9, 1.1, 30.0, 1.0, float("nan"), 8.0, 12.0]
@@ -312,7 +312,7 @@ def test_the_log_window_keeps_the_largest_gradient_norm_on_the_device():
 
 
 def test_a_torn_last_metrics_record_is_cut_before_appending(tmp_path):
-    from rapidformer.observability import MetricsSink
+    from rapidformer.observability.metrics import MetricsSink
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
     sink = MetricsSink(tmp_path, tensorboard=False)
@@ -428,7 +428,7 @@ def test_the_heap_is_frozen_after_every_other_exit_handler(tmp_path):
         "import atexit, gc\n"
         "atexit.register(lambda: print('first registered, runs last:', gc.isenabled(),\n"
         "                              gc.get_freeze_count() > 0))\n"
-        "from rapidformer.fast_exit import install\n"
+        "from rapidformer.runtime.fast_exit import install\n"
         "install()\n"
         "atexit.register(lambda: print('a library handler still runs:', gc.isenabled()))\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

@@ -1,5 +1,5 @@
 """The console script's verbs (ls, show, validate, plan, env, export, plot), the dry run and
-memory=auto, run in this process through `rapidformer.cli.main`."""
+memory=auto, run in this process through `rapidformer.cli.console.main`."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ GB = 2**30
 
 def cli(argv: list[str], capsys) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `rapidformer ARGV`."""
-    from rapidformer import cli as console
+    from rapidformer.cli import console
 
     os.environ.pop("RAPIDFORMER_DEBUG", None)
     try:
@@ -50,7 +50,7 @@ def test_show_prints_the_resolved_config_with_secrets_redacted(capsys):
     assert shown["trainer"]["lr"] == 0.005 and shown["recipe"] == "quickstart"
     assert shown["logger"]["tracking_uri"] == "https://ann:***@mlflow.example:5000"
     assert "hunter2" not in out
-    from rapidformer.verbs.inspect import redact
+    from rapidformer.cli.verbs.inspect import redact
 
     assert redact({"hf_token": "abc", "nested": {"api_key": "k", "name": "x"}}) == \
         {"hf_token": "***", "nested": {"api_key": "***", "name": "x"}}

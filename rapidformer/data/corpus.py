@@ -3,7 +3,7 @@
     python -m rapidformer.data.corpus corpus.json [--docs 10000 | --mb 100] [--seed 1234] \
         [--wordpiece-vocab DIR] [--gpt2-bpe DIR] [--vocab-size 1000]
 
-writes one JSON object per line, {"id": i, "text": ...}, the input of rapidformer.preprocess_data;
+writes one JSON object per line, {"id": i, "text": ...}, the input of rapidformer.data.preprocess_data;
 with --wordpiece-vocab, DIR/vocab.txt (for BertWordPiece*), with --gpt2-bpe, DIR/vocab.json and
 DIR/merges.txt (for GPT2BPETokenizer), trained on the first 2000 documents: the word lists are
 closed, so that covers every word of any corpus they make.

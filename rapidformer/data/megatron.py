@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,16 +220,6 @@ def _build(dataset_cls, config, indexed: list, sizes: list[int]):
     return splits
 
 
-def _cache_dir(path_to_cache: str | os.PathLike | None) -> str | None:
-    if path_to_cache is not None:
-        return str(path_to_cache)
-    from rapidformer.config.args import _ACTIVE
-
-    # inside a run, the index caches live in the run directory, not beside the (maybe shared
-    # or read-only) data
-    return str(Path(_ACTIVE.run_dir) / "data_index_cache") if _ACTIVE is not None else None
-
-
 def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: str,
                         num_samples: list[int], seq_length: int, masked_lm_prob: float,
                         short_seq_prob: float, seed: int, binary_head: bool = True,
@@ -257,7 +246,7 @@ def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: 
                              f"binary_head=False")
     config = BERTMaskedWordPieceDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend,
-        split=splits_string, path_to_cache=_cache_dir(path_to_cache), tokenizer=tokenizer,
+        split=splits_string, path_to_cache=None if path_to_cache is None else str(path_to_cache), tokenizer=tokenizer,
         masking_probability=masked_lm_prob, short_sequence_probability=short_seq_prob,
         # Megatron-LM's pretrain_bert.py settings
         masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
@@ -281,7 +270,7 @@ def build_gpt_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: s
     indexed = _open_all(blend[0], tokenizer.vocab_size, skip_warmup)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend,
-        split=splits_string, path_to_cache=_cache_dir(path_to_cache), tokenizer=tokenizer,
+        split=splits_string, path_to_cache=None if path_to_cache is None else str(path_to_cache), tokenizer=tokenizer,
         reset_position_ids=reset_position_ids, reset_attention_mask=False,
         eod_mask_loss=eod_mask_loss, create_attention_mask=False)
     splits = _build(GPTDataset, config, indexed, num_samples)

@@ -65,7 +65,7 @@ def vocab_size(cfg: RunConfig) -> int:
     m = cfg.model
     if cfg.task.name in PRETRAINING_TASKS and m.tokenizer_type and m.tokenizer \
             and Path(m.tokenizer).exists():
-        from rapidformer.tokenizer import load_pretraining_tokenizer
+        from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
         return load_pretraining_tokenizer(m).vocab_size
     return m.vocab_size

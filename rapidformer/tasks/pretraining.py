@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from rapidformer import mpu
+from rapidformer.compat import mpu
 from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets
 from rapidformer.models.hf import build_pretraining_model
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
 from rapidformer.templates.pretrainer import PreTrainer
-from rapidformer.tokenizer import load_pretraining_tokenizer
+from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
 BERT_KEYS = ["input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label"]
 GPT_KEYS = ["input_ids", "labels", "position_ids"]
@@ -49,7 +49,8 @@ class BertPretrainer(_MegatronDataPretrainer):
         return build_bert_datasets(d.path, self._tokenizer(), d.split,
                                    train_val_test_num_samples, d.max_seq_length, d.mask_prob,
                                    d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
-                                   skip_warmup=not d.mmap_warmup)
+                                   skip_warmup=not d.mmap_warmup,
+                                   path_to_cache=self.engine.run_dir / "data_index_cache")
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(BERT_KEYS, next(data_iterator), torch.int64)
@@ -67,7 +68,8 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
                                   d.max_seq_length, self.cfg.trainer.seed,
                                   eod_mask_loss=d.eod_mask_loss,
                                   reset_position_ids=d.reset_position_ids,
-                                  skip_warmup=not d.mmap_warmup)
+                                  skip_warmup=not d.mmap_warmup,
+                                  path_to_cache=self.engine.run_dir / "data_index_cache")
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(GPT_KEYS, next(data_iterator), torch.int64)

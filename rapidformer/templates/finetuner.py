@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import InputError, RapidformerError
-from rapidformer.observability import MetricsSink
+from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides
 from rapidformer.templates.loop import CountingIterator, LoopControl
 from rapidformer.templates.loop import _Window  # noqa: F401  (importable from here, as before)

@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 
 from rapidformer.errors import NonFiniteLoss
-from rapidformer.grad_spikes import GradNormSpikes
-from rapidformer.observability import MetricsSink
-from rapidformer.preemption import StopSignals, newest_checkpoint
+from rapidformer.observability.grad_spikes import GradNormSpikes
+from rapidformer.observability.metrics import MetricsSink
+from rapidformer.runtime.preemption import StopSignals, newest_checkpoint
 
 log = logging.getLogger("rapidformer")
 
@@ -268,7 +268,7 @@ class _Window:
                   "grad_norm_max": float(self.grad_norm_max),
                   "samples_per_s": samples / elapsed,
                   "tokens_per_s": tokens / elapsed,
-                  # model FLOPs at the window's mean sequence length (rapidformer/flops.py)
+                  # model FLOPs at the window's mean sequence length (rapidformer/observability/flops.py)
                   **engine.model_flops.record(tokens / elapsed, tokens / max(samples, 1)),
                   # share of this rank's wall time spent blocked on input: the loader must keep
                   # it near zero

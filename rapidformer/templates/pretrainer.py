@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
-from rapidformer.observability import MetricsSink
+from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides
 from rapidformer.templates.loop import CountingIterator, LoopControl
 
@@ -192,37 +192,3 @@ class PreTrainer:
         extra = (lambda d: tokenizer.save_pretrained(str(d / "tokenizer"))) if tokenizer else None
         self.engine.save_checkpoint(state.step, {"step": state.step,
                                                  "train_state": asdict(state)}, extra)
-
-
-def build_train_valid_test_datasets_for_huggingface(
-        data_prefix, data_impl, splits_string, train_valid_test_num_samples, max_seq_length,
-        masked_lm_prob, short_seq_prob, seed, skip_warmup, binary_head=True):
-    """The seed's BERT pretraining datasets: megatron-core's masked word-piece dataset over
-    sentence-level mmap data, with samples under Hugging Face's keys (input_ids, attention_mask,
-    token_type_ids, labels (-100 where not masked), next_sentence_label). The tokenizer is the
-    run's (model.tokenizer_type, model.tokenizer)."""
-    from rapidformer.data.megatron import build_bert_datasets, check_data_impl
-    from rapidformer.tokenizer import get_tokenizer
-
-    check_data_impl(data_impl)
-    return build_bert_datasets(data_prefix, get_tokenizer(), splits_string,
-                               list(train_valid_test_num_samples), max_seq_length,
-                               masked_lm_prob, short_seq_prob, seed, binary_head=binary_head,
-                               skip_warmup=skip_warmup)
-
-
-def build_train_valid_test_datasets(data_prefix, data_impl, splits_string,
-                                    train_valid_test_num_samples, seq_length, seed, skip_warmup):
-    """The seed's GPT pretraining datasets (Megatron's signature): megatron-core's GPTDataset
-    over document-level mmap data; each sample's `text` holds seq_length + 1 tokens, and
-    `input_ids`, `labels` (shifted, -100 where masked) and `position_ids` are ready to use."""
-    from rapidformer.config.args import get_args
-    from rapidformer.data.megatron import build_gpt_datasets, check_data_impl
-    from rapidformer.tokenizer import get_tokenizer
-
-    check_data_impl(data_impl)
-    d = get_args().cfg.data
-    return build_gpt_datasets(data_prefix, get_tokenizer(), splits_string,
-                              list(train_valid_test_num_samples), seq_length, seed,
-                              eod_mask_loss=d.eod_mask_loss,
-                              reset_position_ids=d.reset_position_ids, skip_warmup=skip_warmup)

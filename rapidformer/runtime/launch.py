@@ -1,7 +1,7 @@
 """One process per device, started with PyTorch's own launcher (torch.distributed.elastic).
 
 The parent has composed, validated and written the resolved config; each worker reads that
-file (`python -m rapidformer.launch --worker RUN_DIR/config.yaml`), so every rank runs the same
+file (`python -m rapidformer.cli.worker --worker RUN_DIR/config.yaml`), so every rank runs the same
 config in the same run directory. When RANK/WORLD_SIZE are already set (torchrun, srun), the
 job runs in place instead. Per-rank stdout/stderr land in RUN_DIR/logs/nodeN/; local rank 0's is also shown.
 """
@@ -15,12 +15,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import yaml
-
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import EXIT_PREEMPTED, RapidformerError, debug_enabled
-from rapidformer.rank_progress import (clear_failed, describe_laggards, failure_times,
-                                       mark_failed, mark_timed_out)
+from rapidformer.errors import EXIT_PREEMPTED, RapidformerError
+from rapidformer.runtime.rank_progress import describe_laggards, failure_times
 
 log = logging.getLogger("rapidformer")
 LAUNCHER_PID = "RAPIDFORMER_LAUNCHER_PID"
@@ -66,7 +63,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
     log.info("starting %d worker(s) on node %d of %d (rendezvous %s:%d)", ln.nproc_per_node,
              ln.node_rank, ln.nnodes, addr, port)
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.launch", "--worker",
+        elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.cli.worker", "--worker",
                                                str(config_file))
     except SignalException as exc:
         # the launcher was signalled and forwarded it: the workers stopped at a step boundary
@@ -87,7 +84,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
 
 
 def _preempted(run_dir: Path, cause: str):
-    from rapidformer.preemption import newest_checkpoint, preempted
+    from rapidformer.runtime.preemption import newest_checkpoint, preempted
 
     newest = newest_checkpoint(run_dir / "checkpoints")
     return preempted(cause, f"the newest complete checkpoint is {newest}" if newest
@@ -122,7 +119,7 @@ def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:
 def resume_after_restart(cfg: RunConfig, run_dir: Path, restart: int) -> None:
     """An elastic restart (launcher.max_restarts) continues from the newest complete
     checkpoint this run wrote; with none yet, it starts as the first attempt did."""
-    from rapidformer.preemption import newest_checkpoint
+    from rapidformer.runtime.preemption import newest_checkpoint
 
     if restart == 0:
         return
@@ -174,63 +171,3 @@ def die_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != launcher:  # it died before the request was in place
         os._exit(128 + signal.SIGKILL)
-
-
-def worker_main(config_file: str) -> None:
-    """A worker: read the resolved config the parent wrote, and run it."""
-    from rapidformer.config.validate import build_run_config
-    from rapidformer.fast_exit import install as exit_fast
-
-    die_with_launcher()
-    exit_fast()  # the error exits; a finished run leaves through os._exit below
-    rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s")
-    resolved = yaml.safe_load(Path(config_file).read_text())
-    cfg = build_run_config(resolved)
-    run_dir = Path(config_file).parent
-    clear_failed(run_dir, rank)
-    try:
-        _run_worker(cfg, run_dir, resolved, rank)
-    except BaseException as exc:
-        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            mark_failed(run_dir, rank)  # the launcher names the rank that failed first
-        raise
-    # The run is complete: files closed, process group left together. Skip the interpreter's
-    # teardown, where a native thread of the collective library has been seen to abort a
-    # finished worker (SIGABRT, "terminate called without an active exception") and with it
-    # a successful job.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _run_worker(cfg: RunConfig, run_dir: Path, resolved: dict, rank: int) -> None:
-    from rapidformer.factory import run
-
-    resume_after_restart(cfg, run_dir, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    try:
-        run(cfg, str(run_dir), resolved)
-    except RapidformerError as exc:
-        if debug_enabled():
-            raise
-        print(f"rapidformer: error (rank {rank}): {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except Exception as exc:
-        if debug_enabled() or not is_collective_timeout(exc):
-            raise
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        mark_timed_out(run_dir, rank)
-        print(f"rapidformer: error (rank {rank}): a collective operation did not complete within "
-              f"launcher.collective_timeout={cfg.launcher.collective_timeout} s: another rank "
-              f"stopped responding ({first_line})", file=sys.stderr)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker_main(sys.argv[2])
-    else:
-        sys.exit("usage: python -m rapidformer.launch --worker RUN_DIR/config.yaml (started by "
-                 "python -m rapidformer; not meant to be run by hand)")

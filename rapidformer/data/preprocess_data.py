@@ -1,6 +1,6 @@
 """Loose JSON -> Megatron's indexed dataset (.bin/.idx), as the seeds' preprocess_data.py.
 
-    python -m rapidformer.preprocess_data --input corpus.json --output-prefix gpt_small \
+    python -m rapidformer.data.preprocess_data --input corpus.json --output-prefix gpt_small \
         --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --dataset-impl mmap \
         --tokenizer-type GPT2BPETokenizer --append-eod --workers 2
 

@@ -38,7 +38,7 @@ def description(group: str, option: str) -> str:
 
 
 def ls_command(argv: list[str]) -> int:
-    from rapidformer.verbs import VERBS
+    from rapidformer.cli.verbs import VERBS
 
     print("verbs: " + ", ".join(VERBS) + "  (rapidformer VERB ...; anything else trains)")
     for group in ("recipe", *[g for g in OPTION_GROUPS if g != "recipe"]):
@@ -64,7 +64,7 @@ def redact(tree):
 
 
 def _resolved(argv: list[str]):
-    from rapidformer.__main__ import split_argv
+    from rapidformer.cli.hydra_main import split_argv
 
     from rapidformer.factory import settle
 
@@ -76,7 +76,7 @@ def _resolved(argv: list[str]):
 def _resolved_reporting_all(argv: list[str]):
     """As `_resolved`, but the overrides with unknown keys or options are left out and their
     problems joined with those of the rest, so that one run reports everything."""
-    from rapidformer.__main__ import split_argv
+    from rapidformer.cli.hydra_main import split_argv
 
     _, overrides = split_argv(argv)
     good, problems = [], []

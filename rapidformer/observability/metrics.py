@@ -114,7 +114,7 @@ class MetricsSink:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            from rapidformer.loggers import make_loggers
+            from rapidformer.observability.loggers import make_loggers
 
             self._trackers = make_loggers(logger, run_dir, config or {})
 

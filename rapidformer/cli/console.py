@@ -19,11 +19,11 @@ import signal
 import sys
 from pathlib import Path
 
-from rapidformer.__main__ import HYDRA_FLAGS_WITH_VALUE
-from rapidformer.__main__ import main as hydra_main
+from rapidformer.cli.hydra_main import HYDRA_FLAGS_WITH_VALUE
+from rapidformer.cli.hydra_main import main as hydra_main
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE
-from rapidformer.verbs import VERBS, run_verb
+from rapidformer.cli.verbs import VERBS, run_verb
 
 # Hydra's own flags that may appear in a forwarded command line
 HYDRA_FLAGS = {"--cfg", "-c", "--resolve", "--package", "-p", "--help", "-h", "--hydra-help",

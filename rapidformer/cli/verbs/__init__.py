@@ -16,13 +16,13 @@ import importlib
 
 # verb -> (module, one line for `rapidformer ls`)
 VERBS = {
-    "ls": ("rapidformer.verbs.inspect", "recipes and every config group's options"),
-    "show": ("rapidformer.verbs.inspect", "the resolved config, secrets redacted"),
-    "validate": ("rapidformer.verbs.inspect", "check a config; every problem at once"),
-    "plan": ("rapidformer.verbs.inspect", "parameters and estimated GPU memory per memory mode"),
-    "env": ("rapidformer.verbs.env", "versions, devices, what each accelerator needs"),
-    "export": ("rapidformer.verbs.export", "a Hugging Face model from a run's checkpoint"),
-    "plot": ("rapidformer.verbs.plot", "PNG curves comparing runs"),
+    "ls": ("rapidformer.cli.verbs.inspect", "recipes and every config group's options"),
+    "show": ("rapidformer.cli.verbs.inspect", "the resolved config, secrets redacted"),
+    "validate": ("rapidformer.cli.verbs.inspect", "check a config; every problem at once"),
+    "plan": ("rapidformer.cli.verbs.inspect", "parameters and estimated GPU memory per memory mode"),
+    "env": ("rapidformer.cli.verbs.env", "versions, devices, what each accelerator needs"),
+    "export": ("rapidformer.cli.verbs.export", "a Hugging Face model from a run's checkpoint"),
+    "plot": ("rapidformer.cli.verbs.plot", "PNG curves comparing runs"),
 }
 
 

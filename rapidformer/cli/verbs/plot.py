@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from rapidformer.errors import InputError, RapidformerError
-from rapidformer.observability import read_metrics
+from rapidformer.observability.metrics import read_metrics
 
 # file name -> (metric keys in order of preference, y-axis label)
 CURVES = {"loss.png": (("loss",), "training loss"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rapidformer.config.args import current
+from rapidformer.compat.args import current
 from rapidformer.errors import InputError
 from rapidformer.planning.run_plan import pick_device
 

@@ -1,23 +1,18 @@
-"""`get_tokenizer()`: the run's pretraining tokenizer, as the seed's Megatron scripts call it.
-
-Built once per process from model.tokenizer_type, model.tokenizer (the vocab file, or a
-tokenizer directory for HuggingFaceTokenizer) and model.merge_file — the same files and types
-that rapidformer-preprocess-data takes, so training reads the data with the vocabulary that
-wrote it. It has Megatron's attributes (`eod`, `cls`, `sep`, `mask`, `vocab_size`,
-`inv_vocab`, `tokenize`, `detokenize`) and the Hugging Face tokenizer as `.hf`.
-"""
+"""The pretraining tokenizer of a run: built once per process from model.tokenizer_type,
+model.tokenizer (the vocab file, or a tokenizer directory for HuggingFaceTokenizer) and
+model.merge_file — the same files and types that rapidformer-preprocess-data takes, so training
+reads the data with the vocabulary that wrote it."""
 from __future__ import annotations
 
 from rapidformer.config.schema import ModelConfig
 from rapidformer.data.megatron import MegatronTokenizer
+from rapidformer.data.preprocess_data import PreprocessError, build_tokenizer
 from rapidformer.errors import InputError
 
 _CACHE: dict = {}
 
 
 def load_pretraining_tokenizer(m: ModelConfig) -> MegatronTokenizer:
-    from rapidformer.preprocess_data import PreprocessError, build_tokenizer
-
     if not m.tokenizer_type:
         raise InputError("pretraining needs the tokenizer its data was made with: set "
                          "model.tokenizer_type (BertWordPieceLowerCase, BertWordPieceCase, "
@@ -32,9 +27,3 @@ def load_pretraining_tokenizer(m: ModelConfig) -> MegatronTokenizer:
                              f"tokenizer directory, model.merge_file is --merge-file)") from exc
         _CACHE[key] = MegatronTokenizer.from_hf(hf, eod)
     return _CACHE[key]
-
-
-def get_tokenizer() -> MegatronTokenizer:
-    from rapidformer.config.args import active
-
-    return load_pretraining_tokenizer(active().cfg.model)

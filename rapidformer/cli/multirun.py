@@ -15,7 +15,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from rapidformer.observability import read_metrics
+from rapidformer.observability.metrics import read_metrics
 
 STATUS_FILE = "status.json"
 
@@ -60,7 +60,7 @@ def summary_table(rows: list[dict]) -> str:
 
 def sweep_plots(sweep_dir: Path, jobs: list[Path]) -> list[Path]:
     """Loss, lr, throughput and eval curves of every job that logged metrics, in one PNG each."""
-    from rapidformer.verbs.plot import plot_runs
+    from rapidformer.cli.verbs.plot import plot_runs
 
     with_metrics = [job for job in jobs if (job / "metrics.jsonl").is_file()]
     return plot_runs(with_metrics, sweep_dir / "plots") if with_metrics else []

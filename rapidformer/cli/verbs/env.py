@@ -10,7 +10,7 @@ import json
 import platform
 import shutil
 
-from rapidformer.run_record import package_versions
+from rapidformer.observability.run_record import package_versions
 
 EXTRA_PACKAGES = ("wandb", "mlflow-skinny", "hydra-submitit-launcher", "hydra-optuna-sweeper",
                   "mkdocs", "matplotlib")

@@ -1,0 +1,138 @@
+"""`python -m rapidformer [+recipe=NAME] [group=option ...] [key=value ...]`
+
+Compose (Hydra), check every override against the schemas, resolve once, validate, write the
+resolved config into the run directory, and hand it to the trainer factory. Hydra's own flags
+(`--cfg job --resolve`, `--help`, `-m`) work as usual.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+import yaml
+from omegaconf import DictConfig
+
+from rapidformer.errors import Preempted, RapidformerError, debug_enabled
+
+log = logging.getLogger("rapidformer")
+
+# Hydra flags that take a value in the next argument
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
+                     "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(Hydra flags, overrides)."""
+    flags, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-"):
+            flags.append(arg)
+            takes_value = arg in HYDRA_FLAGS_WITH_VALUE or (
+                arg in ("--info", "-i") and i + 1 < len(argv) and argv[i + 1] in _INFO_CHOICES)
+            if takes_value and i + 1 < len(argv):
+                flags.append(argv[i + 1])
+                i += 1
+        else:
+            overrides.append(arg)
+        i += 1
+    return flags, overrides
+
+
+def report(error: BaseException) -> None:
+    kind = "stopped" if isinstance(error, Preempted) else "error"
+    print(f"rapidformer: {kind}: {error}", file=sys.stderr)
+
+
+# the installed package (the repository's conf/), not a folder beside this file
+@hydra.main(config_path="pkg://rapidformer.conf", config_name="config", version_base="1.3")
+def hydra_entry(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from rapidformer.config.compose import resolve
+    from rapidformer.factory import run, settle
+    from rapidformer.cli.multirun import job_row, write_status
+    from rapidformer.observability.run_record import write_environment
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    try:
+        resolved, run_cfg = settle(*resolve(cfg, run_dir))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
+            yaml.safe_dump(resolved, f, sort_keys=False)
+        write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
+        log.info("run directory: %s", run_dir)
+        result = run(run_cfg, run_dir, resolved)
+        write_status(run_dir, "ok")
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            # what a sweeper optimises (Optuna): the job's final eval metric, as the summary shows
+            return job_row(Path(run_dir))["value"]
+        return result
+    except RapidformerError as exc:
+        if debug_enabled():
+            raise
+        report(exc)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        write_status(run_dir, "preempted" if isinstance(exc, Preempted) else "failed",
+                     str(exc).splitlines()[0])
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return None  # the sweep goes on; this job is reported as failed
+        sys.exit(exc.exit_code)
+    except Exception as exc:
+        if hydra_cfg.mode != RunMode.MULTIRUN or debug_enabled():
+            raise
+        # a sweep outlives a crashing job: the traceback goes to the job's log, the row says so
+        log.exception("job failed")
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        write_status(run_dir, "failed", f"{type(exc).__name__}: {first_line}")
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    from omegaconf import OmegaConf
+
+    from rapidformer.config.compose import check_overrides, compose, resolve, with_default_recipe
+    from rapidformer.config.paths import check_paths
+    from rapidformer.factory import check_available, settle
+    from rapidformer.runtime.fast_exit import install as exit_fast
+
+    exit_fast()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags, overrides = split_argv(argv)
+    overrides = with_default_recipe(overrides)
+    multirun = any(f in ("-m", "--multirun") for f in flags)
+    asks_help = any(f in ("-h", "--help", "--hydra-help", "--info", "-i") for f in flags)
+    prints_only = asks_help or any(f in ("--cfg", "-c") for f in flags)
+    try:
+        overrides = check_overrides(overrides)
+        if not multirun and not asks_help:
+            # validate the whole config before Hydra creates a run directory
+            composed = compose(overrides, default_recipe=False)
+            _, run_cfg = settle(*resolve(composed, "(run directory)"))
+            if run_cfg.trainer.dry_run and not prints_only:
+                from rapidformer.cli.verbs.inspect import print_plan
+
+                print_plan(run_cfg)  # and stop: no run directory, no data
+                return
+            if not prints_only:
+                check_available(run_cfg)
+                check_paths(run_cfg, str(OmegaConf.select(composed, "trainer.output_dir")))
+        if not multirun and not asks_help and run_cfg.launcher.name == "slurm":
+            flags.append("--multirun")  # Hydra hands a job to its launcher only in a sweep
+    except RapidformerError as exc:
+        if debug_enabled():
+            raise
+        report(exc)
+        sys.exit(exc.exit_code)
+    sys.argv = [sys.argv[0], *flags, *overrides]
+    hydra_entry()
+
+
+if __name__ == "__main__":
+    main()
