@@ -273,8 +273,8 @@ class RapidformerEngine:
 
     # --- export -------------------------------------------------------------------------------
     def unwrapped_model(self) -> torch.nn.Module:
-        """The user's model under the strategy's, torch.compile's and ORTModule's wrappers
-        (FSDP2 shards it in place and keeps its class)."""
+        """The user's model under the strategy's, torch.compile's and ORTModule's wrappers (a
+        strategy that shards in place keeps its class)."""
         return self.strategy.unwrap(self.model)
 
     def export_hf(self, tokenizer=None, step: int | None = None) -> Path | None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rapidformer import checkpoint
-from rapidformer.compat.args import Args
+from rapidformer.config.args import Args
 from rapidformer.config.compose import compose, resolve
 from rapidformer.config.schema import SchedulerConfig
 from rapidformer.data.sampler import ResumableSampler
