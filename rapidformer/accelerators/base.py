@@ -55,6 +55,7 @@ class Strategy(abc.ABC):
     def __init__(self, cfg: RunConfig, device: torch.device, rank: int, world_size: int):
         self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
         self.model = self.optimizer = self.lr_scheduler = None
+        self.precision = None  # the precision seam's object, where the strategy keeps one
 
     # --- who reads which data ---------------------------------------------------------------
     @property
@@ -134,11 +135,12 @@ class Strategy(abc.ABC):
 
     @property
     def loss_scale(self) -> float | None:
-        return None
+        """fp16's current loss scale (None without loss scaling)."""
+        return None if self.precision is None else self.precision.loss_scale
 
     @property
     def skipped_steps(self) -> int:
-        return 0
+        return 0 if self.precision is None else self.precision.skipped_steps
 
     # --- checkpoints ------------------------------------------------------------------------
     def layout(self) -> dict:

@@ -104,14 +104,6 @@ class DDPStrategy(Strategy):
                 and getattr(o, "_step_supports_amp_scaling", False)
                 and self.precision.scaler is None)
 
-    @property
-    def loss_scale(self) -> float | None:
-        return self.precision.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.precision.skipped_steps
-
     # --- checkpoints ------------------------------------------------------------------------
     def _schedule_and_precision(self) -> dict:
         return {"scheduler.pt": self.lr_scheduler.state_dict() if self.lr_scheduler else {},

@@ -99,14 +99,6 @@ class MegatronStrategy(Strategy):
         megatron_optimizer.zero_grad(self.model, self.optimizer)
         return StepResult(stepped, torch.tensor(grad_norm), self.loss_scale, self.skipped_steps)
 
-    @property
-    def loss_scale(self) -> float | None:
-        return self.precision.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.precision.skipped_steps
-
     # --- checkpoints ------------------------------------------------------------------------
     def layout(self) -> dict:
         return {"tensor_parallel": self.parallel.tp, "pipeline_parallel": self.parallel.pp,
