@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rapidformer import checkpoint
 from rapidformer.accelerators.base import StepResult
 from rapidformer.accelerators.table import select
+from rapidformer.compat.args import active
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
 from rapidformer.observability.flops import ModelFlops, model_shape
@@ -54,9 +55,7 @@ class RapidformerEngine:
     def __init__(self, cfg: RunConfig | None = None, run_dir: str | os.PathLike | None = None,
                  plan: RunPlan | None = None):
         global ENGINES_CREATED
-        if cfg is None:
-            from rapidformer.compat.args import active  # the seed's no-argument form
-
+        if cfg is None:  # the seed's no-argument form, in a user script
             run = active()
             cfg, run_dir = run.cfg, run.run_dir
         self.cfg = cfg
@@ -69,7 +68,7 @@ class RapidformerEngine:
         seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
         if self.device.type == "cuda":
             apply_gpu_math_settings(cfg)
-        self.strategy = select(cfg)(cfg, self.device, self.rank, self.world_size)
+        self.strategy = select(cfg)(cfg, self.plan, self.rank, self.world_size)
         self.model = self.optimizer = self.lr_scheduler = None
         self._kv_cache_was_on = False  # set by compose
         ENGINES_CREATED += 1

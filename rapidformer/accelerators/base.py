@@ -21,6 +21,7 @@ import torch
 from rapidformer.accelerators.recompute import enable_recompute
 from rapidformer.config.schema import RunConfig
 from rapidformer.models.attention import use_training_sdpa
+from rapidformer.planning.run_plan import RunPlan
 
 log = logging.getLogger("rapidformer")
 
@@ -52,8 +53,9 @@ class Strategy(abc.ABC):
     training_sdpa: ClassVar[bool] = True
     hf_recompute: ClassVar[bool] = True
 
-    def __init__(self, cfg: RunConfig, device: torch.device, rank: int, world_size: int):
-        self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
+    def __init__(self, cfg: RunConfig, plan: RunPlan, rank: int, world_size: int):
+        self.cfg, self.plan, self.rank, self.world_size = cfg, plan, rank, world_size
+        self.device = plan.device
         self.model = self.optimizer = self.lr_scheduler = None
         self.precision = None  # the precision seam's object, where the strategy keeps one
 

@@ -24,9 +24,9 @@ log = logging.getLogger("rapidformer")
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, cfg, device, rank, world_size):
-        super().__init__(cfg, device, rank, world_size)
-        self.precision = MixedPrecision(cfg.precision, device)
+    def __init__(self, cfg, plan, rank, world_size):
+        super().__init__(cfg, plan, rank, world_size)
+        self.precision = MixedPrecision(cfg.precision, self.device)
         self.ddp = None
 
     # --- building ---------------------------------------------------------------------------

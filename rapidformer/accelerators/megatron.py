@@ -27,10 +27,10 @@ class MegatronStrategy(Strategy):
     name = "megatron"
     hf_recompute = False  # activation recompute is in the model's own (megatron-core) config
 
-    def __init__(self, cfg, device, rank, world_size):
-        super().__init__(cfg, device, rank, world_size)
-        self.parallel = parallel.initialize(cfg, device)
-        check_device_supports(cfg.precision, device)
+    def __init__(self, cfg, plan, rank, world_size):
+        super().__init__(cfg, plan, rank, world_size)
+        self.parallel = parallel.initialize(cfg, self.device)
+        check_device_supports(cfg.precision, self.device)
         # megatron-core's optimizer owns the loss scale, unscaling, inf check and clipping
         self.precision = megatron_optimizer.MegatronPrecision(cfg.precision.dtype)
 

@@ -105,9 +105,9 @@ class ZeroStrategy(Strategy):
     name = "deepspeed"
     compiles_blocks = True
 
-    def __init__(self, cfg, device, rank, world_size):
-        super().__init__(cfg, device, rank, world_size)
-        check_device_supports(cfg.precision, device)
+    def __init__(self, cfg, plan, rank, world_size):
+        super().__init__(cfg, plan, rank, world_size)
+        check_device_supports(cfg.precision, self.device)
         self.stage = ZERO_STAGES[cfg.memory.name]
         self.ds = None
         self._skipped = 0  # DeepSpeed's count of overflow-skipped steps at the last step
@@ -123,9 +123,7 @@ class ZeroStrategy(Strategy):
         deepspeed = import_deepspeed(self.device)
         join_group_of_one(self.device)
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed asserts on it, even for one
-        t = self.cfg.trainer
-        accumulation = t.global_batch_size // (t.micro_batch_size * self.world_size)
-        config = deepspeed_config(self.cfg, accumulation, self.device)
+        config = deepspeed_config(self.cfg, self.plan.accumulation, self.device)
         self.ds, optimizer, _, lr_scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=config)
         log.info("memory=%s: DeepSpeed ZeRO stage %d", self.cfg.memory.name, self.stage)
