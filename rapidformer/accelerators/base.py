@@ -177,7 +177,7 @@ class Strategy(abc.ABC):
         return {}
 
     def set_rng_state(self, state: dict) -> None:
-        pass
+        """Restore what rng_state() saved (a strategy without streams of its own has none)."""
 
     # --- export -----------------------------------------------------------------------------
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
