@@ -26,6 +26,9 @@ def package_versions() -> dict:
     return versions
 
 
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # rapidformer/, whose parent a checkout is
+
+
 def git_state(folder: Path) -> dict:
     """The commit of the checkout the package runs from; nulls when it is not one (a wheel)."""
     def git(*args) -> str | None:
@@ -49,7 +52,7 @@ def write_environment(run_dir: str | Path, seed: int, deterministic: bool) -> Pa
     import torch
 
     record = {"versions": {**package_versions(), "python": platform.python_version()},
-              "git": git_state(Path(__file__).resolve().parent),
+              "git": git_state(PACKAGE_DIR),
               "seed": seed, "deterministic": deterministic,
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                           "gpus": [torch.cuda.get_device_name(i)
