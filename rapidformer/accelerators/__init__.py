@@ -1,1 +1,2 @@
-"""Accelerators, one module per concern: precision, graph (and, as they land, memory, parallel)."""
+"""One strategy per backend (ddp, zero, fsdp, megatron, ort; `table` picks one) and the seams
+they share: precision, graph, recompute. docs/architecture.md has the table and the protocol."""
