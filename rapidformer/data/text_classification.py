@@ -3,12 +3,31 @@
 Local files are read with the `datasets` library's csv/json/parquet builders; columns are mapped
 by `data.text_a_column`, `data.text_b_column` and `data.label_column`. Every way a file can be
 unusable (missing, unreadable, wrong columns, labels out of range, empty) is an `InputError`
-that names the file and the config key to change.
+that names the file and the config key to change; a bad label also names its line (csv, tsv,
+jsonl) or row (a JSON array, parquet, the hub), counted from 1.
+
+Labels follow one rule in every format. The builders infer a column's type per file (a csv
+column of "1", "2", "neg" is text, the same column in another split may be read as integers), so
+the rule looks at each value, not at the column's type:
+
+- a whole number is a class id: an int, a float such as 1.0, or text such as "2"; a bool is 0 or 1;
+- when every training label is a class id, labels are ids, 0..task.num_labels-1; task.num_labels
+  defaults to the largest training id + 1 (at least 2);
+- else labels are names: each label's text ("1", "neg"), sorted as text and numbered from 0,
+  the training split's numbering applied to every split (`label_names` keeps the names);
+- empty (or -1) means "no label": every training and validation row needs a label (the
+  validation split is scored at every evaluation); a test split whose every label is empty or -1
+  (GLUE's test) is loaded unscored, a test split with only some labels is refused;
+- a fraction (1.5), a list, a negative id, a name among ids, an id at or above task.num_labels, or
+  a validation or test label that no training row has is refused at loading, not after training.
 """
 from __future__ import annotations
 
 import contextlib
+import csv
 import logging
+import math
+import re
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +39,9 @@ from rapidformer.errors import InputError
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
 SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "valid", "dev", "val"),
                  "test": ("test",)}
+# a label written as a whole number: "2", "-1", "2.0" (a csv column read as text keeps them so)
+WHOLE_NUMBER = re.compile(r"[+-]?\d+(\.0*)?")
+NO_LABEL = -1  # GLUE's test labels; also what an unlabelled test split gets
 
 
 @dataclass
@@ -46,10 +68,14 @@ def _find_split_file(root: Path, split: str, given: str | None, fmt: str) -> Pat
     return None
 
 
+def _format_of(path: Path, fmt: str) -> str | None:
+    return FORMATS.get(path.suffix.lower()) if fmt == "auto" else fmt
+
+
 def _read(path: Path, fmt: str):
     from datasets import load_dataset
 
-    fmt = FORMATS.get(path.suffix.lower()) if fmt == "auto" else fmt
+    fmt = _format_of(path, fmt)
     if fmt is None:
         raise InputError(f"cannot tell the format of {path}: use a .csv, .tsv, .json, .jsonl or "
                          f".parquet name, or set data.format")
@@ -119,22 +145,23 @@ def _first_bad_line(path: Path) -> int:
     return 0
 
 
-def _local_splits(d: DataConfig, root: Path) -> dict:
+def _local_splits(d: DataConfig, root: Path) -> tuple[dict, dict]:
+    """({split: dataset}, {split: the file it was read from})."""
     if not root.exists():
         raise InputError(f"data directory not found: {root} (data.path); create it or fix the path")
     if root.is_file():
-        return {"train": _read(root, d.format)}
+        return {"train": _read(root, d.format)}, {"train": root}
     given = {"train": d.train_file, "validation": d.validation_file, "test": d.test_file}
-    splits = {}
+    splits, files = {}, {}
     for split in SPLIT_ALIASES:
         path = _find_split_file(root, split, given[split], d.format)
         if path is not None:
-            splits[split] = _read(path, d.format)
+            splits[split], files[split] = _read(path, d.format), path
     if "train" not in splits:
         raise InputError(f"no training file in {root} (data.path): expected train.csv, "
                          f"train.tsv, train.json, train.jsonl or train.parquet, or set "
                          f"data.train_file")
-    return splits
+    return splits, files
 
 
 def _hub_splits(d: DataConfig) -> dict:
@@ -154,90 +181,238 @@ def _hub_splits(d: DataConfig) -> dict:
 def load_splits(d: DataConfig, run_dir: Path, write_synthetic=write_dataset) -> dict:
     """{split: datasets.Dataset} from local files, the hub, or data this project generates
     (`write_synthetic(root, train_size, eval_size, seed)` writes train/validation jsonl)."""
+    return _load_splits_and_files(d, run_dir, write_synthetic)[0]
+
+
+def _load_splits_and_files(d: DataConfig, run_dir: Path, write_synthetic=write_dataset
+                           ) -> tuple[dict, dict]:
+    """load_splits, and the file of each local split (the errors name it; none for the hub)."""
+    files: dict = {}
     if d.source == "synthetic":
         root = Path(d.path) if d.path else run_dir / "data"
         if not (root / "train.jsonl").is_file():
             write_synthetic(root, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic_seed)
-        splits = _local_splits(d, root)
+        splits, files = _local_splits(d, root)
     elif d.source == "local":
-        splits = _local_splits(d, Path(d.path))
+        splits, files = _local_splits(d, Path(d.path))
     else:
         splits = _hub_splits(d)
     if "train" not in splits:
         raise InputError(f"the dataset has no 'train' split (it has: {', '.join(splits)})")
-    return splits
+    return splits, files
 
 
-def require_columns(splits: dict, wanted: dict[str, str]) -> None:
-    """Every split has the columns {config key: column name}, or one error naming the key."""
+def require_columns(splits: dict, wanted: dict[str, str], files: dict | None = None) -> None:
+    """Every split has the columns {config key: column name}, or one error naming the key (and
+    the split's file, where `files` knows it)."""
     for split, ds in splits.items():
         for key, column in wanted.items():
             if column not in ds.column_names:
+                where = f"{files[split]}: " if files and split in files else ""
                 raise InputError(
-                    f"the {split} split has no column '{column}' ({key}); its columns are: "
-                    f"{', '.join(ds.column_names)}. Set {key} to one of them")
+                    f"{where}the {split} split has no column '{column}' ({key}); its columns "
+                    f"are: {', '.join(ds.column_names)}. Set {key} to one of them")
 
 
 def load_classification_data(d: DataConfig, run_dir: Path, num_labels: int | None) -> ClassificationData:
-    splits = load_splits(d, run_dir)
-    _check_columns(d, splits)
-    for split, ds in splits.items():
-        if len(ds) == 0 and split == "train":
-            raise InputError(f"the training split is empty (data.path={d.path}); add examples")
-    return _encode_labels(d, splits, num_labels)
+    splits, files = _load_splits_and_files(d, run_dir)
+    _check_columns(d, splits, files)
+    if len(splits["train"]) == 0:
+        raise InputError(f"the training split is empty ({files.get('train', d.path)}, "
+                         f"data.path={d.path}); add examples")
+    return _encode_labels(d, splits, files, num_labels)
 
 
-def _check_columns(d: DataConfig, splits: dict) -> None:
+def _check_columns(d: DataConfig, splits: dict, files: dict) -> None:
     wanted = {"data.text_a_column": d.text_a_column, "data.label_column": d.label_column}
     if d.text_b_column:
         wanted["data.text_b_column"] = d.text_b_column
-    require_columns(splits, wanted)
+    require_columns(splits, wanted, files)
 
 
-def _encode_labels(d: DataConfig, splits: dict, num_labels: int | None) -> ClassificationData:
-    train_labels = splits["train"][d.label_column]
-    label_names: list[str] = []
-    if any(isinstance(v, str) for v in train_labels):
-        label_names = sorted({str(v) for v in train_labels})
-        index = {name: i for i, name in enumerate(label_names)}
-
-        def to_id(batch):
-            out = []
-            for v in batch[d.label_column]:
-                if v is None or str(v) not in index:
-                    out.append(-1)
-                else:
-                    out.append(index[str(v)])
-            return {"label": out}
-
-        splits = {s: ds.map(to_id, batched=True) if d.label_column == "label" else
-                  ds.map(to_id, batched=True, remove_columns=[d.label_column])
-                  for s, ds in splits.items()}
-        found = len(label_names)
+# --- labels: the rule in the module docstring -----------------------------------------------------
+def _encode_labels(d: DataConfig, splits: dict, files: dict, num_labels: int | None
+                   ) -> ClassificationData:
+    column = d.label_column
+    places = {split: _place(split, files.get(split), d) for split in splits}
+    values = {split: _label_values(ds[column], places[split], column)
+              for split, ds in splits.items()}
+    if all(isinstance(v, int) for v in values["train"]):
+        label_names, n, to_id = _id_labels(values["train"], column, num_labels)
     else:
-        if d.label_column != "label":
-            splits = {s: (ds.remove_columns(["label"]) if "label" in ds.column_names else ds)
-                      .rename_column(d.label_column, "label") for s, ds in splits.items()}
-        if any(v is None for v in train_labels):
-            raise InputError(f"the train split has empty labels in column '{d.label_column}'")
-        found = int(max(train_labels)) + 1
-        if min(train_labels) < 0:
-            raise InputError(f"the train split has a negative label ({min(train_labels)}) in "
-                             f"column '{d.label_column}'; labels must be 0..num_labels-1")
-    n = num_labels or max(found, 2)
-    scored = []
-    for split, ds in splits.items():
-        labels = [v for v in ds["label"] if v is not None]
-        if split != "train" and (not labels or min(labels) < 0):
-            continue  # unlabelled split (e.g. GLUE test): not scored
-        if labels and max(labels) >= n:
-            raise InputError(
-                f"the {split} split has label {max(labels)} but task.num_labels={n}; labels must "
-                f"be 0..{n - 1}: raise task.num_labels or fix the data")
-        if split != "train":
-            scored.append(split)
+        label_names, n, to_id = _named_labels(values["train"], column, num_labels)
+    ids = {split: _split_ids(split, labels, to_id, places[split], column)
+           for split, labels in values.items()}
+    splits = {split: _with_label_column(ds, column, ids[split]) for split, ds in splits.items()}
+    scored = tuple(split for split in splits if split != "train" and ids[split] is not None)
     return ClassificationData(splits=splits, num_labels=n, label_names=label_names,
-                              scored_splits=tuple(scored))
+                              scored_splits=scored)
+
+
+def _label_values(column_values, place, column: str) -> list:
+    """Each label as the rule reads it: an int (a class id), a str (a name) or None (empty)."""
+    out = []
+    for i, value in enumerate(column_values):
+        label = _label_value(value)
+        if label is ValueError:
+            raise InputError(
+                f"{place(i)} has the label {value!r} in column '{column}' (data.label_column), "
+                f"which is no class: a label is a whole number (a class id) or a name; fix it, "
+                f"or set data.label_column to the label column")
+        out.append(label)
+    return out
+
+
+def _label_value(value):
+    """int, str or None for one label as read; ValueError (returned, not raised) for a value
+    that cannot be a class, so that the caller names its place."""
+    if value is None:
+        return None
+    if isinstance(value, bool):  # before int: bool is an int subclass, and means 0/1
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value):  # an empty cell of a float column
+            return None
+        return int(value) if value.is_integer() else ValueError
+    if not isinstance(value, str):  # a list or a dict (multi-label data): not one class
+        return ValueError
+    text = value.strip()
+    if not text:
+        return None
+    return int(float(text)) if WHOLE_NUMBER.fullmatch(text) else text
+
+
+def _id_labels(train: list, column: str, num_labels: int | None):
+    """(label_names, num_labels, to_id) when the training labels are class ids."""
+    top = max((v for v in train if v is not None), default=0)
+    n = num_labels or max(top + 1, 2)
+
+    def to_id(value, where: str) -> int:
+        if isinstance(value, str):
+            raise InputError(
+                f"{where} has the label '{value}' in column '{column}' (data.label_column), but "
+                f"the training labels are class ids (0..{top}); write ids here too, or names in "
+                f"every split")
+        if value < 0:
+            raise InputError(
+                f"{where} has a negative label ({value}) in column '{column}' "
+                f"(data.label_column); labels must be 0..num_labels-1")
+        if value >= n:
+            fix = ("raise task.num_labels or fix the data" if num_labels else
+                   f"the training labels go up to {top}: add label {value} to the training data, "
+                   f"set task.num_labels={value + 1}, or fix the data")
+            raise InputError(f"{where} has label {value} but task.num_labels={n} (column "
+                             f"'{column}', data.label_column); labels must be 0..{n - 1}: {fix}")
+        return value
+
+    return [], n, to_id
+
+
+def _named_labels(train: list, column: str, num_labels: int | None):
+    """(label_names, num_labels, to_id) when the training labels are names: sorted as text."""
+    names = sorted({str(v) for v in train if v is not None})
+    index = {name: i for i, name in enumerate(names)}
+    if num_labels is not None and num_labels < len(names):
+        raise InputError(
+            f"the training split has {len(names)} labels ({_listing(names)}) in column "
+            f"'{column}' (data.label_column) but task.num_labels={num_labels}; raise "
+            f"task.num_labels to {len(names)} or leave it unset")
+
+    def to_id(value, where: str) -> int:
+        if str(value) not in index:
+            raise InputError(
+                f"{where} has the label '{value}' in column '{column}' (data.label_column), "
+                f"which no training row has (the training labels: {_listing(names)}); add it to "
+                f"the training data or fix this label")
+        return index[str(value)]
+
+    return names, num_labels or max(len(names), 2), to_id
+
+
+def _split_ids(split: str, labels: list, to_id, place, column: str) -> list[int] | None:
+    """The split's label ids; None for an unlabelled test split (every label empty or -1)."""
+    missing = [i for i, v in enumerate(labels) if v is None or v == NO_LABEL]
+    if split == "test" and len(missing) == len(labels):
+        return None
+    if missing:
+        i = missing[0]
+        what = "an empty label" if labels[i] is None else f"the label {NO_LABEL} (no label)"
+        why = {"train": "every training row needs a label: fill it in or drop the row",
+               "validation": "the validation split is scored at every evaluation, so every row "
+                             "needs a label: fill it in or drop the row (only a test split may "
+                             "be unlabelled)",
+               }.get(split, f"the {split} split is partly labelled: label every row, or leave "
+                            f"every label empty (or {NO_LABEL}) to load it unscored")
+        raise InputError(f"{place(i)} has {what} in column '{column}' (data.label_column); {why}")
+    return [to_id(v, place(i)) for i, v in enumerate(labels)]
+
+
+def _with_label_column(ds, column: str, ids: list[int] | None):
+    """The split with its labels as int ids in `label` (written anew: a column the builder read
+    as text would turn ids written into it back into text)."""
+    drop = [column] + (["label"] if column != "label" and "label" in ds.column_names else [])
+    return ds.remove_columns(drop).add_column("label", ids if ids is not None
+                                              else [NO_LABEL] * len(ds))
+
+
+def _listing(names: list[str], most: int = 10) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f", ... ({len(names) - most} more)" if len(names) > most else "")
+
+
+# --- where a row is, as a person finds it in the file ---------------------------------------------
+def _place(split: str, path: Path | None, d: DataConfig):
+    """`place(i)`: where the split's row i (0-based) is. Line numbers are worked out only for an
+    error, and follow the builders: pandas skips blank lines, pyarrow's JSON reader too."""
+    if path is None:
+        name = f"{d.path}/{d.subset}" if d.subset else d.path
+        return lambda i: f"row {i + 1} of the {split} split of {name}"
+    fmt = _format_of(path, d.format)
+    if fmt in ("csv", "tsv"):
+        return lambda i: _line_or_row(path, _csv_line(path, "\t" if fmt == "tsv" else ",", i), i)
+    if fmt in ("json", "jsonl") and not _is_json_array(path):
+        return lambda i: _line_or_row(path, _text_line(path, i), i)
+    return lambda i: f"{path} row {i + 1}"
+
+
+def _line_or_row(path: Path, line: int | None, index: int) -> str:
+    return f"{path} line {line}" if line else f"{path} row {index + 1}"
+
+
+def _csv_line(path: Path, delimiter: str, index: int) -> int | None:
+    """The line on which data row `index` starts (quoted fields may span lines), or None when
+    Python's csv reader cannot follow the file."""
+    rows, start = -1, 1  # the header is row -1
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f, delimiter=delimiter)
+            for record in reader:
+                if record and not (len(record) == 1 and not record[0].strip()):
+                    if rows == index:
+                        return start
+                    rows += 1
+                start = reader.line_num + 1
+    except csv.Error:
+        return None
+    return None
+
+
+def _text_line(path: Path, index: int) -> int | None:
+    """The line of JSON record `index`: the index-th line that is not blank."""
+    seen = -1
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            seen += bool(line.strip())
+            if line.strip() and seen == index:
+                return number
+    return None
+
+
+def _is_json_array(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4096).lstrip()[:1] == b"["
 
 
 def tokenize_splits(data: ClassificationData, d: DataConfig, tokenizer) -> dict:
