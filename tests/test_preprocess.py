@@ -2,13 +2,20 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rapidformer.data.preprocess_data import main as preprocess_main
-from tests.conftest import run_cli
+from tests.conftest import OFFLINE_ENV, run_cli
 
 TEXTS = ["The doctor bought a car. It was red!", "A teacher found the boat near the river.",
          "Police cleaned the shop. The kid lost a bag? Yes."]
@@ -107,7 +114,7 @@ def test_malformed_line_fails_or_is_skipped(tmp_path, corpus, bert_vocab, capsys
     with pytest.raises(SystemExit) as info:
         preprocess_main(args)
     assert info.value.code == 2
-    assert "line 4:" in capsys.readouterr().err
+    assert f"{corpus} line 4, column 2: not valid JSON" in capsys.readouterr().err
     assert not list(tmp_path.glob("out_*")) and not list(tmp_path.glob(".tmp-*"))
     preprocess_main([*args, "--on-error", "skip"])
     err = capsys.readouterr().err
@@ -148,3 +155,294 @@ def test_module_command_line_and_dataset_impl(tmp_path, corpus, bert_vocab):
                   "--vocab-file", str(bert_vocab), "--tokenizer-type", "BertWordPieceCase"],
                  cwd=tmp_path, module="rapidformer.data.preprocess_data")
     assert ok.returncode == 0 and "docs/s" in ok.stderr and "MB/s" in ok.stderr
+
+
+# --- tokenizer files that cannot be used -------------------------------------------------------
+
+def _fails(args: list[str], capsys) -> str:
+    """The one message of a run that must stop with exit code 2 (an InputError, no traceback)."""
+    with pytest.raises(SystemExit) as info:
+        preprocess_main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 1
+    return " ".join(err.split())
+
+
+def _gpt2_args(corpus, out, vocab, merges) -> list[str]:
+    return ["--input", str(corpus), "--output-prefix", str(out), "--vocab-file", str(vocab),
+            "--merge-file", str(merges), "--tokenizer-type", "GPT2BPETokenizer"]
+
+
+def test_merges_of_another_vocabulary(tmp_path, corpus, gpt2_files, capsys):
+    from tokenizers import ByteLevelBPETokenizer
+
+    other = ByteLevelBPETokenizer()
+    other.train_from_iterator(["zzzz qqqq xxxx"] * 3, vocab_size=270, min_frequency=1,
+                              show_progress=False)
+    other.save_model(str(tmp_path))
+    vocab, _ = gpt2_files
+    message = _fails(_gpt2_args(corpus, tmp_path / "o", vocab, tmp_path / "merges.txt"), capsys)
+    assert f"{tmp_path / 'merges.txt'} (--merge-file) does not match {vocab} (--vocab-file): " \
+           f"line 2," in message
+    assert "pass the merges.txt saved together with this vocab.json" in message
+    assert not list(tmp_path.glob("o_*")) and not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("kind,content,fragment", [
+    ("merges", b"\xff\xfe binary\n", "(--merge-file) is not UTF-8 text: line 1, byte column 1 "
+                                     "is 0xff"),
+    ("merges", b'{"a": 0}', "(--merge-file) is JSON, not a GPT-2 merges.txt: were --vocab-file "
+                            "and --merge-file swapped?"),
+    ("merges", "#version: 0.2\nĠ t h\n".encode(), "(--merge-file), line 2: 'Ġ t h' is not two "
+                                                  "tokens separated by one space"),
+    ("vocab", b'["a", "b"]', "(--vocab-file) is JSON but not a GPT-2 vocabulary: it is an array"),
+    ("vocab", b'{"<|endoftext|>": "0"}', "(--vocab-file), key '<|endoftext|>': its id is a "
+                                         "string, expected an integer"),
+    ("vocab", b'{"<|endoftext|>": 0, ', "its JSON breaks at line 1, column 22"),
+])
+def test_unusable_gpt2_files(tmp_path, corpus, gpt2_files, kind, content, fragment, capsys):
+    vocab, merges = gpt2_files
+    bad = tmp_path / f"bad_{kind}"
+    bad.write_bytes(content)
+    files = (vocab, bad) if kind == "merges" else (bad, merges)
+    message = _fails(_gpt2_args(corpus, tmp_path / "o", *files), capsys)
+    assert message.startswith(f"rapidformer-preprocess-data: error: {bad}") and fragment in message
+
+
+def test_unusable_wordpiece_vocab_and_tokenizer_directory(tmp_path, corpus, capsys):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("hello\nworld\n[UNK]\n")
+    message = _fails(["--input", str(corpus), "--output-prefix", str(tmp_path / "o"),
+                      "--vocab-file", str(vocab), "--tokenizer-type", "BertWordPieceCase"], capsys)
+    assert f"{vocab} (--vocab-file) has no [CLS] [SEP] [PAD] [MASK]" in message
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text("{broken")
+    message = _fails(["--input", str(corpus), "--output-prefix", str(tmp_path / "o"),
+                      "--tokenizer-model", str(directory), "--tokenizer-type",
+                      "HuggingFaceTokenizer"], capsys)
+    assert f"{directory} (--tokenizer-model) does not load as a Hugging Face tokenizer" in message
+
+
+# --- input lines: UTF-8, JSON, the type of `text` -------------------------------------------------
+
+def test_non_utf8_byte_is_named_at_its_line_and_column(tmp_path, bert_vocab, capsys):
+    path = tmp_path / "latin1.json"
+    # a long first line: the old message gave the byte's offset in an 8 KiB read buffer
+    path.write_bytes((json.dumps({"text": "a " * 5000}) + "\n").encode()
+                     + b'{"text": "ok"}\n' + '{"text": "café"}\n'.encode("latin-1"))
+    args = ["--input", str(path), "--output-prefix", str(tmp_path / "o"), "--vocab-file",
+            str(bert_vocab), "--tokenizer-type", "BertWordPieceLowerCase"]
+    message = _fails(args, capsys)
+    assert f"{path} line 3, byte column 14: byte 0xe9 is not valid UTF-8" in message
+    assert "re-encode the file as UTF-8" in message
+    preprocess_main([*args, "--on-error", "skip"])
+    assert "skipping" in capsys.readouterr().err
+    assert len(_read(tmp_path / "o_text_document").document_indices) - 1 == 2
+
+
+@pytest.mark.parametrize("value,fragment", [
+    (5, "line 2, key 'text': a number (5), expected a string or a list of strings"),
+    ({"a": "b"}, "line 2, key 'text': an object, expected a string"),
+    (None, "line 2, key 'text': null, expected a string"),
+    (True, "line 2, key 'text': true (a boolean), expected a string"),
+    (["fine.", 3], "line 2, key 'text', item 1: a number (3), expected a string (a sentence)"),
+])
+def test_text_that_is_not_a_string(tmp_path, bert_vocab, value, fragment, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    message = _fails(["--input", str(path), "--output-prefix", str(tmp_path / "o"),
+                      "--vocab-file", str(bert_vocab), "--tokenizer-type",
+                      "BertWordPieceLowerCase"], capsys)
+    assert f"{path} {fragment}" in message
+
+
+# --- documents numbered as Megatron numbers them ---------------------------------------------
+
+MIXED = ["The doctor bought a car.", ["It was red!", "A teacher found the boat."], "", [],
+         ["", "Police cleaned the shop."], "The kid lost a bag? Yes."]
+
+
+def _megatron_reference(prefix: Path, texts, vocab, merges) -> None:
+    """What Megatron-LM's tools/preprocess_data.py writes (megatron-core builder, no
+    --split-sentences, --append-eod): a list is the document's sentences, each tokenized
+    alone; sentences without tokens are left out; the EOD goes on the last sentence of a
+    document with tokens; every document is added, an empty one too."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from transformers import GPT2Tokenizer
+
+    tokenizer = GPT2Tokenizer(vocab=str(vocab), merges=str(merges))
+    eod = tokenizer.get_vocab()["<|endoftext|>"]
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(len(tokenizer)))
+    for text in texts:
+        ids, lengths = [], []
+        for sentence in text if isinstance(text, list) else [text]:
+            tokens = tokenizer.encode(sentence, add_special_tokens=False)
+            if tokens:
+                ids += tokens
+                lengths.append(len(tokens))
+        if ids:
+            ids.append(eod)
+            lengths[-1] += 1
+        builder.add_document(ids, lengths)
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_list_and_empty_texts_match_megatron_byte_for_byte(tmp_path, gpt2_files):
+    vocab, merges = gpt2_files
+    path = tmp_path / "mixed.json"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in MIXED))
+    preprocess_main([*_gpt2_args(path, tmp_path / "ours", vocab, merges), "--append-eod"])
+    _megatron_reference(tmp_path / "megatron", MIXED, vocab, merges)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours_text_document{ext}").read_bytes() == \
+            (tmp_path / f"megatron{ext}").read_bytes()
+    dataset = _read(tmp_path / "ours_text_document")
+    # six lines, six documents: the empty ones (lines 3, 4) have no sequence and no EOD, and
+    # the lists' sentences are sequences of their own
+    assert dataset.document_indices.tolist() == [0, 1, 3, 3, 3, 4, 5]
+    assert len(dataset) == 5
+
+
+def test_a_list_is_the_sentences_of_one_document(tmp_path, corpus, bert_vocab):
+    """Megatron's sentence-split form gives the same files as splitting the text here."""
+    from rapidformer.data.preprocess_data import split_sentences
+
+    split = tmp_path / "split.json"
+    split.write_text("".join(json.dumps({"text": split_sentences(t)}) + "\n" for t in TEXTS))
+    common = ["--vocab-file", str(bert_vocab), "--tokenizer-type", "BertWordPieceLowerCase",
+              "--split-sentences"]
+    preprocess_main(["--input", str(corpus), "--output-prefix", str(tmp_path / "a"), *common])
+    preprocess_main(["--input", str(split), "--output-prefix", str(tmp_path / "b"), *common])
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"a_text_sentence{ext}").read_bytes() == \
+            (tmp_path / f"b_text_sentence{ext}").read_bytes()
+    assert _read(tmp_path / "b_text_sentence").document_indices.tolist() == [0, 2, 3, 6]
+
+
+def test_a_corpus_of_empty_texts_is_refused(tmp_path, bert_vocab, capsys):
+    path = tmp_path / "empty.json"
+    path.write_text('{"text": ""}\n{"text": []}\n')
+    message = _fails(["--input", str(path), "--output-prefix", str(tmp_path / "o"),
+                      "--vocab-file", str(bert_vocab), "--tokenizer-type", "BertWordPieceCase"],
+                     capsys)
+    assert "every one of its 2 documents has an empty 'text' (no tokens)" in message
+
+
+# --- SIGTERM / SIGINT and stale temporary files ----------------------------------------------
+
+def _big_corpus(tmp_path: Path, lines: int = 20000) -> Path:
+    """Large enough that preprocessing is still running when the signal comes."""
+    path = tmp_path / "big.json"
+    words = " ".join(TEXTS).split()
+    path.write_text("".join(json.dumps({"text": " ".join(words[(i + j) % len(words)]
+                                                         for j in range(60))}) + "\n"
+                            for i in range(lines)))
+    return path
+
+
+def _writing(tmp_path: Path) -> bool:
+    """A temporary .bin with documents in it: the run is mid-way."""
+    for path in tmp_path.glob(".tmp-*.bin"):
+        try:
+            if path.stat().st_size > 0:
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_mid_way_removes_the_temporary_files(tmp_path, gpt2_files):
+    vocab, merges = gpt2_files
+    command = [sys.executable, "-m", "rapidformer.data.preprocess_data",
+               *_gpt2_args(_big_corpus(tmp_path), tmp_path / "out", vocab, merges),
+               "--append-eod", "--workers", "2"]
+    process = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, **OFFLINE_ENV},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not _writing(tmp_path) and process.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        workers = _children(process.pid)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    message = " ".join(err.split())
+    assert "rapidformer-preprocess-data: stopped by SIGTERM after" in message
+    assert f"removed its temporary files .tmp-out_text_document-{process.pid}.bin/.idx and " \
+           f"wrote nothing to {tmp_path / 'out_text_document'}.bin/.idx" in message
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob("out_*"))
+    if Path("/proc").is_dir():
+        time.sleep(0.5)
+        assert workers and not [pid for pid in workers if _alive(pid)]
+
+
+def test_sigint_in_process_cleans_up_and_restores_the_handler(tmp_path, gpt2_files, capsys):
+    vocab, merges = gpt2_files
+    args = _gpt2_args(_big_corpus(tmp_path), tmp_path / "out", vocab, merges)
+
+    def interrupt():
+        deadline = time.time() + 120
+        while not _writing(tmp_path) and time.time() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def ignore(signum, frame):  # a late SIGINT must not stop pytest
+        pass
+
+    previous = signal.signal(signal.SIGINT, ignore)
+    thread = threading.Thread(target=interrupt, daemon=True)
+    try:
+        thread.start()
+        with pytest.raises(SystemExit) as info:
+            preprocess_main(args)
+        thread.join()
+        assert signal.getsignal(signal.SIGINT) is ignore
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert info.value.code == 128 + signal.SIGINT
+    assert "stopped by SIGINT after" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob("out_*"))
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path, corpus, bert_vocab, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getppid()
+    files = {name: tmp_path / name for name in (
+        f".tmp-o_text_document-{dead.pid}.bin", f".tmp-o_text_document-{dead.pid}.idx",
+        f".tmp-o_text_sentence-{dead.pid}.bin",
+        f".tmp-o_text_document-{live}.bin",          # a live writer's: kept
+        f".tmp-other_text_document-{dead.pid}.bin",  # another prefix's: kept
+    )}
+    for path in files.values():
+        path.write_bytes(b"x")
+    preprocess_main(["--input", str(corpus), "--output-prefix", str(tmp_path / "o"),
+                     "--vocab-file", str(bert_vocab), "--tokenizer-type", "BertWordPieceCase"])
+    assert "removed 3 temporary files of earlier runs" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == sorted(
+        [f".tmp-o_text_document-{live}.bin", f".tmp-other_text_document-{dead.pid}.bin"])
+    assert len(_read(tmp_path / "o_text_document")) == 3
