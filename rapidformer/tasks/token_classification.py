@@ -1,26 +1,15 @@
 """Black-box token classification (NER on CoNLL-shaped data): the seed's
 `--task token_classification`. Rows hold a list of words and a list of their tags (names such
-as B-PER, or ids with names from the dataset's features); entity precision, recall and F1
-(seqeval's rules) and token accuracy at every evaluation."""
+as B-PER, or ids with names from the dataset's features), checked at loading by the tag rule of
+rapidformer/data/token_labels.py; entity precision, recall and F1 (seqeval's rules) and token
+accuracy at every evaluation."""
 from __future__ import annotations
 
 
-from rapidformer.data.token_labels import align_labels, entity_counts, precision_recall_f1
-from rapidformer.errors import InputError
+from rapidformer.data.token_labels import (align_labels, entity_counts, load_token_data,
+                                           precision_recall_f1)
 from rapidformer.models.hf import build_task_model
 from rapidformer.tasks.base import TaskFinetuner
-
-
-def tag_names(train, column: str) -> list[str]:
-    """The tag vocabulary: the dataset's ClassLabel names, or the names found in the training
-    split ("O" first, then sorted)."""
-    feature = getattr(train.features[column], "feature", None)
-    if getattr(feature, "names", None):
-        return list(feature.names)
-    found = {tag for row in train[column] for tag in row}
-    if all(isinstance(t, int) for t in found):
-        return [str(i) for i in range(max(found) + 1)]
-    return sorted(map(str, found), key=lambda t: (t != "O", t))
 
 
 class TokenClassificationFinetuner(TaskFinetuner):
@@ -30,24 +19,17 @@ class TokenClassificationFinetuner(TaskFinetuner):
         from transformers import DataCollatorForTokenClassification
 
         d, t = self.cfg.data, self.cfg.task
-        splits = self.load_splits()
-        self.names = tag_names(splits["train"], d.tags_column)
-        index = {name: i for i, name in enumerate(self.names)}
+        # every tag checked and made an id here, before training (the rule: data/token_labels)
+        data = load_token_data(d, self.engine.run_dir, t.num_labels)
+        splits, self.names, self.scored_splits = data.splits, data.names, data.scored_splits
         tokenizer = self.make_tokenizer(
-            lambda: (" ".join(map(str, row)) for row in splits["train"][d.tokens_column]))
+            lambda: (" ".join(row) for row in splits["train"][d.tokens_column]))
 
         def encode(batch):
             enc = tokenizer(batch[d.tokens_column], is_split_into_words=True, truncation=True,
                             max_length=d.max_seq_length)
-            labels = []
-            for i, tags in enumerate(batch[d.tags_column]):
-                try:
-                    ids = [tag if isinstance(tag, int) else index[str(tag)] for tag in tags]
-                except KeyError as exc:
-                    raise InputError(f"tag {exc} in {d.tags_column} is not in the training "
-                                     f"split's tags ({', '.join(self.names)})") from None
-                labels.append(align_labels(enc.word_ids(i), ids, t.label_all_tokens, self.names))
-            enc["labels"] = labels
+            enc["labels"] = [align_labels(enc.word_ids(i), ids, t.label_all_tokens, self.names)
+                             for i, ids in enumerate(batch[d.tags_column])]
             return enc
 
         encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names)
