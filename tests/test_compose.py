@@ -2,12 +2,14 @@
 habit), and the default command is the quickstart recipe."""
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rapidformer.config.compose import compose, group_options, option_folder, resolve
-from rapidformer.config.schema import GROUPS
+from rapidformer.config.schema import GROUPS, RunConfig
 from rapidformer.errors import ConfigError
 from rapidformer.factory import settle
 
@@ -77,6 +79,16 @@ def test_every_group_option_composes_and_validates(group, option):
 def test_every_recipe_composes_and_validates(recipe):
     _, cfg = resolve(compose([f"+recipe={recipe}", *RECIPE_REQUIRED.get(recipe, [])]), "out")
     assert cfg.recipe == recipe
+    from rapidformer.config.validate import USED_ONLY_WITH, schema_default, value_at
+
+    # what the recipe sets is read by the options it picks (a recipe's keys are never refused,
+    # so nothing else would notice one that is dropped)
+    text = yaml.safe_load(option_folder("recipe").joinpath(f"{recipe}.yaml").read_text())
+    for group, section in text.items():
+        for key, value in (section.items() if group in GROUPS else ()):
+            if f"{group}.{key}" in USED_ONLY_WITH and value != schema_default(f"{group}.{key}"):
+                selector, values = USED_ONLY_WITH[f"{group}.{key}"]
+                assert value_at(cfg, selector) in values, (recipe, group, key)
 
 
 def test_bert_pretrain_mirrors_the_seed_example():
@@ -171,3 +183,114 @@ def test_documented_offline_commands_validate(args, tmp_path):
     (tmp_path / "train.jsonl").write_text("")
     _, cfg = resolve(compose([a.replace("DIR", str(tmp_path)) for a in args]), "out")
     assert cfg.recipe and cfg.data.source in ("synthetic", "local")
+
+
+# --- overrides the picked options would drop ---------------------------------------------------
+
+IGNORED = [
+    (["memory.offload_optimizer=true"],
+     "memory.offload_optimizer=true has no effect with memory=none; it is used by memory=zero1, "
+     "zero2, zero3 or fsdp: choose one of those or drop the override"),
+    (["task.doc_stride=64"],
+     "task.doc_stride=64 has no effect with task=sequence_classification; it is used by "
+     "task=question_answering: choose it or drop the override"),
+    (["memory=zero2", "memory.offload_params=true"],
+     "memory.offload_params=true has no effect with memory=zero2; it is used by memory=zero3 or "
+     "fsdp: choose one of those or drop the override"),
+    (["memory=auto", "memory.offload_optimizer=true"],
+     "memory.offload_optimizer=true has no effect with memory=auto;"),
+    (["data.subset=qqp"],
+     "data.subset=qqp has no effect with data.source=synthetic (data=synthetic_pairs); it is used "
+     "by data.source=hub (data=conll2003, glue_mrpc, hub, squad, wikitext2, xsum): choose it or "
+     "drop the override"),
+    (["precision=bf16", "precision.initial_scale=1024"],
+     "precision.initial_scale=1024 has no effect with precision.dtype=bf16 (precision=bf16); it "
+     "is used by precision.dtype=fp16 (precision=fp16)"),
+    (["graph.options.coordinate_descent_tuning=true"],
+     "graph.options.coordinate_descent_tuning=true has no effect with graph=eager; it is used by "
+     "graph=compile"),
+    (["logger=wandb", "logger.tracking_uri=http://host:5000"],
+     "logger.tracking_uri=http://host:5000 has no effect with logger=wandb; it is used by "
+     "logger=mlflow"),
+    (["scheduler=constant", "scheduler.min_lr=1e-6"],
+     "scheduler.min_lr=1e-6 has no effect with scheduler=constant; it is used by "
+     "scheduler=linear or cosine"),
+    (["data.question_column=q"],
+     "data.question_column=q has no effect with task=sequence_classification; it is used by "
+     "task=question_answering"),
+    (["model.name_or_path=bert-base-cased"],
+     "model.name_or_path=bert-base-cased has no effect with model.source=config (model=bert_tiny); "
+     "it is used by model.source=pretrained (model=bert_base_cased, hf, t5_small)"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", IGNORED, ids=[" ".join(o) for o, _ in IGNORED])
+def test_an_override_the_picked_option_does_not_read_is_refused(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    assert len(info.value.problems) == 1 and expected in info.value.problems[0]
+
+
+def test_ignored_overrides_are_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        compose(["memory.offload_optimizer=true", "task.doc_stride=64", "graph.fullgraph=true"])
+    assert len(info.value.problems) == 3
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+recipe=bert_squad", "model=bert_tiny", "data=synthetic", "task.doc_stride=16"],
+    ["memory=zero3", "memory.offload_optimizer=true", "memory.offload_params=true"],
+    # what `rapidformer plan` prints for a mode: the defaults, which every option runs with
+    ["memory=none", "memory.offload_optimizer=false", "memory.offload_params=false"],
+    ["task.doc_stride=32", "data.subset=null"],
+    # a white-box script may read any key
+    ["user_script=my_script.py", "task.doc_stride=64"],
+], ids=lambda o: " ".join(o))
+def test_overrides_the_picked_options_read_or_that_keep_the_default_pass(overrides):
+    compose(overrides)
+
+
+def test_the_option_keys_table_names_schema_keys_and_real_choices():
+    from rapidformer.config.validate import USED_ONLY_WITH
+
+    for key, (selector, values) in USED_ONLY_WITH.items():
+        group, name = key.split(".")
+        assert name in typing.get_type_hints(typing.get_type_hints(RunConfig)[group]), key
+        sel_group, sel_name = selector.split(".")
+        choices = typing.get_args(typing.get_type_hints(
+            typing.get_type_hints(RunConfig)[sel_group])[sel_name])
+        assert values and set(values) <= set(choices), (key, selector, values)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_no_option_file_sets_a_key_its_own_option_does_not_read(group):
+    """An option file's keys are the option's own and never refused: they must be read."""
+    from rapidformer.config.validate import USED_ONLY_WITH, schema_default
+
+    for option in group_options(group):
+        text = yaml.safe_load(option_folder(group).joinpath(f"{option}.yaml").read_text()) or {}
+        for key, value in text.items():
+            used = USED_ONLY_WITH.get(f"{group}.{key}")
+            if used is None or value == schema_default(f"{group}.{key}") or \
+                    not used[0].startswith(f"{group}."):
+                continue
+            field = used[0].split(".")[1]
+            picked = option if field == "name" else text.get(field)
+            assert picked in used[1], (group, option, key)
+
+
+# --- '+' on a key that is there ------------------------------------------------------------------
+
+def test_a_plus_on_an_existing_key_says_to_drop_the_plus():
+    with pytest.raises(ConfigError) as info:
+        compose(["+trainer.lr=1e-4", "+trainer.seed=3"])
+    assert info.value.problems == [
+        "trainer.lr already exists in the config: write trainer.lr=1e-4 (no '+'); '+' adds a key "
+        "that is not there",
+        "trainer.seed already exists in the config: write trainer.seed=3 (no '+'); '+' adds a key "
+        "that is not there"]
+
+
+def test_plus_plus_sets_and_plus_adds_a_key_the_files_leave_out():
+    _, cfg = resolve(compose(["++trainer.lr=1e-4", "+trainer.max_nonfinite_steps=3"]), "out")
+    assert cfg.trainer.lr == 1e-4 and cfg.trainer.max_nonfinite_steps == 3

@@ -74,3 +74,130 @@ def test_cli_refuses_a_type_error_found_after_composition(tmp_path):
     assert result.returncode == 2
     assert "trainer.micro_batch_size: expected an integer, got 'abc'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --- numbers out of range: every key, its value, its range and a fix, all at once ---------------
+
+def test_out_of_range_numbers_are_all_reported_with_range_and_fix():
+    with pytest.raises(ConfigError) as info:
+        resolve(compose(["optim.beta1=1.5", "optim.eps=-1", "model.initializer_range=-1"]),
+                output_dir="out")
+    assert sorted(info.value.problems) == [
+        "model.initializer_range=-1.0 must be positive (the standard deviation of the initial "
+        "weights); set e.g. model.initializer_range=0.02",
+        "optim.beta1=1.5 must be in [0, 1) (AdamW's decay rate of the gradient average); set e.g. "
+        "optim.beta1=0.9",
+        "optim.eps=-1.0 must be positive (added to AdamW's denominator); set e.g. optim.eps=1e-8"]
+
+
+def _numeric_keys() -> list[str]:
+    import dataclasses
+    import typing
+
+    from rapidformer.config.schema import GROUPS, RunConfig
+
+    keys = []
+    for group in GROUPS:
+        cls = typing.get_type_hints(RunConfig)[group]
+        for name, tp in typing.get_type_hints(cls).items():
+            if {int, float} & {tp, *typing.get_args(tp)} and \
+                    name in {f.name for f in dataclasses.fields(cls)}:
+                keys.append(f"{group}.{name}")
+    return keys
+
+
+def test_every_number_of_the_schema_has_its_range_checked():
+    from rapidformer.config.validate import BOUNDS
+
+    # checked against other keys: the shortest sample and the positions (max_seq_length), the
+    # nodes (node_rank); any integer seeds Python's random (synthetic_seed)
+    elsewhere = {"data.max_seq_length", "launcher.node_rank", "data.synthetic_seed"}
+    assert set(_numeric_keys()) - elsewhere == set(BOUNDS)
+
+
+def _outside(bound, integer: bool) -> list:
+    values = []
+    if bound.low is not None:
+        values.append(bound.low if bound.low_open else bound.low - 1)
+    if bound.high is not None:
+        values.append(bound.high if bound.high_open else bound.high + 1)
+    return [int(v) if integer else float(v) for v in values]
+
+
+def test_each_bound_refuses_the_values_beyond_its_ends_and_suggests_a_value_inside():
+    """In-process over every key of BOUNDS: each end of each range, one key at a time."""
+    import dataclasses
+    import typing
+
+    from rapidformer.config.validate import BOUNDS, check_values
+
+    _, good = resolve(compose([]), output_dir="out")
+    assert check_values(good) == []
+    for key, bound in BOUNDS.items():
+        group, name = key.split(".")
+        tp = typing.get_type_hints(type(getattr(good, group)))[name]
+        integer = int in (tp, *typing.get_args(tp))
+        example = (int if integer else float)(bound.example)
+        assert bound.holds(example), key
+        for value in _outside(bound, integer):
+            bad = dataclasses.replace(good, **{group: dataclasses.replace(
+                getattr(good, group), **{name: value})})
+            mine = [p for p in check_values(bad) if p.startswith(f"{key}={value} must ")]
+            assert len(mine) == 1, (key, value, check_values(bad))
+            assert mine[0].endswith(f"; set e.g. {key}={bound.example}"), mine[0]
+
+
+def test_ranges_that_allow_null_say_what_null_does():
+    with pytest.raises(ConfigError) as info:
+        resolve(compose(["memory=auto", "memory.device_memory_gb=0", "trainer.keep_last=-1"]),
+                output_dir="out")
+    assert sorted(info.value.problems) == [
+        "memory.device_memory_gb=0.0 must be positive or null (the detected GPU's memory); set "
+        "e.g. memory.device_memory_gb=80",
+        "trainer.keep_last=-1 must not be negative (0 keeps every checkpoint); set e.g. "
+        "trainer.keep_last=2"]
+    _, cfg = resolve(compose(["trainer.keep_last=0"]), output_dir="out")  # 0: keep them all
+    assert cfg.trainer.keep_last == 0
+
+
+def test_an_unknown_compile_mode_is_refused_with_the_modes_torch_has(monkeypatch):
+    from rapidformer.config import validate
+
+    # the installed torch's list (its import takes seconds): one with a mode of a newer torch
+    monkeypatch.setattr(validate, "compile_modes", lambda: [*validate.COMPILE_MODES, "lite"])
+    _, cfg = resolve(compose(["graph=compile", "graph.mode=lite"]), output_dir="out")
+    assert cfg.graph.mode == "lite"
+    with pytest.raises(ConfigError) as info:
+        resolve(compose(["graph=compile", "graph.mode=max-autotun"]), output_dir="out")
+    text = str(info.value)
+    assert "graph.mode=max-autotun is not a torch.compile mode; did you mean " \
+           "graph.mode=max-autotune" in text
+    assert "reduce-overhead" in text and "or graph.mode=null" in text
+
+
+# --- data.max_seq_length: room for a sample's special tokens and text ---------------------------
+
+@pytest.mark.parametrize("length", [1, 2])
+def test_a_sequence_too_short_for_the_special_tokens_is_refused(length):
+    """The tokenizer does not cut a pair to 1 or 2 tokens: it leaves it whole (27 tokens a
+    sample), and longer texts then overflow the position embeddings."""
+    with pytest.raises(ConfigError) as info:
+        resolve(compose([f"data.max_seq_length={length}"]), output_dir="out")
+    assert info.value.problems == [
+        f"data.max_seq_length={length} must be at least 8: a task=sequence_classification "
+        f"sample is [CLS] text_a [SEP] text_b [SEP], and a limit with no room for its special "
+        f"tokens and some text of each part is not applied (the tokenizer leaves the text whole, "
+        f"longer than the limit); set e.g. data.max_seq_length=128"]
+    _, cfg = resolve(compose(["data.max_seq_length=8"]), output_dir="out")
+    assert cfg.data.max_seq_length == 8
+
+
+def test_a_question_answering_window_keeps_room_for_question_and_new_context():
+    squad = ["+recipe=bert_squad", "model=bert_tiny", "data=synthetic", "data.max_seq_length=64"]
+    with pytest.raises(ConfigError) as info:
+        resolve(compose([*squad, "task.doc_stride=60"]), output_dir="out")
+    assert "task.doc_stride=60 must be positive and below data.max_seq_length=64 - 4 = 60" \
+        in str(info.value)
+    assert "set e.g. task.doc_stride=16" in str(info.value)
+    _, cfg = resolve(compose([*squad, "task.doc_stride=59"]), output_dir="out")
+    assert cfg.task.doc_stride == 59

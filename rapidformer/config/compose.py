@@ -2,7 +2,9 @@
 
 Hydra composes; this module adds what Hydra does not do for us: the default recipe, a check of
 every override against the schemas before Hydra sees them (so all typos are reported at once,
-each with the closest valid name), and the final validation into a `RunConfig`.
+each with the closest valid name), after composing a refusal of the overrides that the options
+picked would not read (validate.USED_ONLY_WITH) and a fix for `+` on a key that is there, and the
+final validation into a `RunConfig`.
 """
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ import dataclasses
 import typing
 from importlib import resources
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import rapidformer.config.resolvers  # noqa: F401  (registers the configs' resolvers)
 from rapidformer.config.schema import GROUPS, RunConfig
-from rapidformer.config.validate import build_run_config, closest, unknown_key_message
+from rapidformer.config.validate import (USED_ONLY_WITH, build_run_config, closest,
+                                         schema_default, unknown_key_message)
 from rapidformer.errors import ConfigError, NotAvailableError
 
 # the repository's conf/ and recipes/, installed as these packages (pyproject.toml)
@@ -168,8 +171,118 @@ def _quote_split(text: str) -> str:
     return text
 
 
+def _parse(override: str):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides([override])[0]
+
+
+# what _plain gives for a value it cannot resolve, and a select for a key that is not there
+_UNRESOLVED = object()
+
+
+def _plain(cfg: DictConfig, key: str):
+    """The value at `key`, resolved to plain data (_UNRESOLVED where it cannot be)."""
+    try:
+        value = OmegaConf.select(cfg, key, throw_on_missing=True)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        return value
+    except OmegaConfBaseException:
+        return _UNRESOLVED
+
+
+def options_with(group: str, key: str, values) -> list[str]:
+    """The options of `group` whose file sets `key` to one of `values` (`name`: the options)."""
+    found = []
+    for option in group_options(group):
+        if key == "name":
+            chosen = option
+        else:
+            chosen = OmegaConf.create(option_text(group, option)).get(key)
+        if chosen in values:
+            found.append(option)
+    return found
+
+
+def _picked(cfg: DictConfig, selector: str) -> str:
+    """How a message names the selected option, e.g. `memory=none` or
+    `data.source=synthetic (data=synthetic_pairs)`."""
+    group, key = selector.split(".", 1)
+    value = _plain(cfg, selector)
+    if key == "name":
+        return f"{group}={value}"
+    return f"{selector}={value} ({group}={_plain(cfg, f'{group}.name')})"
+
+
+def _either(items) -> str:
+    items = list(items)
+    return ", ".join(items[:-1]) + f" or {items[-1]}" if len(items) > 1 else items[0]
+
+
+def _users(selector: str, values: tuple[str, ...]) -> str:
+    """How a message names the options that read a key, e.g. `memory=zero1, zero2 or fsdp`."""
+    group, key = selector.split(".", 1)
+    if key == "name":
+        return f"{group}={_either(values)}"
+    text = f"{selector}={_either(values)}"
+    options = options_with(group, key, values)
+    return text + (f" ({group}={', '.join(options)})" if options else "")
+
+
+def ignored_override_problems(overrides: list[str], cfg: DictConfig) -> list[str]:
+    """Overrides of keys that the options picked do not read (validate.USED_ONLY_WITH): each
+    would be dropped without a word. Setting such a key to its default is what the run does
+    anyway, and is let through (`rapidformer plan` prints such overrides for every mode); keys
+    that recipes and option files set are theirs, not the user's, and are not looked at."""
+    if _plain(cfg, "user_script"):
+        return []  # a white-box script may read any key
+    problems = []
+    for text in overrides:
+        key = _key_of(text)
+        used = next((USED_ONLY_WITH[k] for k in (key, ".".join(key.split(".")[:2]))
+                     if k in USED_ONLY_WITH), None)
+        if used is None or text.lstrip().startswith("~"):
+            continue
+        selector, values = used
+        picked = _plain(cfg, selector)
+        top = ".".join(key.split(".")[:2])
+        if picked is _UNRESOLVED or picked in values or _plain(cfg, top) == schema_default(top):
+            continue
+        what = "it" if len(values) == 1 else "one of those"
+        problems.append(f"{text.lstrip('+')} has no effect with {_picked(cfg, selector)}; it is "
+                        f"used by {_users(selector, values)}: choose {what} or drop the override")
+    return problems
+
+
+def _existing_key_problems(overrides: list[str], compose_without) -> list[str]:
+    """`+key=value` for keys the config already has: Hydra refuses them, by the first one's
+    name only and without saying what to write instead."""
+    from hydra.core.override_parser.types import OverrideType
+    from hydra.errors import HydraException
+
+    adds = [o for o in overrides if not o.startswith("++") and o.startswith("+")
+            and _key_of(o) not in OPTION_GROUPS and _parse(o).type == OverrideType.ADD]
+    if not adds:
+        return []
+    try:
+        base = compose_without([o for o in overrides if o not in adds])
+    except (HydraException, OmegaConfBaseException):  # the others fail too: Hydra's message
+        return []
+    problems = []
+    for text in adds:
+        key = _key_of(text)
+        if OmegaConf.select(base, key, default=_UNRESOLVED, throw_on_missing=False) \
+                is not _UNRESOLVED:
+            value = text.split("=", 1)[1] if "=" in text else ""
+            problems.append(f"{key} already exists in the config: write {key}={value} (no '+'); "
+                            f"'+' adds a key that is not there")
+    return problems
+
+
 def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> DictConfig:
-    """The composed (unresolved) config for these overrides, through Hydra's Compose API."""
+    """The composed (unresolved) config for these overrides, through Hydra's Compose API; an
+    override that the options picked would ignore is refused here (ignored_override_problems)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
@@ -179,11 +292,22 @@ def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> 
         overrides = with_default_recipe(overrides)
     overrides = check_overrides(overrides)
     installed_files(CONF_PACKAGE)  # a broken install says how to mend it, before Hydra's error
-    try:
+
+    def run(given: list[str]) -> DictConfig:
         with initialize_config_module(config_module=CONF_PACKAGE, version_base="1.3"):
-            return hydra_compose(config_name=CONFIG_NAME, overrides=overrides)
+            return hydra_compose(config_name=CONFIG_NAME, overrides=given)
+
+    try:
+        cfg = run(overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError([str(exc).strip().splitlines()[0]]) from exc
+        message = str(exc).strip().splitlines()[0]
+        problems = _existing_key_problems(overrides, run) \
+            if "Could not append to config" in message else []
+        raise ConfigError(problems or [message]) from exc
+    problems = ignored_override_problems(overrides, cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunConfig]:

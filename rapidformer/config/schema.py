@@ -3,7 +3,8 @@
 The YAML files under the repository's `conf/` and `recipes/` are the option values; these
 classes are the contract.
 `validate.py` walks a composed config against them, so a key that is not a field here is an error
-(with the closest valid name), and so is a value of the wrong type.
+(with the closest valid name), and so is a value of the wrong type; the valid range of every
+number is validate.BOUNDS, and the keys only some options read are validate.USED_ONLY_WITH.
 """
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ class DataConfig:
     # seq2seq_lm: source and target texts
     document_column: str = "document"
     summary_column: str = "summary"
+    # at least 8 (the special tokens of a sample and some text of each part; validate.py's
+    # MIN_SEQ_LENGTH), at most model.max_position_embeddings for a config-built model
     max_seq_length: int = 128
     # fine-tuning: each micro-batch takes examples of similar length (within windows of 16
     # global batches), so less compute goes to padding. Off by default: on the quickstart it cut
@@ -179,6 +182,7 @@ class GraphConfig:
 @dataclass
 class OptimConfig:
     name: Literal["adamw"] = "adamw"
+    # AdamW's decay rates, each in [0, 1), and its eps (above 0)
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -230,6 +234,7 @@ class TrainerConfig:
     save_interval: Optional[int] = None
     # stop (after saving a checkpoint) once the iteration is a multiple of this (Megatron's name)
     exit_interval: Optional[int] = None
+    # complete checkpoints kept (older ones are removed); 0 keeps every one
     keep_last: int = 2
     # stop once the loss is NaN/Inf for this many steps in a row (null: never); no checkpoint
     # is written from a step whose loss is not finite

@@ -118,45 +118,208 @@ def world_size(cfg: RunConfig) -> int:
 
 def data_parallel_size(cfg: RunConfig) -> int:
     model_parallel = cfg.parallelism.tensor_model_parallel_size * cfg.parallelism.pipeline_model_parallel_size
-    return max(world_size(cfg) // model_parallel, 1)
+    return max(world_size(cfg) // max(model_parallel, 1), 1)  # sizes below 1 are reported
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The values a number in the config may take: from `low` to `high` (an end left out is
+    open-ended; each given end is included unless it is `*_open`), and null where `null` says
+    what null does. `example` is the value the message suggests; `note` says what the ends mean."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    null: str | None = None
+    example: str = ""
+    note: str = ""
+
+    def holds(self, value) -> bool:
+        if value is None:
+            return self.null is not None
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or value < self.high or (value == self.high and not self.high_open)
+
+    def phrase(self, integer: bool) -> str:
+        """What the value must be, as in `... must be in [0, 1)`."""
+        low, high = (_number(v) for v in (self.low, self.high))
+        if self.high is not None and self.low is not None:
+            return (f"be in {'(' if self.low_open else '['}{low}, {high}"
+                    f"{')' if self.high_open else ']'}")
+        if self.high is not None:
+            return f"be below {high}" if self.high_open else f"be at most {high}"
+        if self.low == 0:
+            return "be positive" if self.low_open else "not be negative"
+        if self.low == 1 and integer and not self.low_open:
+            return "be a positive integer"
+        return f"be above {low}" if self.low_open else f"be at least {low}"
+
+
+def _number(value) -> str:
+    if value is None:
+        return ""
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+# every number of the schema that has a valid range, checked before anything runs (the ones
+# checked against other keys are data.max_seq_length, launcher.node_rank and, for
+# question_answering, task.doc_stride; data.synthetic_seed takes any integer)
+BOUNDS: dict[str, Bound] = {
+    "task.num_labels": Bound(2, null="inferred from the training labels", example="2"),
+    "task.doc_stride": Bound(1, example="32"),
+    "task.max_answer_length": Bound(1, example="30"),
+    "task.n_best_size": Bound(1, example="20"),
+    "task.max_target_length": Bound(1, example="64"),
+    "task.num_beams": Bound(1, example="4"),
+    "model.hidden_size": Bound(1, example="768"),
+    "model.num_layers": Bound(1, example="12"),
+    "model.num_attention_heads": Bound(1, example="12"),
+    "model.intermediate_size": Bound(1, example="3072"),
+    "model.max_position_embeddings": Bound(1, example="512"),
+    "model.vocab_size": Bound(1, example="30522"),
+    "model.hidden_dropout": Bound(0, 1, high_open=True, example="0.1",
+                                  note="a probability; 0 turns dropout off"),
+    "model.attention_dropout": Bound(0, 1, high_open=True, example="0.1",
+                                     note="a probability; 0 turns dropout off"),
+    "model.initializer_range": Bound(0, low_open=True, example="0.02",
+                                     note="the standard deviation of the initial weights"),
+    "data.num_workers": Bound(0, example="2", note="0 loads batches in the training process"),
+    "data.mask_prob": Bound(0, 1, low_open=True, high_open=True, example="0.15",
+                            note="the share of tokens masked"),
+    "data.short_seq_prob": Bound(0, 1, example="0.1",
+                                 note="a probability: how often a sample is made shorter"),
+    "data.synthetic_train_size": Bound(1, example="4000"),
+    "data.synthetic_eval_size": Bound(1, example="400"),
+    "precision.initial_scale": Bound(0, low_open=True, example="65536",
+                                     note="fp16's first loss scale"),
+    "precision.growth_interval": Bound(1, example="2000"),
+    "memory.device_memory_gb": Bound(0, low_open=True, null="the detected GPU's memory",
+                                     example="80"),
+    "parallelism.tensor_model_parallel_size": Bound(1, example="1"),
+    "parallelism.pipeline_model_parallel_size": Bound(1, example="1"),
+    "parallelism.ddp_bucket_cap_mb": Bound(1, example="25"),
+    "optim.beta1": Bound(0, 1, high_open=True, example="0.9",
+                         note="AdamW's decay rate of the gradient average"),
+    "optim.beta2": Bound(0, 1, high_open=True, example="0.999",
+                         note="AdamW's decay rate of the squared-gradient average"),
+    "optim.eps": Bound(0, low_open=True, example="1e-8",
+                       note="added to AdamW's denominator"),
+    "scheduler.warmup_iters": Bound(0, example="100"),
+    "scheduler.warmup_fraction": Bound(0, 1, high_open=True, null="scheduler.warmup_iters decides",
+                                       example="0.06", note="a share of the iterations"),
+    "scheduler.min_lr": Bound(0, example="0.0"),
+    "scheduler.decay_iters": Bound(1, null="decay until the last iteration", example="2000"),
+    "trainer.epochs": Bound(1, null="trainer.train_iters decides", example="3"),
+    "trainer.train_iters": Bound(1, null="trainer.epochs decides", example="1000"),
+    "trainer.micro_batch_size": Bound(1, example="16"),
+    "trainer.global_batch_size": Bound(1, example="64"),
+    "trainer.lr": Bound(0, example="2e-5", note="a typical fine-tuning lr is 2e-5"),
+    "trainer.weight_decay": Bound(0, example="0.01"),
+    "trainer.clip_grad": Bound(0, example="1.0", note="0 disables clipping"),
+    "trainer.seed": Bound(0, 2**32 - 1, example="42", note="numpy's seed range"),
+    "trainer.log_interval": Bound(1, example="10"),
+    "trainer.eval_interval": Bound(1, null="evaluate at the end of every epoch", example="100"),
+    "trainer.eval_iters": Bound(0, example="10", note="0: no evaluation"),
+    "trainer.save_interval": Bound(1, null="save at the end of every epoch", example="1000"),
+    "trainer.exit_interval": Bound(1, null="never stop early", example="1000"),
+    "trainer.keep_last": Bound(0, example="2", note="0 keeps every checkpoint"),
+    "trainer.max_nonfinite_steps": Bound(1, null="never stop on a non-finite loss", example="5"),
+    "trainer.grad_norm_spike_factor": Bound(1, low_open=True, null="no spike warnings",
+                                            example="10",
+                                            note="a window max this many times the recent median"),
+    "launcher.nproc_per_node": Bound(1, example="1"),
+    "launcher.nnodes": Bound(1, example="1"),
+    "launcher.master_port": Bound(1, 65535, example="6010", note="a TCP port"),
+    "launcher.rendezvous_timeout": Bound(1, example="300", note="seconds"),
+    "launcher.collective_timeout": Bound(1, example="600", note="seconds"),
+    "launcher.max_restarts": Bound(0, example="3", note="0: a failed worker ends the job"),
+}
+
+# the shortest data.max_seq_length: the special tokens of the longest framing below (3) and at
+# least a token of each text, with room left (question answering also needs the question and
+# task.doc_stride tokens of overlap); below it a tokenizer cannot cut a text to fit and leaves
+# it whole, so samples come out longer than the limit (and than the position embeddings)
+MIN_SEQ_LENGTH = 8
+SAMPLE_LAYOUTS = {
+    "sequence_classification": "[CLS] text [SEP]",
+    "token_classification": "[CLS] words [SEP]",
+    "question_answering": "[CLS] question [SEP] context [SEP]",
+    "masked_lm": "[CLS] text [SEP]",
+    "seq2seq_lm": "task.source_prefix + document + </s>",
+    "bert_pretraining": "[CLS] segment A [SEP] segment B [SEP]",
+    "causal_lm": "a window of tokens, each predicting the next",
+}
+# a question-answering window: [CLS] question [SEP] context [SEP] holds 3 special tokens, at least
+# one token of question and task.doc_stride tokens of overlap plus one new token of context
+QA_WINDOW_EXTRA = 4
+
+
+def _field_type(path: str):
+    cls = RunConfig
+    for part in path.split("."):
+        cls = typing.get_type_hints(cls)[part]
+    return cls
+
+
+def value_at(cfg: RunConfig, path: str):
+    """The value of a dotted key ("optim.beta1") of a typed config."""
+    value = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def schema_default(path: str):
+    """The schema's default of a dotted key ("memory.offload_optimizer")."""
+    cls, spec = RunConfig, None
+    for part in path.split("."):
+        spec = {f.name: f for f in dataclasses.fields(cls)}[part]
+        cls = typing.get_type_hints(cls)[part]
+    if spec.default_factory is not dataclasses.MISSING:
+        return spec.default_factory()
+    return spec.default
+
+
+def bound_problem(key: str, value, bound: Bound) -> str | None:
+    """The message for a value outside its bound (None when it is inside)."""
+    if bound.holds(value):
+        return None
+    integer = int in (_field_type(key), *typing.get_args(_field_type(key)))
+    text = f"{key}={value} must {bound.phrase(integer)}"
+    if bound.note:
+        text += f" ({bound.note})"
+    if bound.null is not None:
+        text += f" or null ({bound.null})"
+    return text + f"; set e.g. {key}={bound.example}"
+
+
+def range_problems(cfg: RunConfig) -> list[str]:
+    """Every number outside its valid range, and data.max_seq_length too short for its task."""
+    p = [problem for key, bound in BOUNDS.items()
+         if (problem := bound_problem(key, value_at(cfg, key), bound))]
+    d, m, task = cfg.data, cfg.model, cfg.task.name
+    if d.max_seq_length < MIN_SEQ_LENGTH:
+        layout = SAMPLE_LAYOUTS[task]
+        if task == "sequence_classification" and d.text_b_column:
+            layout = "[CLS] text_a [SEP] text_b [SEP]"
+        example = 128 if m.source != "config" or m.max_position_embeddings < MIN_SEQ_LENGTH \
+            else min(128, m.max_position_embeddings)
+        p.append(f"data.max_seq_length={d.max_seq_length} must be at least {MIN_SEQ_LENGTH}: a "
+                 f"task={task} sample is {layout}, and a limit with no room for its special "
+                 f"tokens and some text of each part is not applied (the tokenizer leaves the "
+                 f"text whole, longer than the limit); set e.g. data.max_seq_length={example}")
+    return p
 
 
 def check_values(cfg: RunConfig) -> list[str]:
     """Impossible values and incompatible settings; each message names the key(s) and a fix."""
-    p: list[str] = []
+    p: list[str] = range_problems(cfg)
     t, s, m, d = cfg.trainer, cfg.scheduler, cfg.model, cfg.data
 
-    def positive(where: str, value, allow_none: bool = False):
-        if value is None and allow_none:
-            return
-        if value is None or value < 1:
-            p.append(f"{where}={value} must be a positive integer")
-
-    positive("trainer.micro_batch_size", t.micro_batch_size)
-    positive("trainer.global_batch_size", t.global_batch_size)
-    positive("trainer.log_interval", t.log_interval)
-    positive("trainer.keep_last", t.keep_last)
-    positive("trainer.max_nonfinite_steps", t.max_nonfinite_steps, allow_none=True)
-    positive("parallelism.ddp_bucket_cap_mb", cfg.parallelism.ddp_bucket_cap_mb)
-    if cfg.launcher.max_restarts < 0:
-        p.append(f"launcher.max_restarts={cfg.launcher.max_restarts} must not be negative "
-                 f"(0: a failed worker ends the job)")
-    for name in ("rendezvous_timeout", "collective_timeout"):
-        positive(f"launcher.{name}", getattr(cfg.launcher, name))
-    if t.grad_norm_spike_factor is not None and t.grad_norm_spike_factor <= 1:
-        p.append(f"trainer.grad_norm_spike_factor={t.grad_norm_spike_factor} must be above 1 "
-                 f"(a window max this many times the recent median), or null to turn it off")
-    for name in ("eval_interval", "save_interval", "exit_interval", "train_iters", "epochs"):
-        positive(f"trainer.{name}", getattr(t, name), allow_none=True)
     if t.epochs is None and t.train_iters is None:
         p.append("trainer.epochs and trainer.train_iters are both null; set one of them, "
                  "e.g. trainer.epochs=3")
-    if t.lr < 0:
-        p.append(f"trainer.lr={t.lr} must not be negative; a typical fine-tuning lr is 2e-5")
-    if t.weight_decay < 0:
-        p.append(f"trainer.weight_decay={t.weight_decay} must not be negative")
-    if t.clip_grad < 0:
-        p.append(f"trainer.clip_grad={t.clip_grad} must not be negative (0 disables clipping)")
     if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
         step = t.micro_batch_size * data_parallel_size(cfg)
         if t.global_batch_size % step:
@@ -167,36 +330,20 @@ def check_values(cfg: RunConfig) -> list[str]:
                 f"trainer.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) = "
                 f"{step}; set it to a multiple, e.g. trainer.global_batch_size={suggestion}")
 
-    if s.warmup_iters < 0:
-        p.append(f"scheduler.warmup_iters={s.warmup_iters} must not be negative")
-    if s.warmup_fraction is not None and not 0 <= s.warmup_fraction < 1:
-        p.append(f"scheduler.warmup_fraction={s.warmup_fraction} must be in [0, 1)")
-    if s.min_lr < 0:
-        p.append(f"scheduler.min_lr={s.min_lr} must not be negative")
-    elif t.lr >= 0 and s.min_lr > t.lr:
+    if 0 <= t.lr < s.min_lr:
         p.append(f"scheduler.min_lr={s.min_lr} is above trainer.lr={t.lr}; lower min_lr")
-    positive("scheduler.decay_iters", s.decay_iters, allow_none=True)
 
     if m.source == "pretrained" and not m.name_or_path:
         p.append("model.name_or_path is empty but model.source=pretrained; give a hub name or a "
                  "local directory, e.g. model.name_or_path=bert-base-cased")
-    for name in ("hidden_size", "num_layers", "num_attention_heads", "intermediate_size",
-                 "max_position_embeddings", "vocab_size"):
-        positive(f"model.{name}", getattr(m, name))
     if m.source == "config" and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
         p.append(f"model.hidden_size={m.hidden_size} is not divisible by "
                  f"model.num_attention_heads={m.num_attention_heads}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0 <= getattr(m, name) < 1:
-            p.append(f"model.{name}={getattr(m, name)} must be in [0, 1)")
     if m.source == "config" and d.max_seq_length > m.max_position_embeddings:
         p.append(f"data.max_seq_length={d.max_seq_length} is above "
                  f"model.max_position_embeddings={m.max_position_embeddings}; lower the first "
                  f"or raise the second")
 
-    positive("data.max_seq_length", d.max_seq_length)
-    if d.num_workers < 0:
-        p.append(f"data.num_workers={d.num_workers} must not be negative")
     if d.source in ("local", "hub", "megatron") and not d.path:
         what = {"local": "a directory or file of local data", "hub": "a hub dataset name",
                 "megatron": "the prefix rapidformer-preprocess-data printed (without .bin/.idx)"}
@@ -205,19 +352,8 @@ def check_values(cfg: RunConfig) -> list[str]:
     p.extend(_pretraining_problems(cfg))
     p.extend(_megatron_problems(cfg))
     p.extend(_task_problems(cfg))
-    if d.source == "synthetic":
-        positive("data.synthetic_train_size", d.synthetic_train_size)
-        positive("data.synthetic_eval_size", d.synthetic_eval_size)
-    if cfg.task.num_labels is not None and cfg.task.num_labels < 2:
-        p.append(f"task.num_labels={cfg.task.num_labels} must be at least 2 (or null to infer)")
-
-    if cfg.precision.initial_scale <= 0:
-        p.append(f"precision.initial_scale={cfg.precision.initial_scale} must be positive")
-    positive("precision.growth_interval", cfg.precision.growth_interval)
 
     par = cfg.parallelism
-    positive("parallelism.tensor_model_parallel_size", par.tensor_model_parallel_size)
-    positive("parallelism.pipeline_model_parallel_size", par.pipeline_model_parallel_size)
     if par.sequence_parallel and (par.tensor_model_parallel_size < 2
                                   or not m.arch.startswith("megatron")):
         p.append(f"parallelism.sequence_parallel=true splits the sequence over tensor-parallel "
@@ -233,13 +369,10 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"parallelism (tensor {par.tensor_model_parallel_size} x pipeline "
                  f"{par.pipeline_model_parallel_size}) needs a Megatron model, but model={m.name} "
                  f"is a Hugging Face model; use parallelism=dp or a Megatron model")
-    positive("launcher.nproc_per_node", cfg.launcher.nproc_per_node)
-    positive("launcher.nnodes", cfg.launcher.nnodes)
-    positive("launcher.rendezvous_timeout", cfg.launcher.rendezvous_timeout)
-    positive("launcher.collective_timeout", cfg.launcher.collective_timeout)
     if not 0 <= cfg.launcher.node_rank < max(cfg.launcher.nnodes, 1):
         p.append(f"launcher.node_rank={cfg.launcher.node_rank} must be in [0, launcher.nnodes)")
-    if world_size(cfg) % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size or 1):
+    if par.tensor_model_parallel_size >= 1 and par.pipeline_model_parallel_size >= 1 and \
+            world_size(cfg) % (par.tensor_model_parallel_size * par.pipeline_model_parallel_size):
         p.append(f"the world size ({world_size(cfg)}) is not divisible by tensor x pipeline "
                  f"parallel size ({par.tensor_model_parallel_size * par.pipeline_model_parallel_size})")
     if cfg.memory.name not in ("none", "auto") and cfg.graph.name == "compile" \
@@ -247,6 +380,13 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"graph.scope=model with memory={cfg.memory.name}: the whole-model compile "
                  f"wraps what {'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed'} shards; "
                  f"use graph.scope=blocks (or auto, the default), which compiles each transformer block")
+    if cfg.graph.mode and cfg.graph.mode not in COMPILE_MODES:
+        modes = compile_modes()
+        if cfg.graph.mode not in modes:
+            hint = closest(cfg.graph.mode, modes)
+            tip = f"did you mean graph.mode={hint}? " if hint else ""
+            p.append(f"graph.mode={cfg.graph.mode} is not a torch.compile mode; {tip}choose one "
+                     f"of {', '.join(modes)}, or graph.mode=null (torch's default)")
     if cfg.graph.mode and cfg.graph.options:
         p.append(f"graph.mode={cfg.graph.mode} with graph.options: torch.compile takes a mode or "
                  f"inductor options, not both; drop one (a mode is a named set of options)")
@@ -268,6 +408,87 @@ def check_values(cfg: RunConfig) -> list[str]:
 
 
 PRETRAINING_TASKS = ("bert_pretraining", "causal_lm")
+
+# keys that only some options read: "group.key" -> (the key whose value decides, the values under
+# which the key is read). An override of one of these that changes it while the options picked
+# ignore it is refused (compose.ignored_override_problems): a setting that would be silently
+# dropped. Every key not here is read whichever options are picked. A user_script may read any
+# key, so nothing is refused with one. Model shape keys stay out: the seed's command lines give
+# them with a pretrained model, which keeps its checkpoint's shape (docs/seed_flags.md).
+FINE_TUNING_TASKS = ("sequence_classification", "token_classification", "question_answering",
+                     "masked_lm", "seq2seq_lm")
+USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
+    # the planner and the export read num_labels for token classification too
+    "task.num_labels": ("task.name", ("sequence_classification", "token_classification")),
+    "task.label_all_tokens": ("task.name", ("token_classification",)),
+    "task.doc_stride": ("task.name", ("question_answering",)),
+    "task.max_answer_length": ("task.name", ("question_answering",)),
+    "task.n_best_size": ("task.name", ("question_answering",)),
+    "task.whole_word_masking": ("task.name", ("masked_lm",)),
+    "task.max_target_length": ("task.name", ("seq2seq_lm",)),
+    "task.num_beams": ("task.name", ("seq2seq_lm",)),
+    "task.source_prefix": ("task.name", ("seq2seq_lm",)),
+    "model.name_or_path": ("model.source", ("pretrained",)),
+    "data.subset": ("data.source", ("hub",)),
+    "data.format": ("data.source", ("local", "synthetic")),
+    "data.train_file": ("data.source", ("local", "synthetic")),
+    "data.validation_file": ("data.source", ("local", "synthetic")),
+    "data.test_file": ("data.source", ("local", "synthetic")),
+    "data.synthetic_train_size": ("data.source", ("synthetic",)),
+    "data.synthetic_eval_size": ("data.source", ("synthetic",)),
+    "data.synthetic_seed": ("data.source", ("synthetic",)),
+    "data.impl": ("data.source", ("megatron",)),
+    "data.split": ("data.source", ("megatron",)),
+    "data.mmap_warmup": ("data.source", ("megatron",)),
+    "data.text_a_column": ("task.name", ("sequence_classification",)),
+    "data.text_b_column": ("task.name", ("sequence_classification",)),
+    "data.label_column": ("task.name", ("sequence_classification",)),
+    "data.tokens_column": ("task.name", ("token_classification",)),
+    "data.tags_column": ("task.name", ("token_classification",)),
+    "data.question_column": ("task.name", ("question_answering",)),
+    "data.context_column": ("task.name", ("question_answering",)),
+    "data.answers_column": ("task.name", ("question_answering",)),
+    "data.text_column": ("task.name", ("masked_lm",)),
+    "data.document_column": ("task.name", ("seq2seq_lm",)),
+    "data.summary_column": ("task.name", ("seq2seq_lm",)),
+    "data.group_by_length": ("task.name", FINE_TUNING_TASKS),
+    "data.mask_prob": ("task.name", ("masked_lm", "bert_pretraining")),
+    "data.short_seq_prob": ("task.name", ("bert_pretraining",)),
+    "data.eod_mask_loss": ("task.name", ("causal_lm",)),
+    "data.reset_position_ids": ("task.name", ("causal_lm",)),
+    "precision.initial_scale": ("precision.dtype", ("fp16",)),
+    "precision.growth_interval": ("precision.dtype", ("fp16",)),
+    # memory=auto sets both from the mode it picks
+    "memory.offload_optimizer": ("memory.name", ("zero1", "zero2", "zero3", "fsdp")),
+    "memory.offload_params": ("memory.name", ("zero3", "fsdp")),
+    "graph.scope": ("graph.name", ("compile",)),
+    "graph.mode": ("graph.name", ("compile",)),
+    "graph.fullgraph": ("graph.name", ("compile",)),
+    "graph.dynamic": ("graph.name", ("compile",)),
+    "graph.options": ("graph.name", ("compile",)),
+    "scheduler.min_lr": ("scheduler.name", ("linear", "cosine")),
+    "scheduler.decay_iters": ("scheduler.name", ("linear", "cosine")),
+    "trainer.eval_iters": ("task.name", PRETRAINING_TASKS),
+    "logger.project": ("logger.name", ("wandb", "mlflow")),
+    "logger.run_name": ("logger.name", ("wandb", "mlflow")),
+    "logger.mode": ("logger.name", ("wandb",)),
+    "logger.tracking_uri": ("logger.name", ("mlflow",)),
+}
+
+
+# torch.compile's modes in every torch this project supports; another name is looked up in the
+# installed torch (which may know more)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_modes() -> list[str]:
+    try:
+        from torch._inductor import list_mode_options
+    except ImportError:
+        return list(COMPILE_MODES)
+    return list(list_mode_options())
+
+
 ENCODER_DECODER_ARCHS = ("t5",)
 
 
@@ -285,20 +506,15 @@ def _task_problems(cfg: RunConfig) -> list[str]:
     if t.name != "seq2seq_lm" and config_built and m.arch in ENCODER_DECODER_ARCHS:
         p.append(f"model={m.name} is an encoder-decoder (for task=seq2seq_lm); task={t.name} "
                  f"needs an encoder such as model=bert_tiny")
-    if t.name == "question_answering":
-        if not 0 < t.doc_stride < d.max_seq_length:
-            p.append(f"task.doc_stride={t.doc_stride} must be positive and below "
-                     f"data.max_seq_length={d.max_seq_length} (windows overlap by it); set e.g. "
-                     f"task.doc_stride={max(1, d.max_seq_length // 4)}")
-        for key in ("max_answer_length", "n_best_size"):
-            if getattr(t, key) < 1:
-                p.append(f"task.{key}={getattr(t, key)} must be at least 1")
-    if t.name == "masked_lm" and not 0 < d.mask_prob < 1:
-        p.append(f"data.mask_prob={d.mask_prob} must be in (0, 1), e.g. 0.15")
-    if t.name == "seq2seq_lm":
-        for key in ("max_target_length", "num_beams"):
-            if getattr(t, key) < 1:
-                p.append(f"task.{key}={getattr(t, key)} must be at least 1")
+    longest = d.max_seq_length - QA_WINDOW_EXTRA
+    if t.name == "question_answering" and t.doc_stride >= 1 \
+            and d.max_seq_length >= MIN_SEQ_LENGTH and t.doc_stride >= longest:
+        p.append(f"task.doc_stride={t.doc_stride} must be positive and below "
+                 f"data.max_seq_length={d.max_seq_length} - {QA_WINDOW_EXTRA} = {longest}: a window "
+                 f"[CLS] question [SEP] context [SEP] holds 3 special tokens, the question, the "
+                 f"doc_stride tokens it shares with the window before and new context (the "
+                 f"tokenizer fails on a window with no room for them); set e.g. "
+                 f"task.doc_stride={max(1, d.max_seq_length // 4)}")
     return p
 
 
@@ -316,8 +532,6 @@ def _pretraining_problems(cfg: RunConfig) -> list[str]:
     if not t.train_iters:
         p.append(f"task={task} counts iterations, not epochs: set trainer.train_iters (the "
                  f"seed's --train-iters)")
-    if t.eval_iters < 0:
-        p.append(f"trainer.eval_iters={t.eval_iters} must not be negative (0: no evaluation)")
     if d.source != "megatron":
         p.append(f"task={task} reads Megatron mmap data, but data.source={d.source}; use "
                  f"data=megatron data.path=PREFIX (made by rapidformer-preprocess-data)")
@@ -343,10 +557,6 @@ def _pretraining_problems(cfg: RunConfig) -> list[str]:
         parse_split(d.split)
     except ConfigError as exc:
         p.extend(f"data.{problem}" for problem in exc.problems)
-    if not 0 < d.mask_prob < 1:
-        p.append(f"data.mask_prob={d.mask_prob} must be in (0, 1), e.g. 0.15")
-    if not 0 <= d.short_seq_prob <= 1:
-        p.append(f"data.short_seq_prob={d.short_seq_prob} must be in [0, 1], e.g. 0.1")
     return p
 
 
