@@ -5,7 +5,6 @@ strategy's (rapidformer.accelerators.table picks it once)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -24,12 +23,15 @@ from rapidformer.observability.flops import ModelFlops, model_shape
 from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
 from rapidformer.optim import build_scheduler
 from rapidformer.planning.run_plan import RunPlan
+from rapidformer.runtime.checkpointing import CheckpointProtocol, model_change, model_record
 from rapidformer.runtime.rank_progress import RankProgress
 from rapidformer.runtime.distributed import init_distributed
 from rapidformer.runtime.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("rapidformer")
-ENGINES_CREATED = 0  # the user-script runner checks that a script built one
+# the user-script runner checks that a script built an engine and trained with it
+ENGINES_CREATED = 0
+STEPS_TAKEN = 0
 
 
 def gpu_math_settings(cfg: RunConfig) -> dict:
@@ -69,7 +71,11 @@ class RapidformerEngine:
         if self.device.type == "cuda":
             apply_gpu_math_settings(cfg)
         self.strategy = select(cfg)(cfg, self.plan, self.rank, self.world_size)
-        self.model = self.optimizer = self.lr_scheduler = None
+        self.checkpoints = CheckpointProtocol(self.checkpoint_root, self.rank, self.world_size,
+                                              self.strategy, cfg.trainer.keep_last)
+        # located and verified now, a point every rank passes together (a collective)
+        self.resume_checkpoint = self.checkpoints.locate(cfg.trainer.resume)
+        self.model = self.optimizer = self.lr_scheduler = self.num_parameters = None
         self._kv_cache_was_on = False  # set by compose
         ENGINES_CREATED += 1
 
@@ -145,6 +151,8 @@ class RapidformerEngine:
     def step(self) -> StepResult:
         """Unscale, clip, step (skipped on fp16 overflow), advance the lr, zero the grads. The
         gradient norm is a tensor: read it only when logging (no host sync here)."""
+        global STEPS_TAKEN
+        STEPS_TAKEN += 1
         return self.strategy.step()
 
     @contextlib.contextmanager
@@ -204,57 +212,20 @@ class RapidformerEngine:
         return {**rng_state(), **self.strategy.rng_state()}
 
     def save_checkpoint(self, step: int, state: dict, extra=None) -> Path:
-        """Every rank writes its shards into the temporary directory, rank 0 adds the
-        replicated states and every rank's RNG, and seals it (collective)."""
-        rng = [self._rng_state()]
-        if self.world_size > 1:
-            rng = [None] * self.world_size
-            dist.all_gather_object(rng, self._rng_state())
-        path = self.checkpoint_root / f"step_{step:08d}"
-        if self.is_main_process:
-            checkpoint.prepare(self.checkpoint_root, step)
-        self.barrier()
-        tensors = self.strategy.save(checkpoint.temp_dir(self.checkpoint_root, step))
-        self.barrier()
-        if self.is_main_process:
-            recorded = self.strategy.checkpoint_state()
-            path = checkpoint.save(self.checkpoint_root, step, {**tensors, "rng.pt": {"ranks": rng}},
-                                   {**state, "world_size": self.world_size, **recorded}, extra,
-                                   self.cfg.trainer.keep_last, prepared=True,
-                                   manifest={"strategy": recorded["strategy"],
-                                             "layout": self.strategy.layout()})
-            log.info("saved checkpoint %s", path)
-        self.barrier()
-        return path
-
-    @functools.cached_property
-    def resume_checkpoint(self) -> Path | None:
-        """The checkpoint trainer.resume names, located (and verified) once per run."""
-        choice = self.cfg.trainer.resume
-        if not choice:
-            return None
-        if choice == "auto":
-            found = checkpoint.latest(self.checkpoint_root)
-            if found is None:
-                log.info("trainer.resume=auto: no complete checkpoint in %s; starting fresh",
-                         self.checkpoint_root)
-            return found
-        path = Path(choice)
-        if path.is_dir() and not checkpoint.NAME.match(path.name):
-            found = checkpoint.latest(path / "checkpoints") or checkpoint.latest(path)
-            if found is not None:
-                return found
-        if not path.exists():
-            raise InputError(f"trainer.resume={choice}: no such checkpoint directory; use "
-                             f"trainer.resume=auto or a path to a step_NNNNNNNN directory")
-        if not checkpoint.is_complete(path):
-            raise InputError(f"trainer.resume={choice} is not a complete checkpoint (its "
-                             f"{checkpoint.MANIFEST} is missing or does not match its files)")
-        return path
+        """Every rank writes its shards, rank 0 adds the replicated states and every rank's
+        RNG, and seals it (collective; rapidformer/runtime/checkpointing.py)."""
+        rng = self.checkpoints.gather_objects(self._rng_state())
+        recorded = self.strategy.checkpoint_state()
+        state = {**state, "world_size": self.world_size, **recorded,
+                 **model_record(self.cfg.model, self.num_parameters)}
+        return self.checkpoints.save(step, state, rng, extra,
+                                     manifest={"strategy": recorded["strategy"],
+                                               "layout": self.strategy.layout()})
 
     def load_checkpoint(self, path: Path) -> dict:
         state = checkpoint.read_state(path)
-        problem = self.strategy.resume_problem(state)
+        problem = self.strategy.resume_problem(state) or \
+            model_change(state, self.cfg.model, self.num_parameters)
         if problem:
             raise InputError(f"checkpoint {path} {problem}")
         layout = self.strategy.layout()

@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 
 # exit codes: 2 for bad input (config, data, paths), 3 for a feature not available here,
-# 4 for a run whose loss stopped being finite, 75 (EX_TEMPFAIL) for a run stopped by
+# 4 for a run whose loss stopped being finite, 74 (EX_IOERR) for a run that could not write its
+# checkpoint or run directory (disk full, read-only), 75 (EX_TEMPFAIL) for a run stopped by
 # SIGTERM/SIGINT after writing a resumable checkpoint
 EXIT_BAD_INPUT = 2
 EXIT_NOT_AVAILABLE = 3
 EXIT_DIVERGED = 4
+EXIT_WRITE_FAILED = 74
 EXIT_PREEMPTED = 75
 
 
@@ -50,6 +52,13 @@ class Preempted(RapidformerError):
     """Stopped by a signal at a step boundary, with a checkpoint to resume from."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class CheckpointWriteError(RapidformerError):
+    """A checkpoint or a run file could not be written (no space left, read-only directory);
+    the partial checkpoint is removed, the earlier ones are untouched."""
+
+    exit_code = EXIT_WRITE_FAILED
 
 
 class NonFiniteLoss(RapidformerError):

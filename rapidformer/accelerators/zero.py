@@ -158,6 +158,18 @@ class ZeroStrategy(Strategy):
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG)
         return {}
 
+    def resume_problem(self, saved: dict) -> str | None:
+        problem = super().resume_problem(saved)
+        written_by = saved.get("world_size", self.world_size)
+        if problem or written_by == self.world_size:
+            return problem
+        # DeepSpeed's optimizer shards are split by the number of processes that wrote them
+        return (f"was written by {written_by} processes with memory={self.cfg.memory.name}, "
+                f"this run has {self.world_size}; ZeRO's shards load only into as many "
+                f"processes: run with launcher.nproc_per_node={written_by}, or export its "
+                f"weights (`rapidformer export` on that checkpoint) and start a new run from "
+                f"them (model.source=pretrained model.name_or_path=EXPORT_DIR)")
+
     def load(self, directory: Path) -> None:
         self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG)
         self._skipped = self.ds.skipped_steps

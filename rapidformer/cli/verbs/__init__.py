@@ -6,6 +6,7 @@
     rapidformer plan +recipe=X [overrides]      parameters and the memory plan of every mode
     rapidformer env                             versions, devices, what each accelerator needs
     rapidformer export RUN_DIR --to DIR         a Hugging Face model from any checkpoint
+    rapidformer verify RUN_DIR|CHECKPOINT       every byte of the checkpoints against their manifests
     rapidformer plot RUN_DIR [RUN_DIR ...]      PNG curves of loss, lr, throughput
 
 Anything else on the command line is a training run (seed flags or Hydra overrides).
@@ -22,6 +23,7 @@ VERBS = {
     "plan": ("rapidformer.cli.verbs.inspect", "parameters and estimated GPU memory per memory mode"),
     "env": ("rapidformer.cli.verbs.env", "versions, devices, what each accelerator needs"),
     "export": ("rapidformer.cli.verbs.export", "a Hugging Face model from a run's checkpoint"),
+    "verify": ("rapidformer.cli.verbs.verify", "check every byte of a run's checkpoints"),
     "plot": ("rapidformer.cli.verbs.plot", "PNG curves comparing runs"),
 }
 

@@ -43,6 +43,7 @@ def locate(path: Path, step: int | None) -> tuple[Path, Path]:
     if not checkpoint.is_complete(ckpt):
         raise InputError(f"{ckpt} is not a complete checkpoint (its {checkpoint.MANIFEST} is "
                          f"missing or does not match its files); choose another step")
+    checkpoint.require_intact(ckpt, checkpoint.verify(ckpt), "rapidformer export")
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"{run_dir}/config.yaml is missing: export needs the run's resolved "
                          f"config next to its checkpoints")
