@@ -6,6 +6,7 @@ resolved config into the run directory, and hand it to the trainer factory. Hydr
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -48,6 +49,18 @@ def report(error: BaseException) -> None:
     print(f"rapidformer: {kind}: {error}", file=sys.stderr)
 
 
+def record_status(run_dir: str, status: str, error: str | None = None) -> None:
+    """status.json, when the directory can still be written: a full or read-only disk must not
+    turn the run's one message into a second traceback."""
+    from rapidformer.cli.multirun import write_status
+
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        write_status(run_dir, status, error)
+    except OSError as exc:
+        log.warning("could not write %s/status.json: %s", run_dir, exc.strerror or exc)
+
+
 # the installed package (the repository's conf/), not a folder beside this file
 @hydra.main(config_path="pkg://rapidformer.conf", config_name="config", version_base="1.3")
 def hydra_entry(cfg: DictConfig):
@@ -56,20 +69,21 @@ def hydra_entry(cfg: DictConfig):
 
     from rapidformer.config.compose import resolve
     from rapidformer.factory import run, settle
-    from rapidformer.cli.multirun import job_row, write_status
+    from rapidformer.cli.multirun import job_row
     from rapidformer.observability.run_record import write_environment
+    from rapidformer.runtime.run_dir import claimed
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     try:
         resolved, run_cfg = settle(*resolve(cfg, run_dir))
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
-            yaml.safe_dump(resolved, f, sort_keys=False)
-        write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
-        log.info("run directory: %s", run_dir)
-        result = run(run_cfg, run_dir, resolved)
-        write_status(run_dir, "ok")
+        with claimed(run_dir, run_cfg.trainer.resume, run_cfg.trainer.overwrite):
+            with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
+                yaml.safe_dump(resolved, f, sort_keys=False)
+            write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
+            log.info("run directory: %s", run_dir)
+            result = run(run_cfg, run_dir, resolved)
+            record_status(run_dir, "ok")
         if hydra_cfg.mode == RunMode.MULTIRUN:
             # what a sweeper optimises (Optuna): the job's final eval metric, as the summary shows
             return job_row(Path(run_dir))["value"]
@@ -78,9 +92,8 @@ def hydra_entry(cfg: DictConfig):
         if debug_enabled():
             raise
         report(exc)
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        write_status(run_dir, "preempted" if isinstance(exc, Preempted) else "failed",
-                     str(exc).splitlines()[0])
+        record_status(run_dir, "preempted" if isinstance(exc, Preempted) else "failed",
+                      str(exc).splitlines()[0])
         if hydra_cfg.mode == RunMode.MULTIRUN:
             return None  # the sweep goes on; this job is reported as failed
         sys.exit(exc.exit_code)
@@ -90,7 +103,7 @@ def hydra_entry(cfg: DictConfig):
         # a sweep outlives a crashing job: the traceback goes to the job's log, the row says so
         log.exception("job failed")
         first_line = str(exc).splitlines()[0] if str(exc) else ""
-        write_status(run_dir, "failed", f"{type(exc).__name__}: {first_line}")
+        record_status(run_dir, "failed", f"{type(exc).__name__}: {first_line}")
         return None
 
 
@@ -101,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     from rapidformer.config.paths import check_paths
     from rapidformer.factory import check_available, settle
     from rapidformer.runtime.fast_exit import install as exit_fast
+    from rapidformer.runtime.run_dir import claimed
 
     exit_fast()
+    stack = contextlib.ExitStack()
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, overrides = split_argv(argv)
     overrides = with_default_recipe(overrides)
@@ -120,18 +135,27 @@ def main(argv: list[str] | None = None) -> None:
 
                 print_plan(run_cfg)  # and stop: no run directory, no data
                 return
+            output_dir = str(OmegaConf.select(composed, "trainer.output_dir"))
             if not prints_only:
                 check_available(run_cfg)
-                check_paths(run_cfg, str(OmegaConf.select(composed, "trainer.output_dir")))
+                check_paths(run_cfg, output_dir)
         if not multirun and not asks_help and run_cfg.launcher.name == "slurm":
             flags.append("--multirun")  # Hydra hands a job to its launcher only in a sweep
+        elif not multirun and not prints_only:
+            # the directory is held from here, before Hydra writes into it; the resolved name
+            # goes to Hydra too, so that a timestamped default is not resolved a second later
+            quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")
+            overrides = [*overrides, f"++trainer.output_dir='{quoted}'"]
+            stack.enter_context(claimed(output_dir, run_cfg.trainer.resume,
+                                        run_cfg.trainer.overwrite))
     except RapidformerError as exc:
         if debug_enabled():
             raise
         report(exc)
         sys.exit(exc.exit_code)
     sys.argv = [sys.argv[0], *flags, *overrides]
-    hydra_entry()
+    with stack:
+        hydra_entry()
 
 
 if __name__ == "__main__":

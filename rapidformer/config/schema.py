@@ -248,6 +248,9 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
     # null: start fresh; auto: newest complete checkpoint in output_dir; else a checkpoint dir
     resume: Optional[str] = None
+    # a fresh run (resume null) into the directory of an earlier run that has checkpoints:
+    # false refuses it; true removes that run's checkpoints, metrics and export first
+    overwrite: bool = False
     export_hf: bool = True
     progress_bar: bool = True
     tensorboard: bool = True

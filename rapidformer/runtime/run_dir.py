@@ -1,0 +1,135 @@
+"""A run directory belongs to one run at a time, and a fresh run never mixes with an old one.
+
+`claimed(run_dir, resume, overwrite)` holds the directory for the block; it is entered before
+anything is written into the directory (before Hydra writes `.hydra/`):
+
+- a directory that holds files no rapidformer run wrote (no `RUN_MARKER`, not a run directory
+  of an earlier version) is refused: the run would overwrite them (`trainer.output_dir=.`);
+- a second run while one holds the directory is refused, naming the holder (pid, host, start):
+  an exclusive `flock` on `RUN_DIR/.lock`, which the kernel releases when its process ends, so a
+  killed run leaves no stale lock (on NFS, locks are as good as the server's lock manager);
+- a fresh run (trainer.resume unset) into an earlier run's directory that has checkpoints is
+  refused unless trainer.overwrite=true, which removes that run's outputs (`RUN_OUTPUTS`) first:
+  otherwise its checkpoints would be pruned by, interleaved with, or resumed instead of the new
+  run's.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from rapidformer.errors import InputError
+
+log = logging.getLogger("rapidformer")
+RUN_MARKER = ".rapidformer-run"
+LOCK = ".lock"
+# what a run writes (and trainer.overwrite=true removes); config.yaml and .hydra/ are
+# rewritten at every start anyway
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.csv", "tensorboard", "hf_model",
+               ".tmp-hf_model", "status.json", "tokenizer", "logs", "data_index_cache")
+IGNORED = {".gitkeep", ".gitignore", ".DS_Store"}  # what an empty directory may hold
+
+_held: dict[str, int] = {}  # run directory -> the lock's file descriptor, for this process
+
+
+def is_run_directory(path: Path) -> bool:
+    """Written by a rapidformer run: the marker, or Hydra's record of a run (a sweep job's
+    directory, which Hydra makes first; a run directory of a version without the marker)."""
+    return (path / RUN_MARKER).is_file() or (path / ".hydra").is_dir()
+
+
+@contextlib.contextmanager
+def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool):
+    """Hold `run_dir` for this process's run during the block, or raise InputError saying why
+    not. Re-entered for a directory this process already holds (the entry point, then the
+    Hydra job inside it), it checks nothing again."""
+    if not str(run_dir).strip():
+        raise InputError("trainer.output_dir is empty; give the directory the run writes to")
+    path = Path(run_dir).absolute()
+    if path.exists() and str(path.resolve()) in _held:
+        yield
+        return
+    fd = _claim(path, run_dir, resume, overwrite)
+    key = str(path.resolve())
+    _held[key] = fd
+    try:
+        yield
+    finally:
+        del _held[key]
+        os.close(fd)  # releases the lock
+
+
+def _claim(path: Path, run_dir, resume: str | None, overwrite: bool) -> int:
+    if path.is_dir():
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in IGNORED)
+        if foreign and not is_run_directory(path):
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise InputError(f"trainer.output_dir={run_dir} holds files that no rapidformer "
+                             f"run wrote ({shown}); a run would overwrite them: choose a new "
+                             f"or empty directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise InputError(f"trainer.output_dir={run_dir} cannot be written: "
+                         f"{exc.strerror or exc}; choose a writable directory") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise InputError(f"trainer.output_dir={run_dir} is in use by another run ({holder}); "
+                         f"wait for it to end, stop it, or choose another "
+                         f"trainer.output_dir") from None
+    try:
+        _refuse_mixing(path, run_dir, resume, overwrite)
+    except BaseException:
+        os.close(fd)  # releases the lock
+        raise
+    _record_holder(fd)
+    (path / RUN_MARKER).touch()
+    return fd
+
+
+def _refuse_mixing(path: Path, given, resume: str | None, overwrite: bool) -> None:
+    if resume:
+        return
+    checkpoints = path / "checkpoints"
+    has_checkpoints = checkpoints.is_dir() and any(checkpoints.iterdir())
+    if not has_checkpoints and not (path / "metrics.jsonl").is_file():
+        return
+    if not overwrite:
+        raise InputError(f"trainer.output_dir={given} holds an earlier run (its checkpoints or "
+                         f"metrics); add trainer.resume=auto to continue it, "
+                         f"trainer.overwrite=true to discard it and start fresh there, or "
+                         f"choose a new trainer.output_dir")
+    for name in RUN_OUTPUTS:
+        target = path / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    log.warning("trainer.overwrite=true: removed the earlier run's checkpoints, metrics and "
+                "export from %s", path)
+
+
+def _record_holder(fd: int) -> None:
+    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "started": datetime.datetime.now().isoformat(timespec="seconds")})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
+    except (OSError, ValueError, KeyError):
+        return "its pid is not recorded yet"
