@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import runpy
+import traceback
 from pathlib import Path
 
 from rapidformer import engine as engine_module
+from rapidformer.templates import loop as loop_module
 from rapidformer.compat.args import activate
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import PRETRAINING_TASKS
-from rapidformer.errors import InputError, NotAvailableError
+from rapidformer.errors import InputError, NotAvailableError, debug_enabled
 from rapidformer.observability.loggers import check_tracker_installed
 from rapidformer.planning.memory_plan import resolve_auto
 
@@ -79,10 +81,39 @@ def run_user_script(path: Path):
     if not path.is_file():
         raise InputError(f"user_script={path}: no such file; give the path to your Python "
                          f"script (relative to the directory you run from)")
-    before = engine_module.ENGINES_CREATED
+    engines, steps, loops = (engine_module.ENGINES_CREATED, engine_module.STEPS_TAKEN,
+                             loop_module.LOOPS_STARTED)
     log.info("running user script %s", path)
-    runpy.run_path(str(path), run_name="__main__")
-    if engine_module.ENGINES_CREATED == before:
-        raise InputError(
-            f"user_script={path} finished without creating a RapidformerEngine; end it with: "
-            f"engine = RapidformerEngine(); trainer = MyFinetuner(engine=engine); trainer.train()")
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except (SyntaxError, ImportError) as exc:
+        if debug_enabled():
+            raise
+        raise InputError(f"user_script={_where(path, exc)}: {type(exc).__name__}: "
+                         f"{_first_line(exc)}; fix the script (RAPIDFORMER_DEBUG=1 shows the "
+                         f"traceback)") from None
+    ending = ("end it with: engine = RapidformerEngine(); trainer = MyFinetuner(engine=engine); "
+              "trainer.train()")
+    if engine_module.ENGINES_CREATED == engines:
+        raise InputError(f"user_script={path} finished without creating a RapidformerEngine; "
+                         f"{ending}")
+    if engine_module.STEPS_TAKEN == steps and loop_module.LOOPS_STARTED == loops:
+        raise InputError(f"user_script={path} created a RapidformerEngine but trained nothing "
+                         f"(no trainer.train(), no engine.step()); {ending}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    return (text or "").splitlines()[0] if text else ""
+
+
+def _where(path: Path, exc: BaseException) -> str:
+    """FILE:LINE of the error: the syntax error's own place, or the script's line that made
+    the failing import."""
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"{exc.filename or path}:{exc.lineno}"
+    line = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        if Path(frame.f_code.co_filename).resolve() == path.resolve():
+            line = lineno
+    return f"{path}:{line}" if line else str(path)

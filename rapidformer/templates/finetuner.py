@@ -12,7 +12,7 @@ from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import InputError, RapidformerError
 from rapidformer.observability.metrics import MetricsSink
-from rapidformer.templates.contract import check_overrides
+from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator, LoopControl
 from rapidformer.templates.loop import _Window  # noqa: F401  (importable from here, as before)
 
@@ -24,6 +24,33 @@ class TrainState:
     step: int = 0           # optimizer steps taken
     epoch: int = 0          # epochs completed
     step_in_epoch: int = 0  # optimizer steps taken in the current epoch
+    # the epoch's layout when saved (0: a checkpoint older than these fields)
+    steps_per_epoch: int = 0
+    global_batch_size: int = 0
+
+
+def continue_epoch(state: TrainState, steps_per_epoch: int, global_batch_size: int
+                   ) -> TrainState:
+    """The resumed position in this run's epochs. With another batch size or training set than
+    the checkpoint's, the samples already taken in the epoch are kept, counted in this run's
+    steps (rounded up: no sample is seen twice in the epoch); an epoch already complete in
+    those terms is over. Without this a saved position past the new epoch's end would yield no
+    batches, and the loop would wait for one forever."""
+    saved_batch = state.global_batch_size or global_batch_size
+    changed = (saved_batch, state.steps_per_epoch or steps_per_epoch) != \
+        (global_batch_size, steps_per_epoch)
+    step_in_epoch = -(-state.step_in_epoch * saved_batch // global_batch_size)
+    if changed or step_in_epoch >= steps_per_epoch:
+        log.warning("resuming with %d steps per epoch of %d samples (the checkpoint had %s of "
+                    "%d): %d samples of epoch %d were taken", steps_per_epoch, global_batch_size,
+                    state.steps_per_epoch or "an unrecorded number", saved_batch,
+                    state.step_in_epoch * saved_batch, state.epoch)
+    epoch = state.epoch
+    if step_in_epoch >= steps_per_epoch:
+        epoch, step_in_epoch = epoch + 1, 0
+        log.warning("epoch %d is complete in this run's terms: continuing with epoch %d", epoch - 1,
+                    epoch)
+    return TrainState(state.step, epoch, step_in_epoch, steps_per_epoch, global_batch_size)
 
 
 class Finetuner:
@@ -107,8 +134,14 @@ class Finetuner:
                                           "run_forward_step", "run_compute_metrics"))
         engine, t = self.engine, self.cfg.trainer
         with engine.main_process_first():  # rank 0 fills caches and writes generated files
-            train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
-        model, optimizer, lr_scheduler = self.model_optimizer_lr_scheduler_provider()
+            train_ds, valid_ds, test_ds, collate_fn = provided(
+                self, "train_valid_test_datasets_provider",
+                self.train_valid_test_datasets_provider(),
+                "(train_dataset, valid_dataset, test_dataset, collate_fn)", count=4)
+        model, optimizer, lr_scheduler = provided(
+            self, "model_optimizer_lr_scheduler_provider",
+            self.model_optimizer_lr_scheduler_provider(),
+            "(model, optimizer or None, lr_scheduler or None)", count=3, check=model_problem)
         sampler = self._train_sampler(train_ds)
         total_iters = t.train_iters or t.epochs * sampler.steps_per_epoch
         model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
@@ -117,9 +150,12 @@ class Finetuner:
         eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
                         for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
 
-        state = TrainState()
+        state = TrainState(steps_per_epoch=sampler.steps_per_epoch,
+                           global_batch_size=t.global_batch_size)
         if engine.resume_checkpoint is not None:
-            state = TrainState(**engine.load_checkpoint(engine.resume_checkpoint)["train_state"])
+            saved = engine.load_checkpoint(engine.resume_checkpoint)["train_state"]
+            state = continue_epoch(TrainState(**saved), sampler.steps_per_epoch,
+                                   t.global_batch_size)
         with LoopControl(engine, total_iters, state.step, self._save) as loop:
             log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
                      "precision=%s, device=%s", total_iters, sampler.steps_per_epoch,
@@ -132,14 +168,15 @@ class Finetuner:
                 state.step += 1
                 state.step_in_epoch += 1
                 loop.step_taken(state.step, result, optimizer, epoch=state.epoch)
-                epoch_done = state.step_in_epoch == sampler.steps_per_epoch
+                epoch_done = state.step_in_epoch >= sampler.steps_per_epoch
                 if epoch_done:
                     state.epoch, state.step_in_epoch = state.epoch + 1, 0
                 if loop.eval_due(state.step, epoch_done):
-                    self._evaluate(model, eval_loaders, loop.sink, state)
+                    with loop.evaluating(state):
+                        self._evaluate(model, eval_loaders, loop.sink, state)
                 if loop.save_or_stop(state, epoch_done):
                     return state  # trainer.exit_interval: no final evaluation, save or export
-            loop.end_steps()
+            loop.end_steps(state)  # the last checkpoint is written before the final scores
             if loop.evaluated_at != state.step:
                 self._evaluate(model, eval_loaders, loop.sink, state)
             self._test(model, test_ds, collate_fn, loop.sink, state)
@@ -155,7 +192,8 @@ class Finetuner:
         return self.engine.step()
 
     def _forward_batch(self, batches, model):
-        return self.run_forward_step(next(batches), model)
+        return provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
+                        "the loss (a tensor of one value)", check=loss_problem)
 
     def _train_sampler(self, train_ds) -> ResumableSampler:
         t = self.cfg.trainer
@@ -217,10 +255,17 @@ class Finetuner:
 
 def _epochs(loader, sampler, state):
     """The training micro-batches, epoch after epoch, from the state's position: each epoch in
-    the sampler's order for (epoch, steps already taken in it)."""
+    the sampler's order for (epoch, steps already taken in it). An epoch that yields nothing
+    is an error, not an endless wait."""
     while True:
         sampler.set_epoch(state.epoch, state.step_in_epoch)
-        yield from loader
+        yielded = False
+        for batch in loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            raise RapidformerError(f"epoch {state.epoch} from step {state.step_in_epoch} of "
+                                   f"{sampler.steps_per_epoch} yields no training batch")
 
 
 def even_eval_batches(size: int, rank: int, world_size: int, batch_size: int) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """What the Finetuner's and the PreTrainer's loops share around their steps: the metrics window
 and sink, the progress bar, the step's log line, when to log, evaluate, save and stop, the stop
 signals (SIGTERM/SIGINT: a checkpoint, then exit code 75), the non-finite-loss guard before
-every save, and the run's end (a last checkpoint and the Hugging Face export).
+every save, a checkpoint before an evaluation's error ends the run, and the run's end (the last
+checkpoint before the final evaluations, the Hugging Face export after them).
 
     with LoopControl(engine, total_iters, state.step, self._save) as loop:
         while state.step < total_iters:
@@ -9,12 +10,13 @@ every save, and the run's end (a last checkpoint and the Hugging Face export).
             state.step += 1
             loop.step_taken(state.step, result, optimizer)
             if loop.eval_due(state.step):
-                ...evaluate...
+                with loop.evaluating(state):  # a failure saves the steps taken first
+                    ...evaluate...
             if loop.save_or_stop(state):
                 return state  # trainer.exit_interval
-        loop.end_steps()
+        loop.end_steps(state)  # the last checkpoint
         ...final evaluations...
-        loop.finish(state, tokenizer)
+        loop.finish(state, tokenizer)  # the export
 
 Leaving the block, also by an exception, restores the signal handlers and closes the progress
 bar and the sink.
@@ -35,6 +37,7 @@ from rapidformer.observability.metrics import MetricsSink
 from rapidformer.runtime.preemption import StopSignals, newest_checkpoint
 
 log = logging.getLogger("rapidformer")
+LOOPS_STARTED = 0  # the user-script runner checks that a script trained
 
 # the step line: the Finetuner counts steps; the PreTrainer counts iterations in Megatron's
 # manner and adds the share of the window spent waiting for data
@@ -61,6 +64,8 @@ class LoopControl:
         self._closing = contextlib.ExitStack()
 
     def __enter__(self) -> LoopControl:
+        global LOOPS_STARTED
+        LOOPS_STARTED += 1
         engine, t = self.engine, self.t
         with self._closing as closing:  # undone at once if a part fails to start
             self.sink = MetricsSink(engine.run_dir, t.tensorboard, enabled=engine.is_main_process,
@@ -140,21 +145,36 @@ class LoopControl:
         self.save(state)
         return True
 
+    @contextlib.contextmanager
+    def evaluating(self, state):
+        """Around an evaluation inside the loop: if it fails (a bug in a metric, bad data), the
+        steps taken so far are saved first, so that the error loses no training."""
+        try:
+            yield
+        except Exception:
+            if not self._saved(state.step):
+                log.error("evaluation failed at %s %d: writing a checkpoint of the steps taken "
+                          "first", self.unit, state.step)
+                self.save_if_finite(state)
+            raise
+
+    def _saved(self, step: int) -> bool:
+        return (self.engine.checkpoint_root / f"step_{step:08d}").is_dir()
+
     # --- the end ----------------------------------------------------------------------------
-    def end_steps(self) -> None:
-        """The steps are over: close the progress bar and give the stop signals their previous
-        handlers back (the final evaluations run without them). Leaving the block does it too."""
+    def end_steps(self, state) -> None:
+        """The steps are over: close the progress bar, give the stop signals their previous
+        handlers back (the final evaluations run without them), and write the last checkpoint
+        (trainer.save_last, unless this step has one) before a final evaluation can fail."""
         self.progress.close()
         self.stop.restore()
+        if self.t.save_last and not self._saved(state.step):
+            self.save_if_finite(state)
 
     def finish(self, state, tokenizer=None) -> None:
-        """A last checkpoint (trainer.save_last, unless this step has one), then the Hugging
-        Face export (trainer.export_hf)."""
-        engine = self.engine
-        if self.t.save_last and not (engine.checkpoint_root / f"step_{state.step:08d}").is_dir():
-            self.save_if_finite(state)
+        """After the final evaluations: the Hugging Face export (trainer.export_hf)."""
         if self.t.export_hf:
-            engine.export_hf(tokenizer, step=state.step)
+            self.engine.export_hf(tokenizer, step=state.step)
 
 
 class CountingIterator:

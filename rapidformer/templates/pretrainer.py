@@ -18,7 +18,7 @@ from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.observability.metrics import MetricsSink
-from rapidformer.templates.contract import check_overrides
+from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator, LoopControl
 
 log = logging.getLogger("rapidformer")
@@ -90,12 +90,18 @@ class PreTrainer:
         num_samples = megatron_num_samples(total_iters, t.eval_interval, t.eval_iters,
                                            t.global_batch_size)
         log.info("asking the dataset provider for %s train/valid/test samples", num_samples)
-        train_ds, valid_ds, test_ds = self.train_valid_test_datasets_provider(num_samples)
+        train_ds, valid_ds, test_ds = provided(
+            self, "train_valid_test_datasets_provider",
+            self.train_valid_test_datasets_provider(num_samples),
+            "(train_dataset, valid_dataset or None, test_dataset or None)", count=3)
         if train_ds is None or len(train_ds) < t.micro_batch_size * engine.data_parallel[1]:
             raise InputError(f"the training dataset has {0 if train_ds is None else len(train_ds)} "
                              f"samples, fewer than one micro-batch per process; add data or "
                              f"give training a larger share of data.split")
-        model, optimizer, lr_scheduler = self.model_optimizer_lr_scheduler_provider()
+        model, optimizer, lr_scheduler = provided(
+            self, "model_optimizer_lr_scheduler_provider",
+            self.model_optimizer_lr_scheduler_provider(),
+            "(model, optimizer or None, lr_scheduler or None)", count=3, check=model_problem)
         model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
                                                         total_iters=total_iters)
 
@@ -117,10 +123,11 @@ class PreTrainer:
                 loop.step_taken(state.step, result, optimizer,
                                 consumed_samples=state.consumed_train_samples)
                 if loop.eval_due(state.step):
-                    self._evaluate("validation", model, valid_iter, state, loop.sink)
+                    with loop.evaluating(state):
+                        self._evaluate("validation", model, valid_iter, state, loop.sink)
                 if loop.save_or_stop(state):
                     return state  # trainer.exit_interval: no final evaluation, save or export
-            loop.end_steps()
+            loop.end_steps(state)  # the last checkpoint is written before the final scores
             if loop.evaluated_at != state.step:
                 self._evaluate("validation", model, valid_iter, state, loop.sink)
             self._evaluate("test", model, self.build_data_iterator(test_ds, 0), state, loop.sink)
@@ -131,10 +138,15 @@ class PreTrainer:
         """One iteration: engine.accumulation micro-batches through `run_forward_step` (with
         megatron-core: its pipeline schedule), then the optimizer step."""
         model.train()
-        for loss in self.engine.forward_backward(self.run_forward_step, data_iterator, model,
+        for loss in self.engine.forward_backward(self._forward_step, data_iterator, model,
                                                  self.engine.accumulation):
             window.add_micro(loss)
         return self.engine.step()
+
+    def _forward_step(self, data_iterator, model):
+        return provided(self, "run_forward_step", self.run_forward_step(data_iterator, model),
+                        "the loss (a tensor of one value), or megatron-core's (output_tensor, "
+                        "loss_func) pair", check=loss_problem)
 
     # --- data --------------------------------------------------------------------------------------
     def build_data_iterator(self, dataset, consumed_samples: int = 0):
