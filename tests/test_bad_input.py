@@ -108,6 +108,64 @@ NO_TEMPLATE = '''
 print("a script that never builds a RapidformerEngine or a template")
 '''
 
+SYNTAX_ERROR = '''
+from rapidformer import RapidformerEngine
+
+engine = RapidformerEngine(
+'''
+
+MISSING_IMPORT = '''
+import os
+
+from rapidformer.tasks.nothing_here import MyFinetuner
+'''
+
+WRONG_PROVIDER = '''
+from rapidformer import RapidformerEngine
+from rapidformer.tasks.sequence_classification import SequenceClassificationFinetuner
+
+
+class MyFinetuner(SequenceClassificationFinetuner):
+    def train_valid_test_datasets_provider(self):
+        train, valid, test, collate = super().train_valid_test_datasets_provider()
+        return train, valid, test
+
+
+MyFinetuner(engine=RapidformerEngine()).train()
+'''
+
+NEVER_TRAINS = '''
+from rapidformer import RapidformerEngine
+from rapidformer.tasks.sequence_classification import SequenceClassificationFinetuner
+
+trainer = SequenceClassificationFinetuner(engine=RapidformerEngine())
+'''
+
+
+def foreign_dir(tmp: Path) -> dict:
+    """A directory of the user's own files, e.g. the project root (trainer.output_dir=.)."""
+    folder = tmp / "project"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("my: own config\n")
+    (folder / "status.json").write_text("{}\n")
+    return {"project": folder}
+
+
+def held_by_another_run(tmp: Path) -> dict:
+    """A run directory whose lock another live run holds (an open flock, as a run keeps)."""
+    import fcntl
+
+    from rapidformer.runtime.run_dir import LOCK, RUN_MARKER
+
+    folder = tmp / "busy"
+    folder.mkdir()
+    (folder / RUN_MARKER).touch()
+    lock = open(folder / LOCK, "w")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock.write(json.dumps({"pid": 4242, "host": "node7", "started": "2026-12-01T10:00:00"}))
+    lock.flush()
+    return {"busy_lock": lock}
+
 CASES = [
     # --- the config: keys, types, values ---------------------------------------------------------
     Case("unknown key", lambda p: ["trainer.lrr=0.1"],
@@ -170,6 +228,24 @@ CASES = [
          "cannot be created", setup=lambda tmp: {"blocker": _file(tmp / "blocker")}),
     Case("user script that does not exist", lambda p: [f"user_script={p['tmp']}/nope.py"],
          "no such file"),
+    # --- run directories ----------------------------------------------------------------------
+    Case("fresh run into a finished run's directory",
+         lambda p: [*FAST, f"trainer.output_dir={p['tmp']}/run"],
+         "holds an earlier run (its checkpoints or metrics); add trainer.resume=auto to continue "
+         "it, trainer.overwrite=true to discard it"),
+    Case("output directory holding the user's own files",
+         lambda p: [*FAST, f"trainer.output_dir={p['project']}"],
+         "holds files that no rapidformer run wrote (config.yaml, status.json)",
+         setup=foreign_dir),
+    Case("run directory in use by another run",
+         lambda p: [*FAST, f"trainer.output_dir={p['tmp']}/busy"],
+         "is in use by another run (pid 4242 on host node7, started 2026-12-01T10:00:00)",
+         setup=held_by_another_run),
+    Case("resume after the model size changed",
+         lambda p: [*FAST, f"trainer.output_dir={p['tmp']}/run", "trainer.resume=auto",
+                    "model.hidden_size=128"],
+         "changed: model.hidden_size=128 (was 64); resume with the model settings it was "
+         "written with"),
     # --- data files -------------------------------------------------------------------------------
     Case("no training file", local("empty_dir"), "no training file in",
          setup=lambda tmp: {"empty_dir": _dir(tmp / "empty_dir")}),
@@ -206,6 +282,18 @@ CASES = [
          "MyFinetuner.run_forward_step(self, batch) does not match the template's "
          "run_forward_step(self, batch, model)",
          setup=lambda tmp: user_script(tmp, WRONG_SIGNATURE)),
+    Case("user script with a syntax error", lambda p: [f"user_script={p['script']}", *FAST],
+         "script.py:4: SyntaxError: ", setup=lambda tmp: user_script(tmp, SYNTAX_ERROR)),
+    Case("user script with a missing import", lambda p: [f"user_script={p['script']}", *FAST],
+         "script.py:4: ModuleNotFoundError: No module named 'rapidformer.tasks.nothing_here'",
+         setup=lambda tmp: user_script(tmp, MISSING_IMPORT)),
+    Case("provider returning the wrong tuple", lambda p: [f"user_script={p['script']}", *FAST],
+         "MyFinetuner.train_valid_test_datasets_provider() returned a tuple of 3 (Dataset, "
+         "Dataset, Dataset); it must return (train_dataset, valid_dataset, test_dataset, "
+         "collate_fn)", setup=lambda tmp: user_script(tmp, WRONG_PROVIDER)),
+    Case("user script that never trains", lambda p: [f"user_script={p['script']}", *FAST],
+         "created a RapidformerEngine but trained nothing (no trainer.train(), no engine.step())",
+         setup=lambda tmp: user_script(tmp, NEVER_TRAINS)),
 ]
 
 
@@ -243,8 +331,9 @@ def results(run: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """A finished run with checkpoints and an export: every bad command runs in its directory,
-    and none may change a byte of what it holds."""
+    """A finished run with checkpoints and an export beside every bad command's own output
+    directory; the cases that aim at it (a fresh run into it, a resume that cannot fit) name
+    it, and no case may change a byte of what it holds."""
     run = tmp_path_factory.mktemp("finished") / "run"
     assert_ok(run_cli([*FAST, "trainer.train_iters=2", "trainer.save_interval=1",
                        f"trainer.output_dir={run}"], cwd=run.parent))
@@ -291,7 +380,7 @@ def test_bad_input_gets_one_clear_error_and_harms_nothing(case, tmp_path, finish
     monkeypatch.chdir(tmp_path)
     argv = case.args(prepared)
     if case.entry == "rapidformer" and not any(a.startswith("trainer.output_dir=") for a in argv):
-        argv = [*argv, f"trainer.output_dir={run}"]
+        argv = [*argv, f"trainer.output_dir={tmp_path / 'new_run'}"]
     code, stderr = call(case.entry, argv, capsys)
 
     lines = [line for line in stderr.splitlines() if line.startswith("rapidformer: error")]
@@ -308,18 +397,21 @@ def test_bad_input_gets_one_clear_error_and_harms_nothing(case, tmp_path, finish
 
 
 def test_a_full_disk_during_a_checkpoint_keeps_the_earlier_ones(tmp_path, capsys, monkeypatch):
-    """ENOSPC in the middle of the second checkpoint: exit 2, a message naming the disk, the
-    first checkpoint complete and no half-written directory left."""
-    real_save = torch.save
-    saves = []
+    """ENOSPC in the middle of the second checkpoint's model.pt, where the operating system
+    reports it (torch's writer turns it into `RuntimeError: ... unexpected pos`): exit 74, one
+    message naming the cause and the checkpoint left, the first checkpoint complete and no
+    half-written directory left."""
+    real_write = checkpoint.HashingWriter.write
+    files = []
 
-    def full_disk(obj, f, *args, **kwargs):
-        saves.append(f)
-        if len(saves) > 5:  # step_1's five files, then the disk is full
+    def full_disk(self, data):
+        if self not in files:
+            files.append(self)
+        if len(files) > 5:  # step_1's five torch.save files, then the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_save(obj, f, *args, **kwargs)
+        return real_write(self, data)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(checkpoint.HashingWriter, "write", full_disk)
     run = tmp_path / "run"
     code, stderr = call("rapidformer", [*FAST, "trainer.train_iters=3", "trainer.save_interval=1",
                                         "trainer.export_hf=false", f"trainer.output_dir={run}"],
@@ -327,8 +419,10 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_earlier_ones(tmp_path, capsys
     record(Case("disk full while writing a checkpoint (simulated)", lambda p: [], ""), code,
            stderr[stderr.index("rapidformer: error"):] if "rapidformer: error" in stderr
            else stderr)
-    assert code == 2, stderr[-3000:]
+    assert code == 74, stderr[-3000:]
     assert "could not write checkpoint" in stderr and "No space left on device" in stderr
-    assert "earlier checkpoints are untouched" in stderr and "Traceback" not in stderr
+    assert "the newest complete checkpoint, step_00000001, is untouched" in stderr
+    assert "Traceback" not in stderr and stderr.count("rapidformer: error") == 1
     complete, broken = checkpoint.scan(run / "checkpoints")
     assert [p.name for p in complete] == ["step_00000001"] and not broken
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
