@@ -52,7 +52,8 @@ def test_sigterm_checkpoints_exits_75_and_resumes_with_the_same_losses(tmp_path,
     _, stderr = process.communicate(timeout=90)
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert time.monotonic() - signalled < 60
-    assert "rapidformer: stopped: stopped by" in stderr and "trainer.resume=auto" in stderr
+    assert "rapidformer: stopped: stopped by" in stderr
+    assert f"add trainer.output_dir={run} trainer.resume=auto to the same command" in stderr
     assert "Traceback" not in stderr
     complete, broken = checkpoint.scan(run / "checkpoints")
     assert complete and not broken
@@ -95,3 +96,17 @@ def test_no_signal_no_stop():
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) != stop._handle
+
+
+def test_the_stop_message_names_the_run_directory_to_resume(tmp_path):
+    """With the default, timestamped trainer.output_dir, `trainer.resume=auto` alone would
+    start a fresh run in a new directory: the advice names the stopped run's."""
+    stop = StopSignals()
+    stop.signum = signal.SIGTERM
+    run = tmp_path / "outputs" / "2026-12-01" / "10-00-00"
+    assert str(stop.error(7, run / "checkpoints")) == (
+        f"stopped by SIGTERM at step 7: no checkpoint was written; to continue, add "
+        f"trainer.output_dir={run} trainer.resume=auto to the same command (exit code 75)")
+    spaced = tmp_path / "my runs" / "a"
+    assert f"add 'trainer.output_dir={spaced}' trainer.resume=auto to" in \
+        str(stop.error(7, spaced / "checkpoints"))

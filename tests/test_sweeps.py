@@ -77,3 +77,22 @@ def test_a_sweep_of_deepspeed_jobs_runs_every_job_in_one_process(tmp_path):
               f"hydra.sweep.dir={tmp_path}"])
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert [r["status"] for r in rows] == ["ok", "ok"], rows
+
+
+def test_a_sweep_with_a_failed_job_runs_every_job_and_exits_non_zero(tmp_path, capsys):
+    from rapidformer.cli.multirun import EXIT_SWEEP_FAILED
+
+    with pytest.raises(SystemExit) as exited:  # the failing job first: the sweep goes on
+        multirun(["-m", "trainer.lr=-1,1e-3", *TINY, "trainer.train_iters=2",
+                  f"hydra.sweep.dir={tmp_path}"])
+    assert exited.value.code == EXIT_SWEEP_FAILED != 0
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["status"] for r in rows] == ["failed", "ok"], rows
+    assert rows[1]["final_loss"] > 0
+    error = rows[0]["error"]
+    assert "trainer.lr=-1" in error and "must not be negative" in error and "\n" not in error
+    summary = (tmp_path / "summary.md").read_text()
+    assert f"| FAILED: {error} |" in summary
+    out, err = capsys.readouterr()
+    assert f"| FAILED: {error} |" in out
+    assert "rapidformer: sweep: 1 of 2 jobs did not succeed (job 0: failed)" in err

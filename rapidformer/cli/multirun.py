@@ -4,11 +4,15 @@ Hydra runs the jobs one after another, each in its own sub-directory (and, with 
 processes, its own process group on a fresh port). At the end this callback prints a table —
 job, overrides, status, final loss, eval metric, samples/s — and writes it to the sweep
 directory as summary.md (with PNG curves of every job under plots/, linked) and summary.json.
-A failed job is a row with its error; the sweep went on.
+A failed job is a row with its status and the first line of its error; the sweep goes on to the
+next job. When every job has run, a sweep with a failed (or stopped) job exits with code 1
+(`EXIT_SWEEP_FAILED`), after the table and one line naming those jobs; a sweep whose jobs all
+succeeded exits 0.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -18,6 +22,7 @@ from omegaconf import DictConfig
 from rapidformer.observability.metrics import read_metrics
 
 STATUS_FILE = "status.json"
+EXIT_SWEEP_FAILED = 1
 
 
 def write_status(run_dir: str | Path, status: str, error: str | None = None) -> None:
@@ -38,10 +43,15 @@ def job_row(job_dir: Path) -> dict:
             # as the user typed them: `++` is what rapidformer adds for schema keys
             "overrides": " ".join(o.removeprefix("++") for o in overrides
                                   if not o.startswith("+recipe=quickstart")),
-            "status": status["status"], "error": status.get("error"),
+            "status": status["status"], "error": first_line(status.get("error")),
             "final_loss": train[-1]["loss"] if train else None,
             "metric": metric, "value": evals[-1][metric] if metric else None,
             "samples_per_s": (sum(r["samples_per_s"] for r in train) / len(train)) if train else None}
+
+
+def first_line(error: str | None) -> str | None:
+    lines = str(error).strip().splitlines() if error else []
+    return lines[0] if lines else error
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -52,7 +62,9 @@ def summary_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         metric = f"{r['metric']}={fmt(r['value'], '.4f')}" if r["metric"] else "-"
-        status = r["status"] if r["status"] == "ok" else f"FAILED: {r['error']}"
+        status = r["status"]
+        if status != "ok":  # a table cell: no pipes
+            status = f"{status.upper()}: {r['error'] or '-'}".replace("|", "\\|")
         lines.append(f"| {r['job']} | {r['overrides']} | {status} | {fmt(r['final_loss'], '.4f')} "
                      f"| {metric} | {fmt(r['samples_per_s'], '.1f')} |")
     return "\n".join(lines)
@@ -77,6 +89,16 @@ class SweepSummary(Callback):
         (sweep_dir / "summary.md").write_text(
             table + "\n" + "".join(f"\n![{p.stem}](plots/{p.name})\n" for p in pictures))
         (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
-        failed = sum(r["status"] != "ok" for r in rows)
-        print(f"\nsweep summary ({len(rows)} jobs, {failed} failed) - {sweep_dir}/summary.md\n"
-              f"{table}")
+        failed = [r for r in rows if r["status"] != "ok"]
+        print(f"\nsweep summary ({len(rows)} jobs, {len(failed)} failed) - {sweep_dir}/summary.md"
+              f"\n{table}", flush=True)
+        if failed:
+            # not "rapidformer: error": each failed job has printed its own
+            named = ", ".join(f"{r['job']}: {r['status']}" for r in failed)
+            print(f"rapidformer: sweep: {len(failed)} of {len(rows)} jobs did not succeed "
+                  f"(job{'s' if len(failed) > 1 else ''} {named}); the first line of each error "
+                  f"is in {sweep_dir}/summary.md, the rest in the job's directory (exit code "
+                  f"{EXIT_SWEEP_FAILED})", file=sys.stderr)
+            # after every job ran: Hydra's callbacks let SystemExit through, and the process
+            # exits with it (any callback listed before this one in hydra.callbacks is skipped)
+            raise SystemExit(EXIT_SWEEP_FAILED)

@@ -4,16 +4,28 @@ The parent has composed, validated and written the resolved config; each worker 
 file (`python -m rapidformer.cli.worker --worker RUN_DIR/config.yaml`), so every rank runs the same
 config in the same run directory. When RANK/WORLD_SIZE are already set (torchrun, srun), the
 job runs in place instead. Per-rank stdout/stderr land in RUN_DIR/logs/nodeN/; local rank 0's is also shown.
+
+A SIGTERM or SIGINT to the launcher (a scheduler's `kill -TERM -PGID`, Ctrl-C) is passed on to
+every worker's process group, and the launcher waits for the workers to finish the step, write
+the checkpoint and exit (runtime/preemption.py), however long that takes, then exits 75 itself;
+a second signal more than preemption.SAME_EVENT_S later stops them at once (torch elastic then
+kills what is left 30 s later). A worker that fails ends the job: the launcher names the first
+rank to fail (by the rank's own nanosecond mark; a rank killed by a signal leaves none, and
+is named with the signal), and exits with its exit code, 128 + N for signal N.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, RapidformerError
@@ -62,39 +74,245 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the parent each worker must still have
     log.info("starting %d worker(s) on node %d of %d (rendezvous %s:%d)", ln.nproc_per_node,
              ln.node_rank, ln.nnodes, addr, port)
-    try:
-        elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.cli.worker", "--worker",
-                                               str(config_file))
-    except SignalException as exc:
-        # the launcher was signalled and forwarded it: the workers stopped at a step boundary
-        # with a checkpoint, if they had the time (torch elastic's 30 s)
-        raise _preempted(run_dir, signal.Signals(exc.sigval).name) from exc
-    except ChildFailedError as exc:
-        if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
-            raise _preempted(run_dir, "a signal") from exc
-        # the root cause: the earliest failure that was not the launcher's own SIGTERM, by the
-        # workers' own nanosecond marks where they left one (torch elastic's are in seconds)
-        marks = failure_times(run_dir)
-        failures = [(marks.get(rank, f.timestamp * 10**9), rank, f)
-                    for rank, f in exc.failures.items() if f.exitcode > 0]
-        _, rank, failure = min(failures or [(f.timestamp * 10**9, r, f)
-                                            for r, f in exc.failures.items()])
-        raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank),
-                           describe_laggards(run_dir), ln) from exc
+    with _workers_stop_first() as forwarder:
+        try:
+            elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.cli.worker",
+                                                   "--worker", str(config_file))
+        except SignalException as exc:
+            error = _after_signal(run_dir, exc.sigval, forwarder, ln)
+            if error is not None:
+                raise error from exc
+        except ChildFailedError as exc:
+            if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
+                raise _preempted(run_dir, "a signal") from exc
+            marks = failure_times(run_dir)
+            rank = first_failure(exc.failures, marks)
+            failure = exc.failures[rank]
+            raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank),
+                               describe_laggards(run_dir), ln, marked=rank in marks) from exc
 
 
-def _preempted(run_dir: Path, cause: str):
+def _preempted(run_dir: Path, cause: str, exit_code: int = EXIT_PREEMPTED):
     from rapidformer.runtime.preemption import newest_checkpoint, preempted
 
     newest = newest_checkpoint(run_dir / "checkpoints")
     return preempted(cause, f"the newest complete checkpoint is {newest}" if newest
-                     else "no complete checkpoint was written")
+                     else "no complete checkpoint was written", run_dir, exit_code)
+
+
+# --- a stop signal to the launcher -------------------------------------------------------------
+Ranks = tuple[int | None, int | None]  # a worker's RANK and LOCAL_RANK (None: not known)
+
+
+class StopForwarder:
+    """The launcher's SIGTERM/SIGINT handler, in place of torch elastic's own (which forwards the
+    signal and kills the workers 30 s later, whether or not their checkpoint is written, and
+    keeps no exit codes): pass the signal on to each worker's process group, wait for every
+    worker to exit (reading its exit code without reaping it: torch elastic still does), then
+    let elastic's handler end the job. A second signal more than SAME_EVENT_S after the first
+    is passed on too (the workers then exit at once) and stops the wait."""
+
+    def __init__(self, elastic_handler: Callable,
+                 find_workers: Callable[[], dict[int, Ranks]] | None = None):
+        self.elastic_handler = elastic_handler
+        self.find_workers = find_workers or own_workers
+        self.signum: int | None = None
+        self.second: int | None = None
+        self.workers: dict[int, Ranks] = {}  # pid -> (rank, local rank)
+        self.exits: dict[int, int] = {}  # pid -> exit code, -N for signal N (as Popen has it)
+        self._first = 0.0
+
+    def __call__(self, signum: int, frame) -> None:
+        from rapidformer.runtime.preemption import SAME_EVENT_S, SIGNALS
+
+        if signum not in SIGNALS:  # SIGHUP, SIGQUIT: torch elastic's way
+            return self.elastic_handler(signum, frame)
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self._first = signum, now
+            self.workers = self.find_workers()
+            self._forward(signum)
+            log.warning("received %s: passed on to %d worker(s); waiting for them to finish the "
+                        "step, write a checkpoint and stop (send it again to stop at once)",
+                        name, len(self.workers))
+            for pid in self.workers:
+                code = exit_code_of(pid)  # a second signal may interrupt this wait
+                if code is not None:
+                    self.exits[pid] = code
+            return self.elastic_handler(signum, frame)
+        if now - self._first > SAME_EVENT_S:
+            self.second = signum
+            self._forward(signum)
+            log.warning("received %s again: the workers stop at once, without a checkpoint",
+                        name)
+            return self.elastic_handler(signum, frame)
+        return None  # the same request again (a terminal's and a scheduler's copy)
+
+    def _forward(self, signum: int) -> None:
+        for pid in self.workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signum)  # the worker and its DataLoader workers, as elastic does
+
+    def exit_codes(self) -> dict[int, tuple[int, int | None]]:
+        """rank -> (exit code, local rank) of the workers that exited after the signal."""
+        return {rank: (code, local_rank) for pid, code in self.exits.items()
+                for rank, local_rank in [self.workers[pid]] if rank is not None}
+
+
+def own_workers() -> dict[int, Ranks]:
+    """This process's children that lead a process group of their own (torch elastic starts each
+    worker in a session of its own): pid -> (RANK, LOCAL_RANK) from their environment. Linux
+    (/proc) only; elsewhere none, and torch elastic's own handling stays."""
+    me, found = os.getpid(), {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path("/proc", name, "stat").read_text()
+            ppid, group = (int(v) for v in stat[stat.rindex(")") + 2:].split()[1:3])
+            if ppid != me or group != int(name):
+                continue
+            env = dict(e.split(b"=", 1) for e in
+                       Path("/proc", name, "environ").read_bytes().split(b"\0") if b"=" in e)
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+        found[int(name)] = tuple(int(env[k]) if env.get(k, b"").isdigit() else None
+                                 for k in (b"RANK", b"LOCAL_RANK"))
+    return found
+
+
+def exit_code_of(pid: int) -> int | None:
+    """Wait for child `pid` to exit and return its exit code (-N: killed by signal N), leaving it
+    to be reaped by its Popen; None when it is not a child of this process (any more)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+@contextlib.contextmanager
+def _workers_stop_first():
+    """While the workers run: a stop signal to the launcher is the StopForwarder's (None where
+    it cannot be: no /proc, or a torch elastic without the handler it replaces). The signal
+    handlers torch elastic installs are removed afterwards."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    elastic_handler = getattr(api, "_terminate_process_handler", None)
+    usable = (elastic_handler is not None and hasattr(os, "waitid") and hasattr(os, "WNOWAIT")
+              and os.path.isdir("/proc"))
+    forwarder = StopForwarder(elastic_handler) if usable else None
+    main = threading.current_thread() is threading.main_thread()
+    handled = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None),
+                           getattr(signal, "SIGQUIT", None)) if s is not None]
+    before = {s: signal.getsignal(s) for s in handled} if main else {}
+    if forwarder is not None:
+        api._terminate_process_handler = forwarder  # what elastic installs at each (re)start
+    try:
+        yield forwarder
+    finally:
+        if forwarder is not None:
+            api._terminate_process_handler = elastic_handler
+        for sig, handler in before.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
+                  ln) -> RapidformerError | None:
+    """What a stop signal to the launcher ended in: Preempted when every worker stopped (exit
+    75 after its checkpoint, or ended by the signal itself outside the training loop),
+    WorkerFailed for a worker that failed while stopping, None when they had all finished."""
+    name = signal.Signals(sigval).name
+    if forwarder is None or forwarder.signum is None:  # torch elastic's own handling
+        return _preempted(run_dir, name)
+    if forwarder.second is not None:
+        return _preempted(run_dir, f"a second {signal.Signals(forwarder.second).name}",
+                          128 + forwarder.second)
+    name = signal.Signals(forwarder.signum).name
+    codes = forwarder.exit_codes()
+    if codes and all(code == 0 for code, _ in codes.values()):
+        log.info("received %s after the workers had finished", name)
+        return None
+    marks = failure_times(run_dir)
+    # the signal itself ended a worker that was outside the training loop (starting, exporting):
+    # stopped, with no checkpoint of this step
+    ended = {rank for rank, (code, _) in codes.items()
+             if code == -forwarder.signum and rank not in marks}
+    failed = {rank: v for rank, v in codes.items()
+              if v[0] not in (0, EXIT_PREEMPTED) and rank not in ended}
+    if not failed:
+        return _preempted(run_dir, f"{name} (it ended {len(ended)} worker(s) outside the "
+                                   f"training loop)" if ended else name)
+    rank = min(failed, key=lambda r: (marks.get(r, float("inf")), r))
+    code, local_rank = failed[rank]
+    return WorkerFailed(rank, code, _log_tail(run_dir, local_rank or 0), "", ln,
+                        marked=rank in marks, context=f" while stopping for {name}")
+
+
+# --- a failed worker ---------------------------------------------------------------------------
+SIGNAL_HINTS = {"SIGKILL": "often the out-of-memory killer",
+                "SIGSEGV": "a crash in native code", "SIGABRT": "an abort in native code",
+                "SIGBUS": "often shared memory (/dev/shm) or a memory-mapped file that ran out"}
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def first_failure(failures: dict, marks: dict[int, int]) -> int:
+    """The rank that failed first, of torch elastic's failures (rank -> .exitcode, .timestamp).
+
+    A rank's own mark (rank_progress.mark_failed, in nanoseconds) says when its code failed.
+    A rank killed by a signal leaves no mark; elastic stamps it with the second it saw the exit
+    (every 0.2 s it looks). SIGKILL comes from outside the job (the out-of-memory killer, a
+    user, a scheduler; elastic's own only 30 s after the failure it stops the job for), never
+    as the consequence of a peer's failure, so it counts from one second before that stamp: it
+    goes before the errors it caused on its peers ("Connection reset by peer"). Exits that are
+    the launcher's stopping of the others (75 after its SIGTERM, or SIGTERM without a mark)
+    count only when nothing else failed."""
+    def stopped_by_launcher(rank: int, failure) -> bool:
+        return failure.exitcode == EXIT_PREEMPTED or (
+            rank not in marks and failure.exitcode == -signal.SIGTERM)
+
+    def when(rank: int, failure) -> int:
+        if rank in marks:
+            return marks[rank]
+        seen = failure.timestamp * 10**9
+        return seen - 10**9 if failure.exitcode == -signal.SIGKILL else seen
+
+    causes = [r for r, f in failures.items() if not stopped_by_launcher(r, f)] or list(failures)
+    return min(causes, key=lambda r: (when(r, failures[r]), r))
 
 
 class WorkerFailed(RapidformerError):
+    """A worker ended the job: `exit_code` as torch elastic has it (-N: killed by signal N);
+    `marked`: its own code had failed first (a signal then only ended its process)."""
+
     def __init__(self, rank: int, exit_code: int, tail: str, laggards: str = "",
-                 launcher=None):
-        self.exit_code = exit_code if exit_code > 0 else 1
+                 launcher=None, marked: bool = False, context: str = ""):
+        if exit_code > 0:
+            self.exit_code, how = exit_code, f"failed with exit code {exit_code}"
+        elif exit_code < 0 and marked:
+            self.exit_code = 1
+            how = f"failed (its process then ended by {signal_name(-exit_code)})"
+        elif exit_code < 0:
+            name = signal_name(-exit_code)
+            hint = f"; {SIGNAL_HINTS[name]}" if name in SIGNAL_HINTS else ""
+            self.exit_code = 128 - exit_code
+            how = f"was killed by {name} (signal {-exit_code}{hint})"
+        else:
+            self.exit_code, how = 1, "failed with exit code 0"
         detail = f"\n{tail}" if tail else ""
         cause = ""
         if laggards:
@@ -103,8 +321,8 @@ class WorkerFailed(RapidformerError):
                      f"{launcher.collective_timeout if launcher else '...'}.")
         restarts = (f" ({launcher.max_restarts} restart(s) of launcher.max_restarts used)"
                     if launcher is not None and launcher.max_restarts else "")
-        super().__init__(f"worker rank {rank} failed with exit code {exit_code}; the whole job "
-                         f"was stopped{restarts}.{cause} Its last output:{detail}")
+        super().__init__(f"worker rank {rank} {how}{context}; the whole job was stopped"
+                         f"{restarts}.{cause} Its last output:{detail}")
 
 
 def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:

@@ -10,13 +10,20 @@ resume me" — `trainer.resume=auto` continues from it. A second signal exits at
 launcher then forwards its own signal to the workers: signals within `SAME_EVENT_S` of the
 first count as that one request.
 
-Under the launcher, torch.distributed.elastic gives workers 30 s after forwarding the signal
-before it kills them: checkpoints that take longer need `trainer.save_interval` instead.
+Under the launcher (runtime/launch.py) the launcher passes its signal on to every worker and
+waits for them to write the checkpoint and exit, however long that takes; a second signal more
+than `SAME_EVENT_S` after the first stops them at once. DataLoader workers ignore both signals
+(runtime/loader_workers.py): a process-group kill must not take them down under the process
+that trains.
+
+The stop message names the run directory to resume: with the default, timestamped
+trainer.output_dir, the same command again would start a fresh run in a new directory.
 """
 from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import threading
 import time
@@ -24,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from rapidformer.errors import Preempted
+from rapidformer.errors import EXIT_PREEMPTED, Preempted
 
 log = logging.getLogger("rapidformer")
 
@@ -83,13 +90,15 @@ class StopSignals:
         return flag
 
     def error(self, step: int, root: Path) -> Preempted:
+        """The run's stop after step `step`; `root` is its checkpoint directory
+        (RUN_DIR/checkpoints)."""
         newest = newest_checkpoint(root)
         if newest == f"step_{step:08d}":
             where = f"checkpoint {newest} written"
         else:  # the step's loss was not finite, so it was not saved
             where = (f"no checkpoint at this step; the newest complete one is {newest}"
                      if newest else "no checkpoint was written")
-        return preempted(f"{self.name} at step {step}", where)
+        return preempted(f"{self.name} at step {step}", where, Path(root).parent)
 
 
 def newest_checkpoint(root: Path) -> str | None:
@@ -100,6 +109,14 @@ def newest_checkpoint(root: Path) -> str | None:
     return complete[-1].name if complete else None
 
 
-def preempted(cause: str, where: str) -> Preempted:
-    return Preempted(f"stopped by {cause}: {where}; run the same command with "
-                     f"trainer.resume=auto to continue (exit code 75)")
+def resume_advice(run_dir: Path) -> str:
+    """The overrides that continue the run in `run_dir`, quoted for a shell where needed."""
+    return f"{shlex.quote(f'trainer.output_dir={Path(run_dir).absolute()}')} trainer.resume=auto"
+
+
+def preempted(cause: str, where: str, run_dir: Path,
+              exit_code: int = EXIT_PREEMPTED) -> Preempted:
+    error = Preempted(f"stopped by {cause}: {where}; to continue, add {resume_advice(run_dir)} "
+                      f"to the same command (exit code {exit_code})")
+    error.exit_code = exit_code
+    return error

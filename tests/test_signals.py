@@ -1,0 +1,297 @@
+"""Signals the way schedulers and the kernel send them: SIGTERM to a whole process group (DataLoader
+workers included) still stops the run at a step boundary with a checkpoint and exit code 75, the
+launcher passes a stop signal on and waits for its workers, a worker killed by a signal is
+named with it, and the stop message names the run directory to resume."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import select
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rapidformer import checkpoint
+from rapidformer.errors import EXIT_PREEMPTED
+from tests.conftest import FAST, OFFLINE_ENV, run_cli, train_losses
+
+ARGS = [*FAST, "scheduler=constant", "scheduler.warmup_fraction=null", "trainer.export_hf=false",
+        "data.num_workers=1"]
+
+
+def start_in_own_group(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rapidformer", *args], cwd=cwd,
+                            env={**os.environ, **OFFLINE_ENV}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for_training(find_run, process: subprocess.Popen, step: int = 3,
+                      limit: float = 240) -> Path:
+    """The run directory, once its metrics show `step`."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        run = find_run()
+        if run is not None and (run / "metrics.jsonl").is_file() and \
+                max(train_losses(run), default=0) >= step:
+            return run
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError(f"the run did not reach step {step} in {limit} s")
+
+
+def the_only_run(root: Path):
+    def find() -> Path | None:
+        runs = [p.parent for p in root.glob("outputs/*/*/metrics.jsonl")]
+        return runs[0] if len(runs) == 1 else None
+    return find
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_process_group_sigterm_with_loader_workers_checkpoints_and_exits_75(tmp_path, nproc):
+    """`kill -TERM -PGID` reaches the DataLoader workers too (one process), or the launcher
+    passes it on to each worker's whole group (two): the loader workers must leave it to the
+    process that trains. With the default, timestamped run directory, the advice printed names
+    it, and following it continues the run there."""
+    launcher = [f"launcher.nproc_per_node={nproc}"]
+    process = start_in_own_group([*ARGS, *launcher, "trainer.train_iters=100000"], tmp_path)
+    try:
+        run = wait_for_training(the_only_run(tmp_path), process)
+        os.killpg(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:  # nothing of the group left behind, whatever happened
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "Traceback" not in stderr and "DataLoader worker" not in stderr, stderr[-3000:]
+    complete, broken = checkpoint.scan(run / "checkpoints")
+    assert complete and not broken
+    assert json.loads((run / "status.json").read_text())["status"] == "preempted"
+    advice = f"to continue, add trainer.output_dir={run.absolute()} trainer.resume=auto to the " \
+             f"same command (exit code 75)"
+    assert advice in stderr, stderr[-3000:]
+    if nproc == 2:
+        return  # two processes' resume: tests/test_preemption.py
+    stopped_at = int(complete[-1].name.split("_")[1])
+    added = shlex.split(stderr.split("to continue, add ")[1].split(" to the same command")[0])
+    resumed = run_cli([*ARGS, *launcher, f"trainer.train_iters={stopped_at + 2}", *added],
+                      cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step_{stopped_at:08d}" in resumed.stdout + resumed.stderr
+    assert max(train_losses(run)) == stopped_at + 2
+    assert the_only_run(tmp_path)() == run  # no second run directory
+
+
+def test_a_worker_killed_by_sigkill_is_named_with_the_signal(tmp_path):
+    """The out-of-memory killer's way: rank 1 gets SIGKILL; rank 0 then fails in a collective
+    and gets the launcher's SIGTERM. The job names rank 1 and the signal, and exits 128 + 9."""
+    script = tmp_path / "oom.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        from rapidformer import RapidformerEngine
+        from rapidformer.tasks.sequence_classification import SequenceClassificationFinetuner
+
+
+        class Killed(SequenceClassificationFinetuner):
+            calls = 0
+
+            def run_forward_step(self, batch, model):
+                Killed.calls += 1
+                if self.engine.rank == 1 and Killed.calls == 3:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return super().run_forward_step(batch, model)
+
+
+        Killed(engine=RapidformerEngine()).train()
+    """))
+    result = run_cli([f"user_script={script}", *FAST, "launcher.nproc_per_node=2",
+                      "trainer.export_hf=false", "trainer.train_iters=6",
+                      f"trainer.output_dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=300)
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr[-3000:]
+    assert "rapidformer: error: worker rank 1 was killed by SIGKILL (signal 9; often the " \
+           "out-of-memory killer); the whole job was stopped" in result.stderr, \
+        result.stderr[-3000:]
+
+
+# --- the parts, one by one -----------------------------------------------------------------------
+class _Probe(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int):
+        return (signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
+                signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+                os.environ.get("USERS_INIT_RAN") == "yes")
+
+
+def _users_init(worker_id: int) -> None:
+    os.environ["USERS_INIT_RAN"] = "yes"
+
+
+def test_loader_workers_leave_stop_signals_to_the_main_process_and_run_the_users_init():
+    from rapidformer.runtime.loader_workers import ignore_stop_signals, loader_worker_init
+
+    assert loader_worker_init() is ignore_stop_signals
+    composed = loader_worker_init(_users_init)
+    assert loader_worker_init(composed) is composed
+    pickle.dumps(composed)  # a spawned worker gets it pickled
+    for init_fn, users_ran in [(loader_worker_init(), False), (composed, True)]:
+        loader = torch.utils.data.DataLoader(_Probe(), batch_size=None, num_workers=1,
+                                             worker_init_fn=init_fn)
+        assert [tuple(map(bool, b)) for b in loader] == [(True, True, users_ran)] * 2
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # this process: untouched
+
+
+CHILD = """
+import signal, sys, time
+def stop(signum, frame):
+    print("got", signum, flush=True)
+    {action}
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _children(*actions: str) -> list[subprocess.Popen]:
+    children = [subprocess.Popen([sys.executable, "-c", CHILD.format(action=action)],
+                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
+                for action in actions]
+    for child in children:
+        assert child.stdout.readline() == "ready\n"
+    return children
+
+
+def _lines(child: subprocess.Popen, count: int, limit: float = 20) -> list[str]:
+    """The child's next `count` lines of output, or what came within `limit` seconds."""
+    text, deadline = b"", time.monotonic() + limit
+    while text.count(b"\n") < count and time.monotonic() < deadline:
+        if select.select([child.stdout], [], [], 0.1)[0]:
+            text += os.read(child.stdout.fileno(), 4096)  # past the (empty) line buffer
+    return text.decode().splitlines(keepends=True)
+
+
+class _Ended(Exception):
+    pass
+
+
+def _elastic_handler(signum, frame):
+    raise _Ended(signum)
+
+
+def test_the_launcher_passes_a_stop_signal_on_and_waits_for_its_workers():
+    from rapidformer.runtime.launch import StopForwarder
+
+    slow, failing = _children("time.sleep(1.0); sys.exit(75)", "sys.exit(3)")
+    try:
+        forwarder = StopForwarder(_elastic_handler, lambda: {slow.pid: (0, 0),
+                                                             failing.pid: (1, 1)})
+        started = time.monotonic()
+        with pytest.raises(_Ended):
+            forwarder(signal.SIGTERM, None)
+        assert time.monotonic() - started >= 1.0  # it waited for the slow one's "checkpoint"
+        assert forwarder.exit_codes() == {0: (75, 0), 1: (3, 1)}
+        # still theirs to reap, with their codes (torch elastic's Popen objects do)
+        assert (slow.wait(5), failing.wait(5)) == (75, 3)
+        assert slow.stdout.read() == f"got {signal.SIGTERM.value}\n"
+    finally:
+        for child in (slow, failing):
+            child.kill()
+            child.wait()
+
+
+def test_a_second_stop_signal_to_the_launcher_stops_its_wait(monkeypatch):
+    from rapidformer.runtime import preemption
+    from rapidformer.runtime.launch import StopForwarder
+
+    monkeypatch.setattr(preemption, "SAME_EVENT_S", 0.3)
+    (stubborn,) = _children("pass")  # a worker that never reaches its step boundary
+    forwarder = StopForwarder(_elastic_handler, lambda: {stubborn.pid: (0, 0)})
+    previous = signal.signal(signal.SIGTERM, forwarder)
+    main = threading.main_thread().ident
+    # while the handler waits, only a signal to this (the main) thread interrupts the wait
+    again = [threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGTERM)),  # same request
+             threading.Timer(0.8, signal.pthread_kill, (main, signal.SIGTERM))]  # a second one
+    try:
+        started = time.monotonic()
+        with pytest.raises(_Ended):
+            for timer in again:
+                timer.start()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        assert time.monotonic() - started < 5
+        assert forwarder.second == signal.SIGTERM and forwarder.exits == {}
+        # the first and the second request reached it, the same request's copy did not
+        assert _lines(stubborn, 2) == [f"got {signal.SIGTERM.value}\n"] * 2
+    finally:
+        for timer in again:
+            timer.join()
+        signal.signal(signal.SIGTERM, previous)
+        stubborn.kill()
+        stubborn.wait()
+    assert stubborn.stdout.read() == ""
+
+
+def test_what_the_workers_exit_codes_after_a_stop_signal_make_of_the_job(tmp_path):
+    from rapidformer.errors import Preempted
+    from rapidformer.runtime.launch import StopForwarder, WorkerFailed, _after_signal
+
+    def after(*codes: int):
+        forwarder = StopForwarder(_elastic_handler, dict)
+        forwarder.signum = signal.SIGTERM
+        forwarder.workers = {100 + rank: (rank, rank) for rank in range(len(codes))}
+        forwarder.exits = {100 + rank: code for rank, code in enumerate(codes)}
+        return _after_signal(tmp_path, signal.SIGTERM, forwarder, None)
+
+    stopped = after(EXIT_PREEMPTED, EXIT_PREEMPTED)
+    assert isinstance(stopped, Preempted) and stopped.exit_code == EXIT_PREEMPTED
+    assert f"add trainer.output_dir={tmp_path} trainer.resume=auto" in str(stopped)
+    # a worker that was exporting (no handler of its own any more) is ended by the signal
+    assert isinstance(after(EXIT_PREEMPTED, -signal.SIGTERM), Preempted)
+    failed = after(EXIT_PREEMPTED, 1)
+    assert isinstance(failed, WorkerFailed) and failed.exit_code == 1
+    assert str(failed).startswith("worker rank 1 failed with exit code 1 while stopping for "
+                                  "SIGTERM")
+    assert after(0, 0) is None  # they had finished: the job succeeded
+
+
+def test_the_first_failure_is_the_signalled_rank_not_the_peer_it_took_down():
+    from rapidformer.runtime.launch import WorkerFailed, first_failure
+
+    now = time.time()
+    seen = int(now)  # torch elastic's stamp: the second it saw the exit
+    # rank 1 got SIGKILL; rank 0's collective failed a moment later (its own mark), and the
+    # launcher's SIGTERM then ended its process
+    failures = {0: SimpleNamespace(exitcode=-15, timestamp=seen),
+                1: SimpleNamespace(exitcode=-9, timestamp=seen)}
+    assert first_failure(failures, {0: int(now * 1e9) + 10**6}) == 1
+    # rank 1 exited 7; rank 0 only got the launcher's SIGTERM (no mark), or stopped with 75
+    for stopped in (-15, EXIT_PREEMPTED):
+        failures = {0: SimpleNamespace(exitcode=stopped, timestamp=seen),
+                    1: SimpleNamespace(exitcode=7, timestamp=seen)}
+        assert first_failure(failures, {1: int(now * 1e9)}) == 1
+    # a rank that hung and was stopped is not the cause; the one that timed out first is
+    failures = {0: SimpleNamespace(exitcode=1, timestamp=seen),
+                1: SimpleNamespace(exitcode=-15, timestamp=seen - 5)}
+    assert first_failure(failures, {0: int(now * 1e9)}) == 0
+
+    killed = WorkerFailed(1, -9, "")
+    assert killed.exit_code == 137
+    assert str(killed).startswith("worker rank 1 was killed by SIGKILL (signal 9; often the "
+                                  "out-of-memory killer); the whole job was stopped")
+    after_error = WorkerFailed(0, -15, "", marked=True)
+    assert after_error.exit_code == 1
+    assert str(after_error).startswith("worker rank 0 failed (its process then ended by SIGTERM)")
+    assert WorkerFailed(1, 7, "").exit_code == 7
