@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from rapidformer import checkpoint
 from tests.conftest import FAST, assert_ok, run_cli
 
 QUIET = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
+# the one error line of `rapidformer ...` and of `rapidformer-preprocess-data ...`
+ERROR_LINE = re.compile(r"^rapidformer(-preprocess-data)?: error")
 PAIRS_HEADER = "sentence1,sentence2,label\n"
 
 
@@ -33,7 +36,8 @@ class Case:
     expected: str  # a fragment of the message
     code: int = 2
     setup: Callable[[Path], dict] = field(default=lambda tmp: {})  # extra files for this case
-    entry: str = "rapidformer"  # or "cli": the seed's console script
+    # or "cli": the seed's console script; "preprocess": python -m rapidformer.data.preprocess_data
+    entry: str = "rapidformer"
 
 
 def pairs(tmp: Path, name: str, text: bytes | str, filename: str = "train.csv") -> dict:
@@ -166,6 +170,58 @@ def held_by_another_run(tmp: Path) -> dict:
     lock.flush()
     return {"busy_lock": lock}
 
+NAMES = lambda i: "yes" if i % 2 else "no"  # noqa: E731  (string labels)
+NER_TRAIN = "".join(json.dumps({"tokens": ["anna", "met", "ben"], "ner_tags": t}) + "\n"
+                    for t in ([1, 0, 1], [0, 0, 1]) * 4)
+NER_NAMES = "".join(json.dumps({"tokens": ["anna", "met", "ben"],
+                                "ner_tags": ["B-PER", "O", "B-PER"]}) + "\n" for _ in range(8))
+
+
+def ner(key: str) -> Callable[[dict], list[str]]:
+    return lambda p: ["+recipe=bert_ner", "model=bert_tiny", "data=local", f"data.path={p[key]}",
+                      *QUIET]
+
+
+def ner_dir(tmp: Path, name: str, **files: str) -> dict:
+    folder = tmp / name
+    folder.mkdir()
+    for split, text in files.items():
+        (folder / f"{split}.jsonl").write_text(text)
+    return {name: folder}
+
+
+def ner_rows(*rows) -> str:
+    return "".join(json.dumps({"tokens": w, "ner_tags": t}) + "\n" for w, t in rows)
+
+
+def preprocess(corpus_key: str, merges: str = "{merges}") -> Callable[[dict], list[str]]:
+    """`python -m rapidformer.data.preprocess_data` on `prepared[corpus_key]` with the GPT-2
+    files of the pretraining_data fixture (`merges`: another merges file)."""
+    return lambda p: ["--input", str(p[corpus_key]), "--output-prefix", str(p["tmp"] / "out"),
+                      "--vocab-file", str(p["data"]["gpt2_vocab"]),
+                      "--merge-file", merges.format(merges=p["data"]["merges"], **p),
+                      "--tokenizer-type", "GPT2BPETokenizer"]
+
+
+def corpus(tmp: Path, name: str, data: bytes) -> dict:
+    path = tmp / f"{name}.json"
+    path.write_bytes(data)
+    return {name: path}
+
+
+def other_merges(tmp: Path) -> dict:
+    """The merges file of a BPE trained on other text: it does not fit the fixture's vocab."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    other = ByteLevelBPETokenizer()
+    other.train_from_iterator(["zzzz qqqq xxxx"] * 3, vocab_size=270, min_frequency=1,
+                              show_progress=False)
+    folder = _dir(tmp / "other_bpe")
+    other.save_model(str(folder))
+    return {**corpus(tmp, "good_corpus", b'{"text": "a cat sat"}\n'),
+            "other_merges": folder / "merges.txt"}
+
+
 CASES = [
     # --- the config: keys, types, values ---------------------------------------------------------
     Case("unknown key", lambda p: ["trainer.lrr=0.1"],
@@ -201,6 +257,20 @@ CASES = [
          "model.hidden_size=65 is not divisible by model.num_attention_heads"),
     Case("sequence longer than the positions", lambda p: ["data.max_seq_length=512"],
          "data.max_seq_length=512 is above model.max_position_embeddings=128"),
+    Case("sequence too short for the special tokens", lambda p: ["data.max_seq_length=2"],
+         "data.max_seq_length=2 must be at least 8: a task=sequence_classification sample is "
+         "[CLS] text_a [SEP] text_b [SEP]"),
+    Case("optimizer setting out of range", lambda p: ["optim.beta1=1.5"],
+         "optim.beta1=1.5 must be in [0, 1) (AdamW's decay rate of the gradient average); set "
+         "e.g. optim.beta1=0.9"),
+    Case("setting of an option not picked", lambda p: ["memory.offload_optimizer=true"],
+         "memory.offload_optimizer=true has no effect with memory=none; it is used by "
+         "memory=zero1, zero2, zero3 or fsdp: choose one of those or drop the override"),
+    Case("'+' on a key that exists", lambda p: ["+trainer.lr=1e-4"],
+         "trainer.lr already exists in the config: write trainer.lr=1e-4 (no '+'); '+' adds a "
+         "key that is not there"),
+    Case("a sweep with a job whose config is invalid", lambda p: ["-m", "trainer.lr=-1"],
+         "rapidformer: sweep: 1 of 1 jobs did not succeed (job 0: failed)", code=1),
     # --- settings that do not go together --------------------------------------------------------
     Case("tensor parallelism with a Hugging Face model",
          lambda p: ["parallelism=tp2", "launcher.nproc_per_node=2"],
@@ -249,7 +319,7 @@ CASES = [
     # --- data files -------------------------------------------------------------------------------
     Case("no training file", local("empty_dir"), "no training file in",
          setup=lambda tmp: {"empty_dir": _dir(tmp / "empty_dir")}),
-    Case("wrong columns", local("cols", *FAST[2:]), "column",
+    Case("wrong columns", local("cols", *[a for a in FAST[2:] if "synthetic" not in a]), "column",
          setup=lambda tmp: pairs(tmp, "cols", "text,target\nhello,1\n" * 3)),
     Case("empty dataset", local("empty"), "holds no examples (only a header)",
          setup=lambda tmp: pairs(tmp, "empty", PAIRS_HEADER)),
@@ -261,6 +331,54 @@ CASES = [
     Case("corrupt JSON lines", local("badjson"), "cannot read",
          setup=lambda tmp: pairs(tmp, "badjson", '{"sentence1": "a", "sentence2": "b", "la',
                                  filename="train.jsonl")),
+    Case("empty label", local("nolabel"),
+         "train.csv line 4 has an empty label in column 'label' (data.label_column); every "
+         "training row needs a label",
+         setup=lambda tmp: pairs(tmp, "nolabel", PAIRS_HEADER + "a,b,yes\nc,d,no\ne,f,\n"
+                                 + good_rows(label=NAMES))),
+    Case("fractional label", local("fraction"),
+         "train.csv line 4 has the label 0.5 in column 'label' (data.label_column), which is no "
+         "class",
+         setup=lambda tmp: pairs(tmp, "fraction", PAIRS_HEADER
+                                 + good_rows(label=lambda i: 0.5 if i == 2 else i % 2))),
+    Case("validation label not in the training data",
+         local("unseen", "data.validation_file=../unseen_dev/validation.csv"),
+         "validation.csv line 3 has the label 'maybe' in column 'label' (data.label_column), "
+         "which no training row has (the training labels: no, yes); add it to the training data",
+         setup=lambda tmp: {**pairs(tmp, "unseen", PAIRS_HEADER + good_rows(label=NAMES)),
+                            **pairs(tmp, "unseen_dev", PAIRS_HEADER + "a,b,yes\nc,d,maybe\n",
+                                    filename="validation.csv")}),
+    Case("validation label id above the training ids",
+         local("unseen_id", "data.validation_file=../unseen_id_dev/validation.csv"),
+         "validation.csv line 3 has label 2 but task.num_labels=2 (column 'label', "
+         "data.label_column); labels must be 0..1",
+         setup=lambda tmp: {**pairs(tmp, "unseen_id", PAIRS_HEADER + good_rows()),
+                            **pairs(tmp, "unseen_id_dev", PAIRS_HEADER + "a,b,1\nc,d,2\n",
+                                    filename="validation.csv")}),
+    Case("token tag id above the training tags", ner("ner_range"),
+         "validation.jsonl line 1 has tag id 5 for word 2 ('berlin') in column 'ner_tags' "
+         "(data.tags_column), but there are 2 tags (ids 0..1)",
+         setup=lambda tmp: ner_dir(tmp, "ner_range", train=NER_TRAIN,
+                                   validation=ner_rows((["anna", "berlin"], [0, 5])))),
+    Case("token tag that no training row has", ner("ner_unseen"),
+         "validation.jsonl line 1 has the tag 'B-LOC' for word 2 ('berlin') in column "
+         "'ner_tags' (data.tags_column), which no training row has (the training tags: O, B-PER)",
+         setup=lambda tmp: ner_dir(tmp, "ner_unseen", train=NER_NAMES,
+                                   validation=ner_rows((["anna", "berlin"], ["O", "B-LOC"])))),
+    Case("fewer tags than words", ner("ner_short"),
+         "train.jsonl line 9 has 3 words in column 'tokens' (data.tokens_column) but 2 tags in "
+         "column 'ner_tags' (data.tags_column)",
+         setup=lambda tmp: ner_dir(tmp, "ner_short",
+                                   train=NER_TRAIN + ner_rows((["a", "b", "c"], [0, 1])))),
+    Case("words as text, not a list", ner("ner_text"),
+         "train.jsonl line 1 has the text 'anna met ben' in column 'tokens' "
+         "(data.tokens_column), not a list of words",
+         setup=lambda tmp: ner_dir(tmp, "ner_text", train=ner_rows(("anna met ben", [1, 0, 1])))),
+    Case("null token tag", ner("ner_null"),
+         "train.jsonl line 9 has no tag (null) for word 2 ('b') in column 'ner_tags' "
+         "(data.tags_column)",
+         setup=lambda tmp: ner_dir(tmp, "ner_null",
+                                   train=NER_TRAIN + ner_rows((["a", "b"], [0, None])))),
     Case("Megatron data prefix missing", gpt("missing"), "does not exist; give the prefix",
          setup=lambda tmp: {"missing": tmp / "nothing_text_document"}),
     Case("truncated .bin", gpt(), "truncated",
@@ -273,6 +391,23 @@ CASES = [
     Case("vocab file that does not fit the tokenizer type",
          gpt(tokenizer=["model.tokenizer={vocab}", "model.merge_file={merges}"]),
          "is not a GPT-2 vocab.json (JSON); for a WordPiece vocab.txt use", setup=lambda tmp: {"edit": lambda b, i: None}),
+    # --- preprocess_data ------------------------------------------------------------------------
+    Case("merges file of another vocabulary", preprocess("good_corpus", "{other_merges}"),
+         "(--merge-file) does not match", setup=other_merges, entry="preprocess"),
+    Case("corpus byte that is not UTF-8", preprocess("latin1_corpus"),
+         "latin1_corpus.json line 2, byte column 14: byte 0xe9 is not valid UTF-8",
+         setup=lambda tmp: corpus(tmp, "latin1_corpus", b'{"text": "ok"}\n{"text": "caf\xe9 au '
+                                                        b'lait"}\n'),
+         entry="preprocess"),
+    Case("corpus text that is not text", preprocess("number_corpus"),
+         "number_corpus.json line 2, key 'text': a number (5), expected a string or a list of "
+         "strings", setup=lambda tmp: corpus(tmp, "number_corpus",
+                                             b'{"text": "ok"}\n{"text": 5}\n'),
+         entry="preprocess"),
+    Case("corpus of empty texts", preprocess("empty_corpus"),
+         "every one of its 2 documents has an empty 'text' (no tokens); nothing written",
+         setup=lambda tmp: corpus(tmp, "empty_corpus", b'{"text": ""}\n{"text": []}\n'),
+         entry="preprocess"),
     # --- white-box scripts ------------------------------------------------------------------------
     Case("user script without a template", lambda p: [f"user_script={p['script']}", *FAST],
          "finished without creating a RapidformerEngine",
@@ -346,7 +481,9 @@ def call(entry: str, argv: list[str], capsys) -> tuple[int, str]:
     from rapidformer.cli import console as cli
 
     os.environ.pop("RAPIDFORMER_DEBUG", None)
-    target = cli.main if entry == "cli" else module_main.main
+    from rapidformer.data import preprocess_data
+
+    target = {"cli": cli.main, "preprocess": preprocess_data.main}.get(entry, module_main.main)
     try:
         target(argv)
         code = 0
@@ -383,7 +520,7 @@ def test_bad_input_gets_one_clear_error_and_harms_nothing(case, tmp_path, finish
         argv = [*argv, f"trainer.output_dir={tmp_path / 'new_run'}"]
     code, stderr = call(case.entry, argv, capsys)
 
-    lines = [line for line in stderr.splitlines() if line.startswith("rapidformer: error")]
+    lines = [line for line in stderr.splitlines() if ERROR_LINE.match(line)]
     message = "\n".join(stderr[stderr.index(lines[0]):].splitlines()) if lines else stderr
     record(case, code, message)
     assert code == case.code, stderr[-3000:]

@@ -16,11 +16,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
 TEST_DIR = re.compile(r"\S*/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+")
+ERROR_PREFIX = re.compile(r"^rapidformer(-preprocess-data)?: error: ")
 BEGIN, END = "<!-- bad-input-table -->", "<!-- /bad-input-table -->"
 
 
 def cell(text: str) -> str:
-    text = text.removeprefix("rapidformer: error: ").strip()
+    text = ERROR_PREFIX.sub("", text).strip()
     text = TEST_DIR.sub("DIR", text)  # the test's temporary directories
     return " ".join(text.split()).replace("|", "\\|")
 

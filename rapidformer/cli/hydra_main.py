@@ -94,8 +94,9 @@ def hydra_entry(cfg: DictConfig):
         report(exc)
         record_status(run_dir, "preempted" if isinstance(exc, Preempted) else "failed",
                       str(exc).splitlines()[0])
-        if hydra_cfg.mode == RunMode.MULTIRUN:
+        if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(exc, Preempted):
             return None  # the sweep goes on; this job is reported as failed
+        # a stop signal ends a sweep too: its SystemExit passes Hydra's job runner
         sys.exit(exc.exit_code)
     except Exception as exc:
         if hydra_cfg.mode != RunMode.MULTIRUN or debug_enabled():

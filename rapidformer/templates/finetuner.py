@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import InputError, RapidformerError
+from rapidformer.runtime.loader_workers import loader_worker_init
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator, LoopControl
@@ -114,7 +115,8 @@ class Finetuner:
                                         batch_size or self.cfg.trainer.micro_batch_size)
             loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn,
                                 num_workers=self.cfg.data.num_workers,
-                                pin_memory=self.engine.device.type == "cuda")
+                                pin_memory=self.engine.device.type == "cuda",
+                                worker_init_fn=loader_worker_init())
             return _DeviceLoader(loader, self.engine)
         elif shuffle:
             sampler = RandomSampler(dataset,
@@ -124,7 +126,8 @@ class Finetuner:
         loader = DataLoader(dataset, batch_size=batch_size or self.cfg.trainer.micro_batch_size,
                             sampler=sampler, collate_fn=collate_fn,
                             num_workers=self.cfg.data.num_workers,
-                            pin_memory=self.engine.device.type == "cuda")
+                            pin_memory=self.engine.device.type == "cuda",
+                            worker_init_fn=loader_worker_init())
         return _DeviceLoader(loader, self.engine)
 
     # --- the loop ----------------------------------------------------------------------------------
@@ -214,6 +217,7 @@ class Finetuner:
         return DataLoader(train_ds, batch_size=t.micro_batch_size, sampler=sampler,
                           collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
                           pin_memory=self.engine.device.type == "cuda",
+                          worker_init_fn=loader_worker_init(),
                           generator=torch.Generator().manual_seed(t.seed))
 
     # --- the verbs the loop uses -------------------------------------------------------------------

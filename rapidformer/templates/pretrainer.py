@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
+from rapidformer.runtime.loader_workers import loader_worker_init
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator, LoopControl
@@ -168,6 +169,7 @@ class PreTrainer:
         loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
                             generator=torch.Generator().manual_seed(t.seed),
                             num_workers=workers, pin_memory=engine.device.type == "cuda",
+                            worker_init_fn=loader_worker_init(),
                             persistent_workers=workers > 0,
                             prefetch_factor=4 if workers > 0 else None)
         return CountingIterator(iter(loader))
