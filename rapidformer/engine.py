@@ -29,9 +29,10 @@ from rapidformer.runtime.distributed import init_distributed
 from rapidformer.runtime.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("rapidformer")
-# the user-script runner checks that a script built an engine and trained with it
+# the user-script runner checks that a script built an engine and trained with it (its
+# backward or step: an own loop may step the optimizer itself, as the seed's example does)
 ENGINES_CREATED = 0
-STEPS_TAKEN = 0
+TRAINING_CALLS = 0
 
 
 def gpu_math_settings(cfg: RunConfig) -> dict:
@@ -138,6 +139,8 @@ class RapidformerEngine:
 
     def backward(self, loss: torch.Tensor, accumulation_steps: int = 1) -> None:
         """Gradients of `loss`, averaged over `accumulation_steps` micro-batches."""
+        global TRAINING_CALLS
+        TRAINING_CALLS += 1
         self.strategy.backward(loss, accumulation_steps)
 
     def forward_backward(self, forward_step, data_iterator, model, num_microbatches: int,
@@ -151,8 +154,8 @@ class RapidformerEngine:
     def step(self) -> StepResult:
         """Unscale, clip, step (skipped on fp16 overflow), advance the lr, zero the grads. The
         gradient norm is a tensor: read it only when logging (no host sync here)."""
-        global STEPS_TAKEN
-        STEPS_TAKEN += 1
+        global TRAINING_CALLS
+        TRAINING_CALLS += 1
         return self.strategy.step()
 
     @contextlib.contextmanager

@@ -81,7 +81,7 @@ def run_user_script(path: Path):
     if not path.is_file():
         raise InputError(f"user_script={path}: no such file; give the path to your Python "
                          f"script (relative to the directory you run from)")
-    engines, steps, loops = (engine_module.ENGINES_CREATED, engine_module.STEPS_TAKEN,
+    engines, calls, loops = (engine_module.ENGINES_CREATED, engine_module.TRAINING_CALLS,
                              loop_module.LOOPS_STARTED)
     log.info("running user script %s", path)
     try:
@@ -97,9 +97,9 @@ def run_user_script(path: Path):
     if engine_module.ENGINES_CREATED == engines:
         raise InputError(f"user_script={path} finished without creating a RapidformerEngine; "
                          f"{ending}")
-    if engine_module.STEPS_TAKEN == steps and loop_module.LOOPS_STARTED == loops:
+    if engine_module.TRAINING_CALLS == calls and loop_module.LOOPS_STARTED == loops:
         raise InputError(f"user_script={path} created a RapidformerEngine but trained nothing "
-                         f"(no trainer.train(), no engine.step()); {ending}")
+                         f"(no trainer.train(), no engine.backward() or engine.step()); {ending}")
 
 
 def _first_line(exc: BaseException) -> str:

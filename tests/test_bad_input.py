@@ -427,7 +427,8 @@ CASES = [
          "Dataset, Dataset); it must return (train_dataset, valid_dataset, test_dataset, "
          "collate_fn)", setup=lambda tmp: user_script(tmp, WRONG_PROVIDER)),
     Case("user script that never trains", lambda p: [f"user_script={p['script']}", *FAST],
-         "created a RapidformerEngine but trained nothing (no trainer.train(), no engine.step())",
+         "created a RapidformerEngine but trained nothing (no trainer.train(), no "
+         "engine.backward() or engine.step())",
          setup=lambda tmp: user_script(tmp, NEVER_TRAINS)),
 ]
 

@@ -189,9 +189,11 @@ def test_mixed_precision_on_a_gpu(tmp_path, precision):
 
 def test_multirun_runs_every_job_and_summarizes(tmp_path):
     sweep = tmp_path / "sweep"
-    result = assert_ok(run_cli(["-m", "+recipe=quickstart", "precision=fp32,bf16", "trainer.lr=1e-3,-1",
-                          *FAST, "trainer.train_iters=3", "trainer.export_hf=false",
-                          f"hydra.sweep.dir={sweep}"], cwd=tmp_path))
+    result = run_cli(["-m", "+recipe=quickstart", "precision=fp32,bf16", "trainer.lr=1e-3,-1",
+                      *FAST, "trainer.train_iters=3", "trainer.export_hf=false",
+                      f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]  # every job ran; two failed
+    assert "rapidformer: sweep: 2 of 4 jobs did not succeed" in result.stderr
     rows = json.loads((sweep / "summary.json").read_text())
     assert [r["job"] for r in rows] == ["0", "1", "2", "3"]
     ok = [r for r in rows if r["status"] == "ok"]

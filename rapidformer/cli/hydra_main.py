@@ -71,13 +71,14 @@ def hydra_entry(cfg: DictConfig):
     from rapidformer.factory import run, settle
     from rapidformer.cli.multirun import job_row
     from rapidformer.observability.run_record import write_environment
-    from rapidformer.runtime.run_dir import claimed
+    from rapidformer.runtime.run_dir import claimed, holds_directory
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     try:
         resolved, run_cfg = settle(*resolve(cfg, run_dir))
-        with claimed(run_dir, run_cfg.trainer.resume, run_cfg.trainer.overwrite):
+        with claimed(run_dir, run_cfg.trainer.resume, run_cfg.trainer.overwrite,
+                     held=holds_directory(run_cfg.launcher)):
             with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
                 yaml.safe_dump(resolved, f, sort_keys=False)
             write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     from rapidformer.config.paths import check_paths
     from rapidformer.factory import check_available, settle
     from rapidformer.runtime.fast_exit import install as exit_fast
-    from rapidformer.runtime.run_dir import claimed
+    from rapidformer.runtime.run_dir import claimed, holds_directory
 
     exit_fast()
     stack = contextlib.ExitStack()
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")
             overrides = [*overrides, f"++trainer.output_dir='{quoted}'"]
             stack.enter_context(claimed(output_dir, run_cfg.trainer.resume,
-                                        run_cfg.trainer.overwrite))
+                                        run_cfg.trainer.overwrite,
+                                        held=holds_directory(run_cfg.launcher)))
     except RapidformerError as exc:
         if debug_enabled():
             raise

@@ -8,6 +8,8 @@ import logging
 import time
 from pathlib import Path
 
+from rapidformer.errors import CheckpointWriteError
+
 
 def get_logger() -> logging.Logger:
     return logging.getLogger("rapidformer")
@@ -121,11 +123,17 @@ class MetricsSink:
     def write(self, step: int, record: dict) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps({"step": step, **record}) + "\n")
-        self._file.flush()
         numbers = scalars(record)
-        self._csv.writerows([step, key, value] for key, value in numbers.items())
-        self._csv_file.flush()
+        try:
+            self._file.write(json.dumps({"step": step, **record}) + "\n")
+            self._file.flush()
+            self._csv.writerows([step, key, value] for key, value in numbers.items())
+            self._csv_file.flush()
+        except OSError as exc:  # a full or read-only disk: one message, not a traceback
+            raise CheckpointWriteError(
+                f"could not write {self.path}: {exc.strerror or exc}; the checkpoints written "
+                f"so far are untouched (trainer.resume=auto resumes from the newest). Free disk "
+                f"space, or choose another trainer.output_dir") from exc
         if self._writer is not None:
             for key, value in numbers.items():
                 self._writer.add_scalar(key, value, step)

@@ -45,11 +45,22 @@ def is_run_directory(path: Path) -> bool:
     return (path / RUN_MARKER).is_file() or (path / ".hydra").is_dir()
 
 
+def holds_directory(launcher) -> bool:
+    """Whether this process takes the run directory for its job: the first node's process, or,
+    started by torchrun or srun (RANK set), global rank 0; the job's other processes share the
+    directory that process holds."""
+    return launcher.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+
+
 @contextlib.contextmanager
-def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool):
+def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, held: bool = True):
     """Hold `run_dir` for this process's run during the block, or raise InputError saying why
     not. Re-entered for a directory this process already holds (the entry point, then the
-    Hydra job inside it), it checks nothing again."""
+    Hydra job inside it), it checks nothing again; with `held` false (another process of the
+    job holds it, `holds_directory`) it does nothing."""
+    if not held:
+        yield
+        return
     if not str(run_dir).strip():
         raise InputError("trainer.output_dir is empty; give the directory the run writes to")
     path = Path(run_dir).absolute()
