@@ -13,6 +13,11 @@ import pytest
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "HYDRA_FULL_ERROR": "0"}
 os.environ.update(OFFLINE_ENV)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two test processes share CI's 2 cores: one compute thread each (two OpenMP teams on the
+    # same cores spin against each other); the runs they start inherit it
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 # short runs: a small model on small data, a handful of steps
 FAST = ["trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.log_interval=1",

@@ -7,8 +7,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from rapidformer import checkpoint
 from tests.conftest import FAST, assert_ok, run_cli, train_losses
+
+# timing-sensitive (deadlines, kills at moments): run alone, after the parallel tests
+pytestmark = pytest.mark.serial
+
 
 # the black-box task, with a fault on rank 1 at its 5th forward pass of the first attempt
 FAULTY = '''

@@ -8,7 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+
+# timing-sensitive (deadlines, kills at moments): run alone, after the parallel tests
+pytestmark = pytest.mark.serial
+
 
 
 def test_killed_and_resumed_run_ends_with_the_uninterrupted_weights(tmp_path):

@@ -17,6 +17,9 @@ from rapidformer.errors import EXIT_PREEMPTED
 from rapidformer.runtime.preemption import StopSignals
 from tests.conftest import FAST, OFFLINE_ENV, assert_ok, run_cli, train_losses
 
+# timing-sensitive (deadlines, signals at moments): run alone, after the parallel tests
+pytestmark = pytest.mark.serial
+
 # constant lr: a run's step-k loss does not depend on how many steps it was asked for
 ARGS = [*FAST, "scheduler=constant", "scheduler.warmup_fraction=null", "trainer.export_hf=false",
         "model.hidden_dropout=0.1"]

@@ -371,6 +371,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.serial  # signals a subprocess at a moment: run alone
 def test_sigterm_mid_way_removes_the_temporary_files(tmp_path, gpt2_files):
     vocab, merges = gpt2_files
     command = [sys.executable, "-m", "rapidformer.data.preprocess_data",

@@ -26,6 +26,9 @@ from rapidformer import checkpoint
 from rapidformer.errors import EXIT_PREEMPTED
 from tests.conftest import FAST, OFFLINE_ENV, run_cli, train_losses
 
+# timing-sensitive (deadlines, signals at moments): run alone, after the parallel tests
+pytestmark = pytest.mark.serial
+
 ARGS = [*FAST, "scheduler=constant", "scheduler.warmup_fraction=null", "trainer.export_hf=false",
         "data.num_workers=1"]
 
@@ -295,3 +298,20 @@ def test_the_first_failure_is_the_signalled_rank_not_the_peer_it_took_down():
     assert after_error.exit_code == 1
     assert str(after_error).startswith("worker rank 0 failed (its process then ended by SIGTERM)")
     assert WorkerFailed(1, 7, "").exit_code == 7
+
+
+def test_an_earlier_attempts_failure_mark_does_not_name_this_ones_cause(tmp_path):
+    """A worker killed before it clears its old mark (at start-up) leaves an earlier attempt's
+    mark: the launcher counts only marks made since it started."""
+    from rapidformer.runtime.launch import first_failure
+    from rapidformer.runtime.rank_progress import failure_times, progress_dir
+
+    started_ns = time.time_ns()
+    progress_dir(tmp_path).mkdir(parents=True)  # the earlier attempt's rank 0 failed a minute ago
+    (progress_dir(tmp_path) / "rank_0.failed_at").write_text(f"{started_ns - 60 * 10**9}\n")
+    assert failure_times(tmp_path) and failure_times(tmp_path, started_ns) == {}
+    seen = int(time.time())
+    failures = {0: SimpleNamespace(exitcode=-15, timestamp=seen),
+                1: SimpleNamespace(exitcode=-9, timestamp=seen)}
+    assert first_failure(failures, failure_times(tmp_path, started_ns)) == 1
+    assert first_failure(failures, failure_times(tmp_path)) == 0  # what the stale mark did

@@ -7,8 +7,8 @@ Slurm and Kubernetes send), with the run resumed after each.
 
 Worker kills, per memory mode (default zero3 and fsdp): an uninterrupted reference run, then the
 same command with `trainer.resume=auto` again and again in one run directory; each attempt loses
-one worker (a random rank) to SIGKILL after a random delay or, every second kill, the moment a
-checkpoint's temporary directory appears. The launcher must then end the job naming the killed
+one worker (a random rank) to SIGKILL at a random moment (mostly of its training, one in five
+during start-up) or, every second kill, the moment a checkpoint's temporary directory appears. The launcher must then end the job naming the killed
 rank and the signal, every attempt must resume from the newest complete checkpoint, and the
 final exported weights must equal the reference's. Recorded per kill: when, what the job was
 doing, the steps lost, and the seconds from the kill to the launcher's exit.
@@ -93,17 +93,27 @@ def children(pid: int) -> list[int]:
 
 # --- SIGKILL of one worker ------------------------------------------------------------------------
 
-def kill_one_worker(process: subprocess.Popen, run_dir: Path, delay: float, during_write: bool,
-                    limit: float, stale: set, rng: random.Random) -> dict | None:
-    """SIGKILL one worker (a direct child of the launcher) after `delay` s or at the next
-    checkpoint write; None if the attempt ended first."""
-    started = time.monotonic()
+def kill_one_worker(process: subprocess.Popen, run_dir: Path, delay: float | None,
+                    during_write: bool, limit: float, stale: set, before: int,
+                    rng: random.Random) -> dict | None:
+    """SIGKILL one worker (a direct child of the launcher) at the next checkpoint write, or
+    `delay` s after this attempt's first logged step (None: during start-up, 1-10 s after the
+    launch); None if the attempt ended first."""
+    started, training_since = time.monotonic(), None
+    startup_delay = rng.uniform(1.0, 10.0)
     while True:
         now = time.monotonic() - started
         if process.poll() is not None:
             return None
+        if training_since is None and last_step(run_dir) > before:
+            training_since = now
         workers = [pid for pid in children(process.pid) if alive(pid)]
-        due = writing(run_dir, stale) if during_write else now >= delay
+        if during_write:
+            due = writing(run_dir, stale)
+        elif delay is None:
+            due = now >= startup_delay
+        else:
+            due = training_since is not None and now - training_since >= delay
         if due and len(workers) >= 2:
             break
         if now > limit:
@@ -111,7 +121,7 @@ def kill_one_worker(process: subprocess.Popen, run_dir: Path, delay: float, duri
         time.sleep(0.001 if during_write else 0.01)
     victim = rng.choice(sorted(workers))
     phase = "checkpoint write" if writing(run_dir, stale) else (
-        "training" if last_step(run_dir) else "start-up")
+        "training" if last_step(run_dir) > before else "start-up")
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     try:
@@ -153,9 +163,11 @@ def worker_campaign(mode: str, args, work: Path, rng: random.Random) -> dict:
         if len(kills) >= args.kills + 5:
             raise SystemExit(f"{mode}: the last kills aimed at writes all missed them")
         during_write = retry_write or (len(kills) + 1) % 2 == 0
-        delay = rng.uniform(1.0, min(args.max_delay, 0.8 * reference_s))
+        # of the other kills, one in five during start-up, the rest at a random moment of
+        # training
+        delay = None if rng.random() < 0.2 else rng.uniform(0.0, args.max_delay)
         outcome = kill_one_worker(process, run_dir, delay, during_write, reference_s * 3, stale,
-                                  rng)
+                                  before, rng)
         if outcome is None:
             raise SystemExit(f"{mode}: attempt {attempt} ended before its kill (exit "
                              f"{process.returncode}); raise --iters: see {log_path}")
@@ -243,7 +255,8 @@ def parse(argv=None):
     parser.add_argument("--modes", nargs="*", default=["zero3", "fsdp"])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--iters", type=int, default=3000)
-    parser.add_argument("--max-delay", type=float, default=14.0)
+    parser.add_argument("--max-delay", type=float, default=8.0,
+                        help="a random kill comes up to this many seconds into training")
     parser.add_argument("--tasks", nargs="*", default=list(TASKS))
     parser.add_argument("--task-iters", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)

@@ -74,18 +74,19 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the parent each worker must still have
     log.info("starting %d worker(s) on node %d of %d (rendezvous %s:%d)", ln.nproc_per_node,
              ln.node_rank, ln.nnodes, addr, port)
+    started_ns = time.time_ns()  # failure marks older than this are an earlier attempt's
     with _workers_stop_first() as forwarder:
         try:
             elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.cli.worker",
                                                    "--worker", str(config_file))
         except SignalException as exc:
-            error = _after_signal(run_dir, exc.sigval, forwarder, ln)
+            error = _after_signal(run_dir, exc.sigval, forwarder, ln, started_ns)
             if error is not None:
                 raise error from exc
         except ChildFailedError as exc:
             if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
                 raise _preempted(run_dir, "a signal") from exc
-            marks = failure_times(run_dir)
+            marks = failure_times(run_dir, started_ns)
             rank = first_failure(exc.failures, marks)
             failure = exc.failures[rank]
             raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank),
@@ -226,7 +227,7 @@ def _workers_stop_first():
 
 
 def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
-                  ln) -> RapidformerError | None:
+                  ln, started_ns: int = 0) -> RapidformerError | None:
     """What a stop signal to the launcher ended in: Preempted when every worker stopped (exit
     75 after its checkpoint, or ended by the signal itself outside the training loop),
     WorkerFailed for a worker that failed while stopping, None when they had all finished."""
@@ -241,7 +242,7 @@ def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
     if codes and all(code == 0 for code, _ in codes.values()):
         log.info("received %s after the workers had finished", name)
         return None
-    marks = failure_times(run_dir)
+    marks = failure_times(run_dir, started_ns)
     # the signal itself ended a worker that was outside the training loop (starting, exporting):
     # stopped, with no checkpoint of this step
     ended = {rank for rank, (code, _) in codes.items()

@@ -83,14 +83,18 @@ def clear_failed(run_dir: Path, rank: int) -> None:
     (progress_dir(run_dir) / f"rank_{rank}.failed_at").unlink(missing_ok=True)
 
 
-def failure_times(run_dir: Path) -> dict[int, int]:
-    """rank -> the nanosecond its code failed, for the ranks of this node that marked it."""
+def failure_times(run_dir: Path, since_ns: int = 0) -> dict[int, int]:
+    """rank -> the nanosecond its code failed, for the ranks of this node that marked it at
+    `since_ns` or later (a worker killed before it could clear an earlier attempt's mark
+    leaves that mark behind)."""
     found = {}
     for path in progress_dir(run_dir).glob("rank_*.failed_at"):
         try:
-            found[int(path.name[5:].split(".")[0])] = int(path.read_text().strip())
+            at = int(path.read_text().strip())
         except ValueError:  # a mark torn by a kill mid-write: no time to go by
             continue
+        if at >= since_ns:
+            found[int(path.name[5:].split(".")[0])] = at
     return found
 
 
