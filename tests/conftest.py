@@ -74,20 +74,6 @@ def tiny_pretrained(tmp_path_factory, pairs_dir):
 def pretraining_data(tmp_path_factory) -> dict:
     """A generated corpus, its WordPiece and GPT-2 BPE vocabularies, and both preprocessed:
     sentence-level data for BERT and document-level data (with EOD) for GPT."""
-    from rapidformer.data.corpus import (iter_documents, write_corpus, write_gpt2_bpe,
-                                         write_wordpiece_vocab)
-    from rapidformer.data.preprocess_data import main as preprocess
+    from rapidformer.data.corpus import write_pretraining_sample
 
-    out = tmp_path_factory.mktemp("pretraining_data")
-    write_corpus(out / "corpus.json", num_docs=600, seed=3)
-    sample = list(iter_documents(600, seed=3))
-    vocab = write_wordpiece_vocab(sample, out / "wordpiece", vocab_size=300)
-    gpt2_vocab, merges = write_gpt2_bpe(sample, out / "gpt2", vocab_size=400)
-    preprocess(["--input", str(out / "corpus.json"), "--output-prefix", str(out / "bert"),
-                "--vocab-file", str(vocab), "--tokenizer-type", "BertWordPieceLowerCase",
-                "--split-sentences"])
-    preprocess(["--input", str(out / "corpus.json"), "--output-prefix", str(out / "gpt"),
-                "--vocab-file", str(gpt2_vocab), "--merge-file", str(merges),
-                "--tokenizer-type", "GPT2BPETokenizer", "--append-eod"])
-    return {"dir": out, "vocab": vocab, "gpt2_vocab": gpt2_vocab, "merges": merges,
-            "bert": str(out / "bert_text_sentence"), "gpt": str(out / "gpt_text_document")}
+    return write_pretraining_sample(tmp_path_factory.mktemp("pretraining_data"))

@@ -198,24 +198,9 @@ def worker_campaign(mode: str, args, work: Path, rng: random.Random) -> dict:
 
 def pretraining_files(work: Path) -> dict:
     """A generated corpus preprocessed for BERT (sentences) and GPT (documents with EOD)."""
-    from rapidformer.data.corpus import (iter_documents, write_corpus, write_gpt2_bpe,
-                                         write_wordpiece_vocab)
-    from rapidformer.data.preprocess_data import main as preprocess
+    from rapidformer.data.corpus import write_pretraining_sample
 
-    out = work / "pretraining_data"
-    out.mkdir(parents=True, exist_ok=True)
-    write_corpus(out / "corpus.json", num_docs=600, seed=3)
-    sample = list(iter_documents(600, seed=3))
-    vocab = write_wordpiece_vocab(sample, out / "wordpiece", vocab_size=300)
-    gpt2_vocab, merges = write_gpt2_bpe(sample, out / "gpt2", vocab_size=400)
-    preprocess(["--input", str(out / "corpus.json"), "--output-prefix", str(out / "bert"),
-                "--vocab-file", str(vocab), "--tokenizer-type", "BertWordPieceLowerCase",
-                "--split-sentences"])
-    preprocess(["--input", str(out / "corpus.json"), "--output-prefix", str(out / "gpt"),
-                "--vocab-file", str(gpt2_vocab), "--merge-file", str(merges),
-                "--tokenizer-type", "GPT2BPETokenizer", "--append-eod"])
-    return {"vocab": vocab, "gpt2_vocab": gpt2_vocab, "merges": merges,
-            "bert": out / "bert_text_sentence", "gpt": out / "gpt_text_document"}
+    return write_pretraining_sample(work / "pretraining_data")
 
 
 def sigterm_task(task: str, args, work: Path, files: dict, rng: random.Random) -> dict:

@@ -109,6 +109,28 @@ def write_gpt2_bpe(texts: Iterable[str], out_dir: str | os.PathLike,
     return vocab, merges
 
 
+def write_pretraining_sample(out: Path, num_docs: int = 600, seed: int = 3) -> dict:
+    """A generated corpus under `out`, its WordPiece and GPT-2 BPE vocabularies, and both
+    preprocessed: sentence-level data for BERT, document-level data with EOD for GPT (what the
+    tests and the fault campaign pretrain on). Paths by name; the data prefixes as strings."""
+    from rapidformer.data.preprocess_data import main as preprocess
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_corpus(out / "corpus.json", num_docs=num_docs, seed=seed)
+    sample = list(iter_documents(num_docs, seed=seed))
+    vocab = write_wordpiece_vocab(sample, out / "wordpiece", vocab_size=300)
+    gpt2_vocab, merges = write_gpt2_bpe(sample, out / "gpt2", vocab_size=400)
+    preprocess(["--input", str(out / "corpus.json"), "--output-prefix", str(out / "bert"),
+                "--vocab-file", str(vocab), "--tokenizer-type", "BertWordPieceLowerCase",
+                "--split-sentences"])
+    preprocess(["--input", str(out / "corpus.json"), "--output-prefix", str(out / "gpt"),
+                "--vocab-file", str(gpt2_vocab), "--merge-file", str(merges),
+                "--tokenizer-type", "GPT2BPETokenizer", "--append-eod"])
+    return {"dir": out, "vocab": vocab, "gpt2_vocab": gpt2_vocab, "merges": merges,
+            "bert": str(out / "bert_text_sentence"), "gpt": str(out / "gpt_text_document")}
+
+
 def _positive(kind):
     def parse(value: str):
         number = kind(value)
