@@ -15,7 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
-TEST_DIR = re.compile(r"\S*/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+")
+TEST_DIR = re.compile(r"[^\s='(]*/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+")
 ERROR_PREFIX = re.compile(r"^rapidformer(-preprocess-data)?: error: ")
 BEGIN, END = "<!-- bad-input-table -->", "<!-- /bad-input-table -->"
 
