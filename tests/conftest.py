@@ -25,6 +25,16 @@ FAST = ["trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.log_
         "trainer.micro_batch_size=16", "trainer.global_batch_size=32", "trainer.epochs=1"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _megatron_cpu_stays_in_its_module():
+    """A module that ran megatron-core on the CPU in this process leaves no CUDA-to-CPU modes
+    behind for the next one (they would stay under torch.compile and every factory)."""
+    yield
+    from rapidformer.accelerators import megatron_cpu
+
+    megatron_cpu.disable()
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 600, module: str = "rapidformer",
             env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}

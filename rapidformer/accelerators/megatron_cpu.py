@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ENABLED = False
+_UNDO: list = []  # what enable() replaced, and the modes it entered, for disable()
 
 
 def enable() -> None:
@@ -29,6 +30,11 @@ def enable() -> None:
         raise RuntimeError("megatron_cpu.enable() is for CPU-only runs; a GPU is visible")
     from megatron.core.tensor_parallel import random as mrandom
 
+    for owner, names in ((torch.cuda, ("current_device", "synchronize", "manual_seed",
+                                       "get_rng_state", "_lazy_init")),
+                         (mrandom, ("_get_cuda_rng_state", "_set_cuda_rng_state")),
+                         (mrandom.CudaRNGStatesTracker, ("fork",))):
+        _UNDO.extend((owner, name, getattr(owner, name)) for name in names)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.manual_seed = torch.manual_seed
@@ -40,9 +46,26 @@ def enable() -> None:
     # torch function modes are off) are rewritten at the dispatcher; torch's lazy CUDA start,
     # which would refuse them first, has nothing to start
     torch.cuda._lazy_init = lambda: None
-    _FactoriesToCpu().__enter__()  # both stay on for the process: a CPU-only run has no
-    _CudaToCpu().__enter__()       # CUDA tensors
+    # both stay on for the process (a CPU-only run has no CUDA tensors), until disable()
+    modes = [_FactoriesToCpu(), _CudaToCpu()]
+    for mode in modes:
+        mode.__enter__()
+    _UNDO.append(modes)
     _ENABLED = True
+
+
+def disable() -> None:
+    """Undo enable(): for a process that runs more after a CPU megatron-core run (a test
+    session, a notebook), where its modes would stay under torch.compile and every factory."""
+    global _ENABLED
+    if not _ENABLED:
+        return
+    for mode in reversed(_UNDO.pop()):
+        mode.__exit__(None, None, None)
+    for owner, name, original in _UNDO:
+        setattr(owner, name, original)
+    _UNDO.clear()
+    _ENABLED = False
 
 
 def _is_cuda(device) -> bool:
