@@ -103,10 +103,10 @@ class StopSignals:
 
 def newest_checkpoint(root: Path) -> str | None:
     """The name of the newest complete checkpoint under `root`, the run's resume point."""
-    from rapidformer.checkpoint import scan
+    from rapidformer.checkpoint import newest_complete
 
-    complete, _ = scan(root)
-    return complete[-1].name if complete else None
+    newest = newest_complete(root)
+    return newest.name if newest else None
 
 
 def resume_advice(run_dir: Path) -> str:
