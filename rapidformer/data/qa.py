@@ -68,10 +68,11 @@ def eval_features(batch, indices, tokenizer, d, t) -> dict:
     return enc
 
 
-def best_answers(start_logits, end_logits, example_index, offsets, contexts: list[str],
-                 n_best: int, max_answer_length: int) -> list[str]:
-    """The predicted answer text of every example (lists/arrays over windows)."""
-    best: dict[int, tuple[float, str]] = {}
+def best_spans(start_logits, end_logits, example_index, offsets, n_best: int,
+               max_answer_length: int) -> dict[int, tuple[float, int, int]]:
+    """{example: (score, first character, end character)} of the best-scoring valid span of
+    every example that has one (lists/arrays over windows); the score is start + end logit."""
+    best: dict[int, tuple[float, int, int]] = {}
     for starts, ends, example, window in zip(start_logits, end_logits, example_index, offsets):
         starts, ends = list(map(float, starts)), list(map(float, ends))
         top_starts = sorted(range(len(starts)), key=starts.__getitem__, reverse=True)[:n_best]
@@ -83,9 +84,17 @@ def best_answers(start_logits, end_logits, example_index, offsets, contexts: lis
                     continue
                 score = starts[s] + ends[e]
                 if int(example) not in best or score > best[int(example)][0]:
-                    text = contexts[int(example)][int(window[s][0]):int(window[e][1])]
-                    best[int(example)] = (score, text)
-    return [best.get(i, (0.0, ""))[1] for i in range(len(contexts))]
+                    best[int(example)] = (score, int(window[s][0]), int(window[e][1]))
+    return best
+
+
+def best_answers(start_logits, end_logits, example_index, offsets, contexts: list[str],
+                 n_best: int, max_answer_length: int) -> list[str]:
+    """The predicted answer text of every example (lists/arrays over windows)."""
+    spans = best_spans(start_logits, end_logits, example_index, offsets, n_best,
+                       max_answer_length)
+    return [contexts[i][spans[i][1]:spans[i][2]] if i in spans else ""
+            for i in range(len(contexts))]
 
 
 def normalize(text: str) -> str:

@@ -7,6 +7,8 @@
     rapidformer env                             versions, devices, what each accelerator needs
     rapidformer export RUN_DIR --to DIR         a Hugging Face model from any checkpoint
     rapidformer verify RUN_DIR|CHECKPOINT       every byte of the checkpoints against their manifests
+    rapidformer eval RUN_DIR [overrides]        a checkpoint's metrics on the run's or other data
+    rapidformer predict RUN_DIR --input F --output F   predictions of a checkpoint, row by row
     rapidformer plot RUN_DIR [RUN_DIR ...]      PNG curves of loss, lr, throughput
 
 Anything else on the command line is a training run (seed flags or Hydra overrides).
@@ -25,6 +27,8 @@ VERBS = {
     "export": ("rapidformer.cli.verbs.export", "a Hugging Face model from a run's checkpoint"),
     "verify": ("rapidformer.cli.verbs.verify", "check every byte of a run's checkpoints"),
     "plot": ("rapidformer.cli.verbs.plot", "PNG curves comparing runs"),
+    "eval": ("rapidformer.cli.verbs.evaluate", "a checkpoint's metrics on the run's or other data"),
+    "predict": ("rapidformer.cli.verbs.predict", "a checkpoint's predictions for a jsonl/csv file"),
 }
 
 

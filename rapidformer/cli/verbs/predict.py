@@ -1,0 +1,212 @@
+"""`rapidformer predict RUN_DIR --input FILE --output FILE [--checkpoint last|best|PATH]`: one
+prediction per row of a jsonl, csv or tsv file, written in the same format with the input's
+columns and the prediction's (rapidformer/inference/predictors.py says which, per task).
+
+The model is a checkpoint of the run (any memory mode: its weights are consolidated in this
+process, as `rapidformer export` does; default the newest complete one, every byte verified) or
+a Hugging Face directory the run exported (`--checkpoint RUN_DIR/hf_model`, or one from
+`rapidformer export`). The input's columns are the ones the run's data config names
+(data.text_a_column, data.question_column, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rapidformer.errors import (EXIT_WRITE_FAILED, InputError, RapidformerError,
+                                debug_enabled)
+from rapidformer.inference import predictors, restore, rows as row_files
+
+CLASSIFIERS = ("sequence_classification", "token_classification")
+
+
+def label_names_of(config) -> list:
+    """id -> label name as the model's config holds them; empty when they are transformers'
+    placeholders (LABEL_0, ...), which is what a run whose labels were ids leaves."""
+    id2label = getattr(config, "id2label", None) or {}
+    names = [id2label[i] for i in sorted(id2label, key=int)]
+    return [] if all(n == f"LABEL_{i}" for i, n in enumerate(names)) else names
+
+
+def _auto_class(task: str):
+    import transformers
+
+    from rapidformer.models.hf import AUTO_CLASSES
+
+    return getattr(transformers, AUTO_CLASSES[task])
+
+
+def from_export(directory: Path, task: str):
+    """(model, tokenizer, what it is) from a Hugging Face save_pretrained directory."""
+    from transformers import AutoTokenizer
+
+    if not (directory / "tokenizer_config.json").is_file():
+        raise InputError(f"--checkpoint {directory}: a Hugging Face model without its tokenizer "
+                         f"(no tokenizer_config.json); use the run's hf_model/ or a "
+                         f"`rapidformer export` directory, which hold both")
+    try:
+        model = _auto_class(task).from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--checkpoint {directory}: not a {task} model this run could have "
+                         f"written ({str(exc).splitlines()[0]})") from exc
+    return model, AutoTokenizer.from_pretrained(str(directory)), f"{directory} (exported)"
+
+
+def _tokenizer(ckpt: Path, cfg, run_dir: Path):
+    """The tokenizer saved with the checkpoint, else the one the run's config names."""
+    from transformers import AutoTokenizer
+
+    from rapidformer.data.tokenizers import load_tokenizer, unreachable_model_message
+
+    m = cfg.model
+    for saved in (ckpt / "tokenizer", run_dir / "tokenizer"):
+        if (saved / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(saved))
+    if m.tokenizer:
+        return load_tokenizer(m.tokenizer, m.lowercase, cfg.data.max_seq_length)
+    if m.source == "pretrained":
+        try:
+            return AutoTokenizer.from_pretrained(m.name_or_path)
+        except (OSError, ValueError) as exc:
+            raise InputError(unreachable_model_message(m.name_or_path, "tokenizer")) from exc
+    raise InputError(f"checkpoint {ckpt} has no tokenizer/ and {run_dir}/tokenizer is missing: "
+                     f"the vocabulary the model learned is gone; use the run's hf_model/ "
+                     f"(--checkpoint {run_dir}/hf_model)")
+
+
+def _training_label_names(cfg, run_dir: Path) -> list:
+    """The label (tag) names as training numbered them, from the run's training data."""
+    if cfg.task.name == "sequence_classification":
+        from rapidformer.data.text_classification import load_classification_data
+
+        return load_classification_data(cfg.data, run_dir, cfg.task.num_labels).label_names
+    from rapidformer.data.token_labels import load_token_data
+
+    return load_token_data(cfg.data, run_dir, cfg.task.num_labels).names
+
+
+def from_checkpoint(ckpt: Path, cfg, run_dir: Path):
+    """(model, tokenizer, what it is): the run's model class and shape with the checkpoint's
+    weights. The class, shape and label names come from the run's hf_model/config.json when it
+    has one, else from its config (and the label names from its training data)."""
+    import transformers
+
+    from rapidformer.data.tokenizers import unreachable_model_message
+    from rapidformer.models.hf import build_task_model
+
+    task = cfg.task.name
+    state, saved = restore.checkpoint_weights(ckpt)
+    tokenizer = _tokenizer(ckpt, cfg, run_dir)
+    exported = run_dir / "hf_model" / "config.json"
+    labels = {}
+    if task in CLASSIFIERS and not exported.is_file():
+        names = _training_label_names(cfg, run_dir)
+        heads = [v.shape[0] for k, v in state.items() if k.endswith("classifier.weight")]
+        labels = {"num_labels": heads[0] if heads else len(names)}
+        if names:
+            labels.update(id2label=dict(enumerate(names)),
+                          label2id={n: i for i, n in enumerate(names)})
+    if exported.is_file():
+        model = _auto_class(task).from_config(
+            transformers.AutoConfig.from_pretrained(str(exported.parent)))
+    elif cfg.model.source == "pretrained":
+        try:
+            config = transformers.AutoConfig.from_pretrained(cfg.model.name_or_path, **labels)
+        except (OSError, ValueError) as exc:
+            raise InputError(unreachable_model_message(cfg.model.name_or_path)) from exc
+        model = _auto_class(task).from_config(config)
+    else:
+        model = build_task_model(cfg.model, task, tokenizer, **labels)
+    restore.load_weights(model, state, ckpt)
+    return model, tokenizer, f"{ckpt} (step {saved.get('step')})"
+
+
+def predict(run_dir: Path, input_path: Path, output_path: Path, choice: str | None = None,
+            batch_size: int | None = None, device: str | None = None, top_k: int = 5,
+            max_new_tokens: int | None = None, num_beams: int | None = None) -> tuple[int, str]:
+    """(rows written, the model used)."""
+    import torch
+
+    from rapidformer.planning.run_plan import pick_device
+
+    cfg = restore.one_process_config(restore.run_config(run_dir), run_dir)
+    wanted = predictors.input_columns(cfg)  # refuses the tasks predict does not cover
+    fmt = row_files.format_of(input_path, "--input")
+    if row_files.format_of(output_path, "--output") != fmt:
+        raise InputError(f"--output {output_path}: predictions are written in the input's "
+                         f"format ({fmt}); give --output a .{fmt} name")
+    if output_path.resolve() == input_path.resolve():
+        raise InputError(f"--output {output_path} is the input file; give another name (the "
+                         f"input is not overwritten)")
+    rows, lines, columns = row_files.read_rows(input_path)
+    row_files.require(input_path, rows, lines, columns, wanted)
+    clashes = [c for c in predictors.OUTPUT_COLUMNS[cfg.task.name] if c in columns]
+    if clashes:
+        raise InputError(f"{input_path} has the column(s) {', '.join(clashes)}, which predict "
+                         f"writes for task={cfg.task.name}; rename them in the input")
+    chosen = Path(choice) if choice not in (None, restore.LAST, restore.BEST) else None
+    if chosen is not None and (chosen / "config.json").is_file():
+        model, tokenizer, used = from_export(chosen, cfg.task.name)
+    else:
+        model, tokenizer, used = from_checkpoint(restore.choose_checkpoint(run_dir, choice),
+                                                 cfg, run_dir)
+    target = pick_device(device or cfg.trainer.device)
+    model.to(target).eval()
+    job = predictors.Predicting(model, tokenizer, cfg, target,
+                                batch_size or cfg.trainer.micro_batch_size,
+                                label_names_of(model.config), top_k, max_new_tokens, num_beams)
+    task = cfg.task.name
+    with torch.inference_mode():
+        if task == "token_classification":
+            places = [f"{input_path}:{line}" for line in lines]
+            predicted = predictors.token_classification(job, rows, places)
+        else:
+            predicted = getattr(predictors, task)(job, rows)
+    row_files.write_rows(output_path, fmt, [{**row, **new} for row, new in zip(rows, predicted)])
+    return len(rows), used
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def predict_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rapidformer predict",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="a training run's directory")
+    parser.add_argument("--input", type=Path, required=True, help="a .jsonl, .csv or .tsv file")
+    parser.add_argument("--output", type=Path, required=True, help="where the rows go (same format)")
+    parser.add_argument("--checkpoint", default=restore.LAST,
+                        help="last (default), best, a step_NNNNNNNN directory, or a Hugging Face "
+                             "directory the run exported (RUN_DIR/hf_model)")
+    parser.add_argument("--batch-size", type=_positive,
+                        help="rows per forward pass (default trainer.micro_batch_size)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                        help="default: the run's trainer.device")
+    parser.add_argument("--top-k", type=_positive, default=5,
+                        help="masked_lm: tokens shown for each mask (default 5)")
+    parser.add_argument("--max-new-tokens", type=_positive,
+                        help="seq2seq_lm: generated tokens at most (default task.max_target_length)")
+    parser.add_argument("--num-beams", type=_positive,
+                        help="seq2seq_lm: beam search width (default task.num_beams)")
+    args = parser.parse_args(argv)
+    try:
+        count, used = predict(args.run_dir, args.input, args.output, args.checkpoint,
+                              args.batch_size, args.device, args.top_k, args.max_new_tokens,
+                              args.num_beams)
+    except RapidformerError as exc:
+        if debug_enabled():
+            raise
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        print(f"rapidformer: error: cannot write {exc.filename or args.output}: "
+              f"{exc.strerror or exc}; give --output a path in a writable directory",
+              file=sys.stderr)
+        return EXIT_WRITE_FAILED
+    print(f"wrote {count} predictions to {args.output} (model: {used})")
+    return 0
