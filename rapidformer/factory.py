@@ -41,6 +41,9 @@ def check_available(cfg: RunConfig) -> None:
 
         check_inductor_options(cfg.graph.options)  # before the run directory is made
     check_tracker_installed(cfg.logger.name)
+    from rapidformer.models.pretrained_shape import check_local_shape
+
+    check_local_shape(cfg.model)
     check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
     check_fsdp_precision(cfg)
     if cfg.task.name in PRETRAINING_TASKS and not cfg.user_script:

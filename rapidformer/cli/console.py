@@ -65,6 +65,13 @@ VALUE_FLAGS = {
     "--mask-prob": "data.mask_prob",
     "--short-seq-prob": "data.short_seq_prob",
     "--merge-file": "model.merge_file",
+    # torchrun's names; the seed's scripts set these through the environment instead
+    # (CUDA_VISIBLE_DEVICES, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT), which works too
+    "--nproc-per-node": "launcher.nproc_per_node",
+    "--nnodes": "launcher.nnodes",
+    "--node-rank": "launcher.node_rank",
+    "--master-addr": "launcher.master_addr",
+    "--master-port": "launcher.master_port",
 }
 # seed switch -> the override it stands for
 SWITCHES = {
@@ -229,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in VERBS:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `rapidformer ls | head` ends quietly
         sys.exit(run_verb(argv[0], argv[1:]))
+    if any(arg in ("-h", "--help") for arg in argv):
+        from rapidformer.cli.help import help_text
+
+        print(help_text(), end="")  # Hydra's help stays reachable: --hydra-help
+        return
     try:
         hydra_flags, overrides, print_only = translate(argv)
     except SeedFlagError as exc:

@@ -112,8 +112,10 @@ def hydra_entry(cfg: DictConfig):
 def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
-    from rapidformer.config.compose import check_overrides, compose, resolve, with_default_recipe
+    from rapidformer.config.compose import (check_overrides, compose, recipe_line, resolve,
+                                            with_default_recipe)
     from rapidformer.config.paths import check_paths
+    from rapidformer.config.search import take_config_dirs
     from rapidformer.factory import check_available, settle
     from rapidformer.runtime.fast_exit import install as exit_fast
     from rapidformer.runtime.run_dir import claimed, holds_directory
@@ -122,9 +124,17 @@ def main(argv: list[str] | None = None) -> None:
     stack = contextlib.ExitStack()
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, overrides = split_argv(argv)
-    overrides = with_default_recipe(overrides)
+    try:
+        flags, overrides = take_config_dirs(flags, overrides)
+    except RapidformerError as exc:
+        report(exc)
+        sys.exit(exc.exit_code)
+    if "--hydra-help" not in flags:  # Hydra's own help composes no recipe: it cannot take one
+        overrides = with_default_recipe(overrides)
     multirun = any(f in ("-m", "--multirun") for f in flags)
     asks_help = any(f in ("-h", "--help", "--hydra-help", "--info", "-i") for f in flags)
+    if not asks_help:
+        print(f"rapidformer: {recipe_line(overrides)}", file=sys.stderr)
     prints_only = asks_help or any(f in ("--cfg", "-c") for f in flags)
     try:
         overrides = check_overrides(overrides)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import rapidformer.config.resolvers  # noqa: F401  (registers the configs' resolvers)
+from rapidformer.config import search
 from rapidformer.config.schema import GROUPS, RunConfig
 from rapidformer.config.validate import (USED_ONLY_WITH, build_run_config, closest,
                                          schema_default, unknown_key_message)
@@ -53,13 +54,29 @@ def option_folder(group: str):
     return installed_files(RECIPE_PACKAGE) if group == "recipe" else conf.joinpath(group)
 
 
-def group_options(group: str) -> list[str]:
+def shipped_options(group: str) -> list[str]:
     folder = option_folder(group)
     return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
 
 
+def group_options(group: str) -> list[str]:
+    """The group's options: rapidformer's, and those in the user's config folders
+    (config/search.py), whose names must differ (Hydra cannot compose two of one name)."""
+    shipped = shipped_options(group)
+    own = search.user_options(group)
+    clashes = sorted(set(own) & set(shipped))
+    if clashes:
+        raise ConfigError([f"{own[name]} has the name of rapidformer's {group} option "
+                           f"'{name}': rename the file (e.g. my_{name}.yaml; `rapidformer cp` "
+                           f"writes copies under a new name)" for name in clashes])
+    return sorted({*shipped, *own})
+
+
 def option_text(group: str, option: str) -> str:
     """An option's YAML file as written (its header comment included)."""
+    own = search.user_options(group).get(option)
+    if own is not None:
+        return own.read_text(encoding="utf-8")
     return option_folder(group).joinpath(f"{option}.yaml").read_text(encoding="utf-8")
 
 
@@ -67,11 +84,33 @@ def _key_of(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
 
 
+# naming one of these says what to run: the quickstart's settings would then be a surprise
+# (a white-box script that trains 4 epochs because the quickstart does)
+CHOOSES_THE_RUN = ("recipe", "user_script", "task")
+
+
 def with_default_recipe(overrides: list[str]) -> list[str]:
-    """`python -m rapidformer` alone runs the quickstart: add it when no recipe is named."""
-    if any(_key_of(o) == "recipe" for o in overrides):
+    """`python -m rapidformer` alone runs the quickstart: it is added when the command names
+    no recipe, no user script and no task; otherwise the groups' defaults apply."""
+    if any(_key_of(o) in CHOOSES_THE_RUN for o in overrides):
         return list(overrides)
     return [f"+recipe={DEFAULT_RECIPE}", *overrides]
+
+
+def recipe_line(overrides: list[str]) -> str:
+    """What a run prints first: the recipe it uses, or that it uses none (overrides after
+    with_default_recipe)."""
+    named = [o.split("=", 1)[1] for o in overrides if _key_of(o) == "recipe" and "=" in o
+             and not o.startswith("~")]
+    if named and overrides[0] == f"+recipe={DEFAULT_RECIPE}" and \
+            not any(_key_of(o) == "recipe" for o in overrides[1:]):
+        return (f"recipe: {DEFAULT_RECIPE} (the default: the command names no recipe, task or "
+                f"user_script)")
+    if named:
+        own = search.user_options("recipe").get(named[-1])
+        return f"recipe: {named[-1]}" + (f" ({own})" if own else "")
+    return ("recipe: none (a task or user_script is named: the config groups' defaults, "
+            "conf/, and the command's overrides)")
 
 
 def _schema_at(path: list[str]):
@@ -125,8 +164,11 @@ def check_overrides(overrides: list[str]) -> list[str]:
                 if str(value) not in available:
                     hint = closest(str(value), available)
                     tip = f"did you mean '{key}={hint}'? " if hint else ""
+                    own = ("; a recipe of your own: --config-dir DIR with DIR/recipe/NAME.yaml "
+                           "(`rapidformer cp RECIPE DIR` starts one from a shipped recipe)"
+                           if key == "recipe" and not search.folders() else "")
                     problems.append(f"{key}={value}: no such option; {tip}"
-                                    f"choose one of: {', '.join(available)}")
+                                    f"choose one of: {', '.join(available)}{own}")
             continue
         parts = key.split(".")
         found, depth = _schema_at(parts)
@@ -292,6 +334,9 @@ def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> 
         overrides = with_default_recipe(overrides)
     overrides = check_overrides(overrides)
     installed_files(CONF_PACKAGE)  # a broken install says how to mend it, before Hydra's error
+    if search.folders() and not any(_key_of(o) == "hydra.searchpath" for o in overrides):
+        entries = ",".join(f"'file://{d}'" for d in search.folders())
+        overrides = [f"hydra.searchpath=[{entries}]", *overrides]
 
     def run(given: list[str]) -> DictConfig:
         with initialize_config_module(config_module=CONF_PACKAGE, version_base="1.3"):
@@ -325,5 +370,9 @@ def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunCo
         if "Missing mandatory value" in msg and key:
             raise ConfigError([f"{key} must be set (it is ??? in its config file); e.g. {key}=VALUE"]) from exc
         raise ConfigError([f"{key or 'config'}: {msg}"]) from exc
-    return plain, build_run_config(plain)
+    run_cfg = build_run_config(plain)
+    # the sizes decided on this machine (config/sizes.py) go into the record as numbers
+    plain.setdefault("launcher", {})["nproc_per_node"] = run_cfg.launcher.nproc_per_node
+    plain.setdefault("trainer", {})["global_batch_size"] = run_cfg.trainer.global_batch_size
+    return plain, run_cfg
 

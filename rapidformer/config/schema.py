@@ -9,7 +9,7 @@ number is validate.BOUNDS, and the keys only some options read are validate.USED
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Union, Literal, Optional
 
 
 @dataclass
@@ -48,17 +48,20 @@ class ModelConfig:
     source: Literal["pretrained", "config"] = "config"
     name_or_path: Optional[str] = None
     arch: str = "bert"
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 2
-    intermediate_size: int = 256
-    max_position_embeddings: int = 128
+    # the shape of a config-built model. With source=pretrained the model's own config.json
+    # decides: null there, and a value that differs from the model's is refused (the seed's
+    # scripts pass --num-layers etc. beside a pretrained name; an equal value is accepted)
+    hidden_size: Optional[int] = 64
+    num_layers: Optional[int] = 2
+    num_attention_heads: Optional[int] = 2
+    intermediate_size: Optional[int] = 256
+    max_position_embeddings: Optional[int] = 128
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     # std of the random initial weights of a config-built model
     initializer_range: float = 0.02
     # config-built models: the vocabulary size of the WordPiece tokenizer trained on the data
-    vocab_size: int = 2000
+    vocab_size: Optional[int] = 2000
     # null: the pretrained model's own tokenizer, or one trained on the training split for a
     # config-built model; else a tokenizer directory or a WordPiece vocab.txt
     tokenizer: Optional[str] = None
@@ -207,7 +210,9 @@ class TrainerConfig:
     epochs: Optional[int] = 3
     train_iters: Optional[int] = None
     micro_batch_size: int = 16
-    global_batch_size: int = 64
+    # samples per optimizer step over all ranks; a multiple of micro batch x data-parallel size
+    # (the rest is gradient accumulation). null: micro batch x data-parallel size
+    global_batch_size: Optional[int] = None
     lr: float = 2e-5
     weight_decay: float = 0.01
     # 0 disables clipping (the norm is still computed and logged)
@@ -236,6 +241,19 @@ class TrainerConfig:
     exit_interval: Optional[int] = None
     # complete checkpoints kept (older ones are removed); 0 keeps every one
     keep_last: int = 2
+    # compare every evaluation by this metric (a key the evaluation logs, e.g.
+    # validation/accuracy, validation/f1, validation/loss; the PreTrainer's validation/loss or
+    # validation/ppl): the best one's checkpoint is kept beside the keep_last ones (named by
+    # checkpoints/best.json) and trainer.export_hf exports it. null: the last is exported
+    best_metric: Optional[str] = None
+    # max or min: whether higher or lower best_metric is better. null: min for metric names
+    # ending in loss, perplexity or ppl, max for every other (accuracy, f1, exact_match, rougeL)
+    best_mode: Optional[Literal["max", "min"]] = None
+    # stop (normally: last checkpoint, export of the best) after this many evaluations in a row
+    # that do not improve best_metric by more than early_stopping_min_delta (null: never)
+    early_stopping_patience: Optional[int] = None
+    # the least change of best_metric that counts as an improvement for early stopping
+    early_stopping_min_delta: float = 0.0
     # stop once the loss is NaN/Inf for this many steps in a row (null: never); no checkpoint
     # is written from a step whose loss is not finite
     max_nonfinite_steps: Optional[int] = 5
@@ -262,7 +280,9 @@ class TrainerConfig:
 @dataclass
 class LauncherConfig:
     name: str = "local"
-    nproc_per_node: int = 1
+    # processes on this node. auto: one per visible GPU (CUDA_VISIBLE_DEVICES honoured), one
+    # on a CPU or with trainer.device=cpu; a number also starts that many CPU processes (gloo)
+    nproc_per_node: Union[int, Literal["auto"]] = "auto"
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "localhost"

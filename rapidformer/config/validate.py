@@ -106,6 +106,9 @@ def build_run_config(raw: dict) -> RunConfig:
     problems: list[str] = []
     cfg = _build(RunConfig, raw, "", problems)
     if not problems:
+        from rapidformer.config.sizes import fill
+
+        fill(cfg)  # nproc_per_node=auto and global_batch_size=null become numbers
         problems.extend(check_values(cfg))
     if problems:
         raise ConfigError(problems)
@@ -162,6 +165,11 @@ def _number(value) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+PRETRAINED_OWN = "a pretrained model's own (model.source=pretrained)"
+# the architecture keys a config-built model is made from (null only with a pretrained model)
+SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "intermediate_size",
+              "max_position_embeddings", "vocab_size")
+
 # every number of the schema that has a valid range, checked before anything runs (the ones
 # checked against other keys are data.max_seq_length, launcher.node_rank and, for
 # question_answering, task.doc_stride; data.synthetic_seed takes any integer)
@@ -172,12 +180,12 @@ BOUNDS: dict[str, Bound] = {
     "task.n_best_size": Bound(1, example="20"),
     "task.max_target_length": Bound(1, example="64"),
     "task.num_beams": Bound(1, example="4"),
-    "model.hidden_size": Bound(1, example="768"),
-    "model.num_layers": Bound(1, example="12"),
-    "model.num_attention_heads": Bound(1, example="12"),
-    "model.intermediate_size": Bound(1, example="3072"),
-    "model.max_position_embeddings": Bound(1, example="512"),
-    "model.vocab_size": Bound(1, example="30522"),
+    "model.hidden_size": Bound(1, null=PRETRAINED_OWN, example="768"),
+    "model.num_layers": Bound(1, null=PRETRAINED_OWN, example="12"),
+    "model.num_attention_heads": Bound(1, null=PRETRAINED_OWN, example="12"),
+    "model.intermediate_size": Bound(1, null=PRETRAINED_OWN, example="3072"),
+    "model.max_position_embeddings": Bound(1, null=PRETRAINED_OWN, example="512"),
+    "model.vocab_size": Bound(1, null=PRETRAINED_OWN, example="30522"),
     "model.hidden_dropout": Bound(0, 1, high_open=True, example="0.1",
                                   note="a probability; 0 turns dropout off"),
     "model.attention_dropout": Bound(0, 1, high_open=True, example="0.1",
@@ -213,7 +221,8 @@ BOUNDS: dict[str, Bound] = {
     "trainer.epochs": Bound(1, null="trainer.train_iters decides", example="3"),
     "trainer.train_iters": Bound(1, null="trainer.epochs decides", example="1000"),
     "trainer.micro_batch_size": Bound(1, example="16"),
-    "trainer.global_batch_size": Bound(1, example="64"),
+    "trainer.global_batch_size": Bound(1, null="trainer.micro_batch_size x data-parallel size",
+                                       example="64"),
     "trainer.lr": Bound(0, example="2e-5", note="a typical fine-tuning lr is 2e-5"),
     "trainer.weight_decay": Bound(0, example="0.01"),
     "trainer.clip_grad": Bound(0, example="1.0", note="0 disables clipping"),
@@ -224,6 +233,10 @@ BOUNDS: dict[str, Bound] = {
     "trainer.save_interval": Bound(1, null="save at the end of every epoch", example="1000"),
     "trainer.exit_interval": Bound(1, null="never stop early", example="1000"),
     "trainer.keep_last": Bound(0, example="2", note="0 keeps every checkpoint"),
+    "trainer.early_stopping_patience": Bound(1, null="train to the end", example="3",
+                                             note="evaluations without improvement"),
+    "trainer.early_stopping_min_delta": Bound(0, example="0.001",
+                                              note="the least change that is an improvement"),
     "trainer.max_nonfinite_steps": Bound(1, null="never stop on a non-finite loss", example="5"),
     "trainer.grad_norm_spike_factor": Bound(1, low_open=True, null="no spike warnings",
                                             example="10",
@@ -314,13 +327,19 @@ def range_problems(cfg: RunConfig) -> list[str]:
 
 def check_values(cfg: RunConfig) -> list[str]:
     """Impossible values and incompatible settings; each message names the key(s) and a fix."""
+    m = cfg.model
+    unset = [k for k in SHAPE_KEYS if getattr(m, k) is None]
+    if m.source == "config" and unset:  # the checks below do arithmetic on the shape
+        return [f"model.{k} is null, but model={m.name} is built from its config "
+                f"(model.source=config): set it, e.g. model.{k}={BOUNDS['model.' + k].example}"
+                for k in unset]
     p: list[str] = range_problems(cfg)
     t, s, m, d = cfg.trainer, cfg.scheduler, cfg.model, cfg.data
 
     if t.epochs is None and t.train_iters is None:
         p.append("trainer.epochs and trainer.train_iters are both null; set one of them, "
                  "e.g. trainer.epochs=3")
-    if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
+    if t.micro_batch_size >= 1 and t.global_batch_size is not None and t.global_batch_size >= 1:
         step = t.micro_batch_size * data_parallel_size(cfg)
         if t.global_batch_size % step:
             dp = data_parallel_size(cfg)
@@ -349,6 +368,7 @@ def check_values(cfg: RunConfig) -> list[str]:
                 "megatron": "the prefix rapidformer-preprocess-data printed (without .bin/.idx)"}
         p.append(f"data.path is empty but data.source={d.source}; set data.path to "
                  f"{what[d.source]}")
+    p.extend(_best_problems(t))
     p.extend(_pretraining_problems(cfg))
     p.extend(_megatron_problems(cfg))
     p.extend(_task_problems(cfg))
@@ -391,11 +411,20 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"graph.mode={cfg.graph.mode} with graph.options: torch.compile takes a mode or "
                  f"inductor options, not both; drop one (a mode is a named set of options)")
     if cfg.graph.name == "ort" and cfg.memory.name != "none":
-        p.append(f"graph=ort with memory={cfg.memory.name}: ORTModule is run here with DDP only "
-                 f"(memory=none); use graph=eager or graph=compile with memory={cfg.memory.name}")
+        p.append(f"graph=ort with memory={cfg.memory.name}: not combined here. ORTModule exports "
+                 f"the model once to one ONNX graph holding every full weight, while "
+                 f"{'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed ZeRO'} replaces the "
+                 f"weights with shards gathered at each layer, which that graph never sees; "
+                 f"onnxruntime-training 1.19.2 (its last release) trains on the CPU with torch "
+                 f"2.4-2.6 only, where DDP (memory=none, several processes) is what runs. Use "
+                 f"graph=ort with memory=none, or graph=compile with memory={cfg.memory.name} "
+                 f"(docs/seed_flags.md)")
     if cfg.graph.name == "ort" and cfg.precision.name != "fp32":
-        p.append(f"graph=ort with precision={cfg.precision.name}: ONNX Runtime's CPU training "
-                 f"kernels are fp32 only (its export fails under autocast); use precision=fp32")
+        p.append(f"graph=ort with precision={cfg.precision.name}: not combined here. graph=ort "
+                 f"runs on the CPU only (onnxruntime-training 1.19.2 with torch 2.4-2.6), whose "
+                 f"ONNX Runtime training kernels are fp32, and the model's export to ONNX fails "
+                 f"under autocast; use precision=fp32 with graph=ort, or graph=compile with "
+                 f"precision={cfg.precision.name} (docs/seed_flags.md)")
     if not cfg.trainer.save_last and cfg.trainer.export_hf and cfg.memory.name in ("zero1", "zero2", "zero3") \
             and not m.arch.startswith("megatron"):
         p.append(f"trainer.save_last=false with trainer.export_hf=true and memory={cfg.memory.name}: "
@@ -404,6 +433,27 @@ def check_values(cfg: RunConfig) -> list[str]:
     if cfg.memory.name == "fsdp" and (cfg.memory.offload_optimizer and not cfg.memory.offload_params):
         p.append("memory.offload_optimizer=true with memory=fsdp needs memory.offload_params=true "
                  "(FSDP offloads parameters and optimizer state together)")
+    return p
+
+
+def _best_problems(t) -> list[str]:
+    """trainer.best_metric and the keys that need it."""
+    p = []
+    if t.best_metric is not None and not t.best_metric.startswith("validation/"):
+        p.append(f"trainer.best_metric={t.best_metric} is not a metric of the validation "
+                 f"evaluation: its key starts with validation/, e.g. "
+                 f"trainer.best_metric=validation/accuracy or validation/loss")
+    if t.best_metric is None:
+        needing = [f"trainer.{key}={value}" for key, value in (
+            ("best_mode", t.best_mode), ("early_stopping_patience", t.early_stopping_patience))
+            if value is not None]
+        for setting in needing:
+            p.append(f"{setting} needs trainer.best_metric (the metric it applies to); set e.g. "
+                     f"trainer.best_metric=validation/accuracy")
+    if t.early_stopping_patience is None and t.early_stopping_min_delta:
+        p.append(f"trainer.early_stopping_min_delta={t.early_stopping_min_delta} has no effect "
+                 f"without trainer.early_stopping_patience; set e.g. "
+                 f"trainer.early_stopping_patience=3, or drop the min_delta")
     return p
 
 
@@ -577,10 +627,10 @@ def _megatron_problems(cfg: RunConfig) -> list[str]:
     if m.arch == "megatron_bert" and par.sequence_parallel:
         p.append("parallelism.sequence_parallel=true is built for model=megatron_gpt; "
                  "megatron_bert runs without it")
-    if tp >= 1 and m.num_attention_heads % tp:
+    if tp >= 1 and m.num_attention_heads is not None and m.num_attention_heads % tp:
         p.append(f"model.num_attention_heads={m.num_attention_heads} does not divide by "
                  f"parallelism.tensor_model_parallel_size={tp}")
-    if pp >= 1 and m.num_layers % pp:
+    if pp >= 1 and m.num_layers is not None and m.num_layers % pp:
         p.append(f"model.num_layers={m.num_layers} does not divide by "
                  f"parallelism.pipeline_model_parallel_size={pp}")
     if cfg.memory.name not in ("none", "zero1", "zero2", "auto"):

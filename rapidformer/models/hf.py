@@ -7,6 +7,7 @@ from rapidformer.config.schema import ModelConfig
 from rapidformer.config.validate import ENCODER_DECODER_ARCHS
 from rapidformer.data.tokenizers import unreachable_model_message
 from rapidformer.errors import InputError
+from rapidformer.models.pretrained_shape import check_shape
 
 
 def _labels(num_labels: int, label_names: list[str]) -> dict:
@@ -37,10 +38,12 @@ def build_task_model(m: ModelConfig, task: str, tokenizer, **extra):
     auto = getattr(transformers, AUTO_CLASSES[task])
     if m.source == "pretrained":
         try:
-            return auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation,
-                                        **extra)
+            model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation,
+                                         **extra)
         except OSError as exc:
             raise InputError(unreachable_model_message(m.name_or_path)) from exc
+        check_shape(m, model.config)
+        return model
     try:
         config = transformers.AutoConfig.for_model(m.arch, **_shape(m, tokenizer), **extra)
     except ValueError as exc:
@@ -81,6 +84,7 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
             model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation)
         except OSError as exc:
             raise InputError(unreachable_model_message(m.name_or_path)) from exc
+        check_shape(m, model.config)
         if model.config.vocab_size < tokenizer.vocab_size:
             raise InputError(f"model {m.name_or_path} has {model.config.vocab_size} embeddings but "
                              f"the tokenizer has {tokenizer.vocab_size} tokens; use the model's "

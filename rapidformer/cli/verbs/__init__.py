@@ -10,6 +10,7 @@
     rapidformer eval RUN_DIR [overrides]        a checkpoint's metrics on the run's or other data
     rapidformer predict RUN_DIR --input F --output F   predictions of a checkpoint, row by row
     rapidformer plot RUN_DIR [RUN_DIR ...]      PNG curves of loss, lr, throughput
+    rapidformer cp RECIPE DIR                   a shipped recipe copied to edit (--config-dir DIR)
 
 Anything else on the command line is a training run (seed flags or Hydra overrides).
 """
@@ -27,11 +28,24 @@ VERBS = {
     "export": ("rapidformer.cli.verbs.export", "a Hugging Face model from a run's checkpoint"),
     "verify": ("rapidformer.cli.verbs.verify", "check every byte of a run's checkpoints"),
     "plot": ("rapidformer.cli.verbs.plot", "PNG curves comparing runs"),
+    "cp": ("rapidformer.cli.verbs.copy", "copy a shipped recipe or option to edit as your own"),
     "eval": ("rapidformer.cli.verbs.evaluate", "a checkpoint's metrics on the run's or other data"),
     "predict": ("rapidformer.cli.verbs.predict", "a checkpoint's predictions for a jsonl/csv file"),
 }
 
 
 def run_verb(name: str, argv: list[str]) -> int:
+    """The verb's exit code; a RapidformerError it raises is one line on stderr, not a
+    traceback (RAPIDFORMER_DEBUG=1 shows the traceback)."""
+    import sys
+
+    from rapidformer.errors import RapidformerError, debug_enabled
+
     module = importlib.import_module(VERBS[name][0])
-    return getattr(module, f"{name}_command")(argv)
+    try:
+        return getattr(module, f"{name}_command")(argv)
+    except RapidformerError as exc:
+        if debug_enabled():
+            raise
+        print(f"rapidformer {name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code

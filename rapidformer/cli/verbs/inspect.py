@@ -8,6 +8,7 @@ import yaml
 
 from rapidformer.config.compose import (OPTION_GROUPS, check_overrides, compose, group_options,
                                         option_text, resolve, with_default_recipe)
+from rapidformer.config.search import take_config_dirs
 from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, ConfigError, RapidformerError
 
 SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
@@ -68,7 +69,7 @@ def _resolved(argv: list[str]):
 
     from rapidformer.factory import settle
 
-    _, overrides = split_argv(argv)
+    _, overrides = take_config_dirs(*split_argv(argv))
     overrides = check_overrides(with_default_recipe(overrides))
     return settle(*resolve(compose(overrides, default_recipe=False)))
 
@@ -78,7 +79,7 @@ def _resolved_reporting_all(argv: list[str]):
     problems joined with those of the rest, so that one run reports everything."""
     from rapidformer.cli.hydra_main import split_argv
 
-    _, overrides = split_argv(argv)
+    _, overrides = take_config_dirs(*split_argv(argv))
     good, problems = [], []
     for override in with_default_recipe(overrides):
         try:

@@ -1,0 +1,62 @@
+"""A pretrained model's shape is its own: the model group's shape keys, where set (the seed's
+`--num-layers 12 --hidden-size 768 ...` beside `--pretrained-model-name-or-path`), must equal
+the checkpoint's config, else the run is refused — never silently ignored."""
+from __future__ import annotations
+
+from rapidformer.config.schema import ModelConfig
+from rapidformer.errors import ConfigError
+
+# model.<key> -> the names Hugging Face configs use for it, by family
+CONFIG_NAMES = {
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "intermediate_size": ("intermediate_size", "n_inner", "d_ff"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "vocab_size": ("vocab_size",),
+}
+
+
+def _value(config, names: tuple[str, ...]):
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def shape_problems(m: ModelConfig, config) -> list[str]:
+    """The set shape keys that differ from the pretrained `config` (a transformers config)."""
+    problems = []
+    for key, names in CONFIG_NAMES.items():
+        given = getattr(m, key)
+        own = _value(config, names)
+        if given is None or own is None or given == own:
+            continue
+        problems.append(
+            f"model.{key}={given}, but the pretrained model {m.name_or_path} has {own}: a "
+            f"pretrained model keeps its own shape; drop the override (or the seed flag), set "
+            f"model.{key}={own}, or build a model of that shape from a config (e.g. "
+            f"model=bert_base)")
+    return problems
+
+
+def check_shape(m: ModelConfig, config) -> None:
+    problems = shape_problems(m, config)
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_local_shape(m: ModelConfig) -> None:
+    """Before the run starts: the check, where the model's config.json is on this machine (a
+    local directory or the Hugging Face cache). Elsewhere the check runs when the model loads."""
+    if m.source != "pretrained" or not m.name_or_path or \
+            all(getattr(m, key) is None for key in CONFIG_NAMES):
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(m.name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        return
+    check_shape(m, config)
