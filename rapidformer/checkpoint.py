@@ -24,10 +24,14 @@ from typing import Callable
 import torch
 
 from rapidformer.errors import CheckpointWriteError, InputError
+from rapidformer.runtime.file_modes import honour_umask
 
 log = logging.getLogger("rapidformer")
 MANIFEST = "COMPLETE.json"
 NAME = re.compile(r"^step_(\d{8})$")
+# beside the step directories: which checkpoint holds the best evaluation (trainer.best_metric);
+# a file, so that scanning, resuming and verifying, which look at step directories only, pass it by
+BEST = "best.json"
 CHUNK = 1 << 22  # bytes hashed per read
 
 
@@ -169,6 +173,7 @@ def save(root: Path, step: int, tensors: dict[str, object], state: dict,
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
         if extra is not None:
             extra(tmp)
+        honour_umask(tmp)  # what the ranks and `extra` wrote through private temp files
         files = {}
         for rel in files_of(tmp):
             path = tmp / rel
@@ -278,11 +283,44 @@ def require_intact(path: Path, problems: list[str], given: str) -> None:
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Remove complete checkpoints beyond the newest `keep_last`, and what interrupted saves
-    left (called right after a save is sealed: no other save is in flight then)."""
+    """Remove complete checkpoints beyond the newest `keep_last`, except the one the best
+    marker names, and what interrupted saves left (called right after a save is sealed or the
+    marker moved: no other save is in flight then)."""
     complete, broken = scan(root)
-    for old in [*(complete[:-keep_last] if keep_last > 0 else []), *broken]:
-        shutil.rmtree(old, ignore_errors=True)
+    best = read_best(root)
+    kept = f"step_{best['step']:08d}" if best else None
+    old = [p for p in (complete[:-keep_last] if keep_last > 0 else []) if p.name != kept]
+    for path in [*old, *broken]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_best(root: Path) -> dict | None:
+    """The best marker (step, metric, mode, value, ...), or None when there is none or it is
+    unreadable (a marker is only ever replaced whole, so unreadable means not written by us)."""
+    try:
+        best = json.loads((root / BEST).read_text())
+        best["step"] = int(best["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return best
+
+
+def write_best(root: Path, record: dict) -> None:
+    """Replace the best marker atomically: a crash leaves the old marker or the new one, never
+    half of one (a half-written marker would unprotect the best checkpoint from pruning)."""
+    tmp = root / f".tmp-{BEST}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, root / BEST)
+        _fsync(root)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"could not write {root / BEST}: {_cause(root, exc)}; the "
+                                   f"checkpoints are intact. Free disk space, or choose another "
+                                   f"trainer.output_dir") from exc
 
 
 def load(path: Path, name: str):

@@ -10,8 +10,9 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sequ
 
 from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import ResumableSampler
-from rapidformer.errors import InputError, RapidformerError
+from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
+from rapidformer.observability.format import format_metrics
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator, LoopControl
@@ -28,6 +29,9 @@ class TrainState:
     # the epoch's layout when saved (0: a checkpoint older than these fields)
     steps_per_epoch: int = 0
     global_batch_size: int = 0
+    # trainer.best_metric's record (rapidformer/templates/best.py): the best so far survives
+    # a resume
+    best: dict | None = None
 
 
 def continue_epoch(state: TrainState, steps_per_epoch: int, global_batch_size: int
@@ -51,7 +55,8 @@ def continue_epoch(state: TrainState, steps_per_epoch: int, global_batch_size: i
         epoch, step_in_epoch = epoch + 1, 0
         log.warning("epoch %d is complete in this run's terms: continuing with epoch %d", epoch - 1,
                     epoch)
-    return TrainState(state.step, epoch, step_in_epoch, steps_per_epoch, global_batch_size)
+    return TrainState(state.step, epoch, step_in_epoch, steps_per_epoch, global_batch_size,
+                      state.best)
 
 
 class Finetuner:
@@ -152,6 +157,11 @@ class Finetuner:
         train_loader = self._train_loader(train_ds, sampler, collate_fn)
         eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
                         for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
+        if t.best_metric and not eval_loaders:
+            raise ConfigError([f"trainer.best_metric={t.best_metric} needs evaluations, but "
+                               f"there is no validation data; give a validation split (or a "
+                               f"data.split with a validation share) or set "
+                               f"trainer.best_metric=null"])
 
         state = TrainState(steps_per_epoch=sampler.steps_per_epoch,
                            global_batch_size=t.global_batch_size)
@@ -159,14 +169,14 @@ class Finetuner:
             saved = engine.load_checkpoint(engine.resume_checkpoint)["train_state"]
             state = continue_epoch(TrainState(**saved), sampler.steps_per_epoch,
                                    t.global_batch_size)
-        with LoopControl(engine, total_iters, state.step, self._save) as loop:
+        with LoopControl(engine, total_iters, state, self._save) as loop:
             log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
                      "precision=%s, device=%s", total_iters, sampler.steps_per_epoch,
                      engine.accumulation, t.micro_batch_size, self.cfg.precision.dtype,
                      engine.device)
             batches = loop.count_input(CountingIterator(_epochs(train_loader, sampler, state),
                                                         engine.to_device))
-            while state.step < total_iters:
+            while state.step < total_iters and not loop.stopped_early:
                 result = self.train_step(model, batches, loop.window)
                 state.step += 1
                 state.step_in_epoch += 1
@@ -176,12 +186,13 @@ class Finetuner:
                     state.epoch, state.step_in_epoch = state.epoch + 1, 0
                 if loop.eval_due(state.step, epoch_done):
                     with loop.evaluating(state):
-                        self._evaluate(model, eval_loaders, loop.sink, state)
+                        metrics = self._evaluate(model, eval_loaders, loop.sink, state)
+                    loop.evaluated(state, metrics)  # the best's checkpoint; early stopping
                 if loop.save_or_stop(state, epoch_done):
                     return state  # trainer.exit_interval: no final evaluation, save or export
             loop.end_steps(state)  # the last checkpoint is written before the final scores
-            if loop.evaluated_at != state.step:
-                self._evaluate(model, eval_loaders, loop.sink, state)
+            if loop.evaluated_at != state.step:  # an early stop evaluated this step already
+                loop.evaluated(state, self._evaluate(model, eval_loaders, loop.sink, state))
             self._test(model, test_ds, collate_fn, loop.sink, state)
             loop.finish(state, self.tokenizer)
         return state
@@ -228,8 +239,7 @@ class Finetuner:
             results.update({f"{name}/{k}": v for k, v in metrics.items()})
         if results:
             sink.write(state.step, {"epoch": state.epoch, **results})
-            log.info("eval at step %d: %s", state.step,
-                     ", ".join(f"{k}={v:.4f}" for k, v in results.items()))
+            log.info("eval at step %d: %s", state.step, format_metrics(results))
         return results
 
     def evaluate(self, model, loader) -> dict:
@@ -250,7 +260,7 @@ class Finetuner:
         if test_ds is not None and len(test_ds) and self.test_is_labelled(test_ds):
             metrics = self.evaluate(model, self.build_data_loader(test_ds, collate_fn=collate_fn))
             sink.write(state.step, {f"test/{k}": v for k, v in metrics.items()})
-            log.info("test: %s", ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            log.info("test: %s", format_metrics(metrics))
 
     def test_is_labelled(self, test_ds) -> bool:
         """Whether the test split can be scored; GLUE's test labels are -1."""

@@ -1,21 +1,24 @@
 """What the Finetuner's and the PreTrainer's loops share around their steps: the metrics window
 and sink, the progress bar, the step's log line, when to log, evaluate, save and stop, the stop
 signals (SIGTERM/SIGINT: a checkpoint, then exit code 75), the non-finite-loss guard before
-every save, a checkpoint before an evaluation's error ends the run, and the run's end (the last
-checkpoint before the final evaluations, the Hugging Face export after them).
+every save, a checkpoint before an evaluation's error ends the run, the best evaluation's
+checkpoint and early stopping (trainer.best_metric, rapidformer/templates/best.py), and the
+run's end (the last checkpoint before the final evaluations, the Hugging Face export of the
+best or last weights after them).
 
-    with LoopControl(engine, total_iters, state.step, self._save) as loop:
-        while state.step < total_iters:
+    with LoopControl(engine, total_iters, state, self._save) as loop:
+        while state.step < total_iters and not loop.stopped_early:
             result = self.train_step(model, batches, loop.window)
             state.step += 1
             loop.step_taken(state.step, result, optimizer)
             if loop.eval_due(state.step):
                 with loop.evaluating(state):  # a failure saves the steps taken first
-                    ...evaluate...
+                    metrics = ...evaluate...
+                loop.evaluated(state, metrics)  # the best's checkpoint; early stopping
             if loop.save_or_stop(state):
                 return state  # trainer.exit_interval
         loop.end_steps(state)  # the last checkpoint
-        ...final evaluations...
+        ...final evaluations, each followed by loop.evaluated...
         loop.finish(state, tokenizer)  # the export
 
 Leaving the block, also by an exception, restores the signal handlers and closes the progress
@@ -31,7 +34,10 @@ from typing import Callable
 
 import torch
 
+from rapidformer import checkpoint
 from rapidformer.errors import NonFiniteLoss
+from rapidformer.templates.best import BestTracker
+from rapidformer.observability.console import logs_through
 from rapidformer.observability.grad_spikes import GradNormSpikes
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.runtime.preemption import StopSignals, newest_checkpoint
@@ -47,19 +53,24 @@ STEP_LINES = {"step": "step %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/
 
 
 class LoopControl:
-    """The control around a training loop's steps, for `total_iters` steps from `start_step`;
-    `save(state)` writes a checkpoint of `state` (which has `.step`). `unit` names the steps in
-    the log: "step" (the Finetuner) or "iteration" (the PreTrainer). An epoch-based loop tells
-    `eval_due` and `save_or_stop` when a step ended an epoch: with trainer.eval_interval or
+    """The control around a training loop's steps, for `total_iters` steps from `state.step`
+    (`state` has `.step` and `.best`, the best evaluation's record, which checkpoints keep);
+    `save(state)` writes a checkpoint of `state`. `unit` names the steps in the log: "step"
+    (the Finetuner) or "iteration" (the PreTrainer). An epoch-based loop tells `eval_due` and
+    `save_or_stop` when a step ended an epoch: with trainer.eval_interval or
     trainer.save_interval unset, it evaluates or saves then."""
 
-    def __init__(self, engine, total_iters: int, start_step: int, save: Callable,
-                 unit: str = "step"):
-        self.engine, self.total_iters, self.start_step = engine, total_iters, start_step
+    def __init__(self, engine, total_iters: int, state, save: Callable, unit: str = "step"):
+        self.engine, self.total_iters, self.start_step = engine, total_iters, state.step
         self.save, self.unit = save, unit
         self.t = engine.cfg.trainer
         self.window = _Window(self.t.grad_norm_spike_factor)
         self.evaluated_at = -1  # the step of the last evaluation
+        self.saved_at = -1  # the step of this run's last checkpoint
+        self.best = BestTracker(self.t, engine.checkpoint_root, engine.is_main_process)
+        self.best.resume(state.best, state.step)
+        state.best = asdict(self.best.record) if self.best.record else None
+        self.stopped_early = False  # trainer.early_stopping_patience ran out
         self.sink = self.progress = self.stop = None
         self._closing = contextlib.ExitStack()
 
@@ -74,6 +85,7 @@ class LoopControl:
             self.progress = _progress(self.total_iters, self.start_step,
                                       t.progress_bar and engine.is_main_process)
             closing.callback(self.progress.close)
+            closing.enter_context(logs_through(self.progress))  # log lines above the bar
             self.stop = StopSignals()
             closing.callback(self.stop.restore)
             self.stop.install(engine.world_size)
@@ -125,8 +137,9 @@ class LoopControl:
         exiting = bool(t.exit_interval and step % t.exit_interval == 0
                        and step < self.total_iters)
         preempted = self.stop.requested()  # a collective: every rank asks after every step
-        if (t.save_interval and step % t.save_interval == 0) or \
-                (epoch_done and t.save_interval is None) or exiting or preempted:
+        due = (t.save_interval and step % t.save_interval == 0) or \
+            (epoch_done and t.save_interval is None) or exiting or preempted
+        if due and self.saved_at != step:  # not twice: a best evaluation may have saved it
             self.save_if_finite(state)
         if preempted:
             raise self.stop.error(step, self.engine.checkpoint_root)
@@ -143,6 +156,7 @@ class LoopControl:
                         "checkpoint stays the resume point)", state.step)
             return False
         self.save(state)
+        self.saved_at = state.step
         return True
 
     @contextlib.contextmanager
@@ -161,6 +175,39 @@ class LoopControl:
     def _saved(self, step: int) -> bool:
         return (self.engine.checkpoint_root / f"step_{step:08d}").is_dir()
 
+    def evaluated(self, state, metrics: dict) -> None:
+        """After an evaluation at state.step, with trainer.best_metric: a new best gets a
+        checkpoint (now, when this step has none) and the marker names it; with
+        trainer.early_stopping_patience, the evaluations without improvement are counted and
+        `stopped_early` is set when they reach it."""
+        best = self.best
+        # a resumed run that evaluates its resumed step again (a finished run's final
+        # evaluation) must not count that evaluation twice
+        if best.record is None or best.record.evaluated_at == state.step:
+            return
+        with self.evaluating(state):  # a metric no evaluation produces: the steps are saved
+            record = best.judge(state.step, metrics)
+        if record.step == state.step:
+            state.best = asdict(record)  # the checkpoint of the best must say it is the best
+            if self.saved_at != state.step and not self.save_if_finite(state):
+                # no checkpoint to keep (its loss is not finite): the previous best stays
+                record.step, record.value = best.record.step, best.record.value
+                record.evaluations_without_improvement = \
+                    best.record.evaluations_without_improvement + 1
+            else:
+                log.info("best %s so far: %.4f at %s %d", best.metric, record.value, self.unit,
+                         state.step)
+        best.commit(record)
+        state.best = asdict(record)
+        if best.patience_over:
+            self.stopped_early = True
+            kept = (f"the best is {record.value:.4f} at {self.unit} {record.step}"
+                    if record.step is not None else "no evaluation gave a number")
+            log.info("early stopping at %s %d: %s did not improve by more than %g for %d "
+                     "evaluations in a row (trainer.early_stopping_patience); %s", self.unit,
+                     state.step, best.metric, self.t.early_stopping_min_delta,
+                     record.evaluations_without_improvement, kept)
+
     # --- the end ----------------------------------------------------------------------------
     def end_steps(self, state) -> None:
         """The steps are over: close the progress bar, give the stop signals their previous
@@ -172,9 +219,27 @@ class LoopControl:
             self.save_if_finite(state)
 
     def finish(self, state, tokenizer=None) -> None:
-        """After the final evaluations: the Hugging Face export (trainer.export_hf)."""
-        if self.t.export_hf:
-            self.engine.export_hf(tokenizer, step=state.step)
+        """After the final evaluations: the Hugging Face export (trainer.export_hf), of the
+        best checkpoint's weights when trainer.best_metric is set."""
+        if not self.t.export_hf:
+            return
+        step, best = state.step, self.best.record
+        path = self.best.checkpoint_of_best()
+        if path is not None and not checkpoint.is_complete(path):
+            log.warning("trainer.export_hf: the best checkpoint, %s, is missing or incomplete "
+                        "(removed by hand?): exporting the last weights (%s %d) instead", path,
+                        self.unit, state.step)
+            path = None
+        if path is not None and best.step != state.step:
+            # training is over: the model (and optimizer) may take the best checkpoint's states
+            self.engine.strategy.load(path)  # collective
+            step = best.step
+        if path is not None:
+            log.info("trainer.export_hf: exporting the best checkpoint, %s (%s=%.4f), %s",
+                     path.name, best.metric, best.value,
+                     "the last one" if step == state.step else f"not the last ({self.unit} "
+                     f"{state.step})")
+        self.engine.export_hf(tokenizer, step=step)
 
 
 class CountingIterator:

@@ -18,6 +18,7 @@ from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
+from rapidformer.observability.format import format_value
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator, LoopControl
@@ -30,6 +31,9 @@ class PretrainState:
     step: int = 0                    # iterations (optimizer steps) taken
     consumed_train_samples: int = 0  # the data position: global batches x their size
     consumed_valid_samples: int = 0
+    # trainer.best_metric's record (rapidformer/templates/best.py): the best so far survives
+    # a resume
+    best: dict | None = None
 
 
 def megatron_num_samples(train_iters: int, eval_interval: int | None, eval_iters: int,
@@ -111,13 +115,18 @@ class PreTrainer:
             state = PretrainState(**engine.load_checkpoint(engine.resume_checkpoint)["train_state"])
         train_iter = self.build_data_iterator(train_ds, state.consumed_train_samples)
         valid_iter = self.build_data_iterator(valid_ds, state.consumed_valid_samples)
-        with LoopControl(engine, total_iters, state.step, self._save, unit="iteration") as loop:
+        if t.best_metric and (valid_iter is None or t.eval_iters == 0):
+            why = "trainer.eval_iters=0" if t.eval_iters == 0 else "there is no validation data"
+            raise ConfigError([f"trainer.best_metric={t.best_metric} needs evaluations, but "
+                               f"{why}; give validation a share of data.split and "
+                               f"trainer.eval_iters >= 1, or set trainer.best_metric=null"])
+        with LoopControl(engine, total_iters, state, self._save, unit="iteration") as loop:
             log.info("pretraining %d iterations from iteration %d (%d micro-batches of %d per "
                      "process per iteration), precision=%s, device=%s", total_iters, state.step,
                      engine.accumulation, t.micro_batch_size, self.cfg.precision.dtype,
                      engine.device)
             loop.count_input(train_iter)
-            while state.step < total_iters:
+            while state.step < total_iters and not loop.stopped_early:
                 result = self.train_step(model, train_iter, loop.window)
                 state.step += 1
                 state.consumed_train_samples += t.global_batch_size
@@ -125,12 +134,14 @@ class PreTrainer:
                                 consumed_samples=state.consumed_train_samples)
                 if loop.eval_due(state.step):
                     with loop.evaluating(state):
-                        self._evaluate("validation", model, valid_iter, state, loop.sink)
+                        metrics = self._evaluate("validation", model, valid_iter, state, loop.sink)
+                    loop.evaluated(state, metrics)  # the best's checkpoint; early stopping
                 if loop.save_or_stop(state):
                     return state  # trainer.exit_interval: no final evaluation, save or export
             loop.end_steps(state)  # the last checkpoint is written before the final scores
-            if loop.evaluated_at != state.step:
-                self._evaluate("validation", model, valid_iter, state, loop.sink)
+            if loop.evaluated_at != state.step:  # an early stop evaluated this step already
+                loop.evaluated(state, self._evaluate("validation", model, valid_iter, state,
+                                                     loop.sink))
             self._evaluate("test", model, self.build_data_iterator(test_ds, 0), state, loop.sink)
             loop.finish(state, self.tokenizer)
         return state
@@ -197,8 +208,8 @@ class PreTrainer:
         loss = loss_sum / count
         results = {f"{name}/loss": loss, f"{name}/ppl": math.exp(min(loss, 50.0))}
         sink.write(state.step, results)
-        log.info("%s at iteration %d: loss %.4f, perplexity %.2f", name, state.step, loss,
-                 results[f"{name}/ppl"])
+        log.info("%s at iteration %d: loss %s, perplexity %.2f", name, state.step,
+                 format_value(loss), results[f"{name}/ppl"])
         return results
 
     def _save(self, state: PretrainState) -> None:

@@ -57,6 +57,11 @@ def verify_command(argv: list[str]) -> int:
               f"{time.perf_counter() - started:.1f} s{note})")
     for path in interrupted:
         print(f"skipped  {path} (an interrupted save; resume ignores it)")
+    best = checkpoint.read_best(targets[0].parent) if targets else None
+    if best is not None and not checkpoint.NAME.match(args.path.name):
+        named = targets[0].parent / f"step_{best['step']:08d}"
+        state = "" if named in targets else " (that checkpoint is missing)"
+        print(f"best     {named.name}: {best.get('metric')}={best.get('value')}{state}")
     if damaged:
         print(f"rapidformer: error: {damaged} of {len(targets)} checkpoints are damaged; resume "
               f"skips them (trainer.resume=auto takes the newest intact one)", file=sys.stderr)
