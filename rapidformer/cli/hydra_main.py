@@ -15,7 +15,8 @@ import hydra
 import yaml
 from omegaconf import DictConfig
 
-from rapidformer.errors import Preempted, RapidformerError, debug_enabled
+from rapidformer.errors import (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, Preempted, RapidformerError,
+                                debug_enabled)
 
 log = logging.getLogger("rapidformer")
 
@@ -70,6 +71,7 @@ def hydra_entry(cfg: DictConfig):
     from rapidformer.config.compose import resolve
     from rapidformer.factory import run, settle
     from rapidformer.cli.multirun import job_row
+    from rapidformer.cli.summary import print_summary
     from rapidformer.observability.run_record import write_environment
     from rapidformer.runtime.run_dir import claimed, holds_directory
 
@@ -88,6 +90,7 @@ def hydra_entry(cfg: DictConfig):
         if hydra_cfg.mode == RunMode.MULTIRUN:
             # what a sweeper optimises (Optuna): the job's final eval metric, as the summary shows
             return job_row(Path(run_dir))["value"]
+        print_summary(Path(run_dir))
         return result
     except RapidformerError as exc:
         if debug_enabled():
@@ -117,11 +120,14 @@ def main(argv: list[str] | None = None) -> None:
     from rapidformer.config.paths import check_paths
     from rapidformer.config.search import take_config_dirs
     from rapidformer.factory import check_available, settle
+    from rapidformer.runtime import hub
     from rapidformer.runtime.fast_exit import install as exit_fast
-    from rapidformer.runtime.run_dir import claimed, holds_directory
+    from rapidformer.runtime.run_dir import (claimed, holds_directory, missing_ancestors,
+                                             remove_if_unstarted)
 
     exit_fast()
     stack = contextlib.ExitStack()
+    created = []
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, overrides = split_argv(argv)
     try:
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             if not prints_only:
                 check_available(run_cfg)
                 check_paths(run_cfg, output_dir)
+                hub.prepare(run_cfg)  # offline at once when the hub is out of reach
         if not multirun and not asks_help and run_cfg.launcher.name == "slurm":
             flags.append("--multirun")  # Hydra hands a job to its launcher only in a sweep
         elif not multirun and not prints_only:
@@ -158,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             # goes to Hydra too, so that a timestamped default is not resolved a second later
             quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")
             overrides = [*overrides, f"++trainer.output_dir='{quoted}'"]
+            created = missing_ancestors(output_dir)  # what a refused run removes again
             stack.enter_context(claimed(output_dir, run_cfg.trainer.resume,
                                         run_cfg.trainer.overwrite,
                                         held=holds_directory(run_cfg.launcher)))
@@ -167,8 +175,13 @@ def main(argv: list[str] | None = None) -> None:
         report(exc)
         sys.exit(exc.exit_code)
     sys.argv = [sys.argv[0], *flags, *overrides]
-    with stack:
-        hydra_entry()
+    try:
+        with stack:
+            hydra_entry()
+    except SystemExit as exc:
+        if exc.code in (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE) and remove_if_unstarted(created):
+            print(f"rapidformer: nothing was run; {output_dir} was removed", file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

@@ -26,9 +26,6 @@ def processes_per_node(launcher, device: str) -> int:
     """launcher.nproc_per_node as a number: `auto` decided on this node."""
     if launcher.nproc_per_node != AUTO:
         return launcher.nproc_per_node
-    started = os.environ.get("LOCAL_WORLD_SIZE")
-    if started and started.isdigit():
-        return int(started)
     if launcher.name == "slurm":
         # the submitting host need not have the nodes' GPUs: counting here would be wrong
         from rapidformer.errors import ConfigError
@@ -36,6 +33,9 @@ def processes_per_node(launcher, device: str) -> int:
         raise ConfigError(["launcher=slurm needs launcher.nproc_per_node set to the GPUs of "
                            "each node (auto counts the GPUs of the host that submits the job), "
                            "e.g. launcher.nproc_per_node=8"])
+    started = os.environ.get("LOCAL_WORLD_SIZE")
+    if started and started.isdigit():
+        return int(started)
     if device == "cpu":
         return 1
     return max(visible_gpus(), 1)

@@ -144,3 +144,34 @@ def _holder(fd: int) -> str:
         return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
     except (OSError, ValueError, KeyError):
         return "its pid is not recorded yet"
+
+
+# what only a run that trained writes: a directory with one of them is kept whatever happens
+TRAINED = ("checkpoints", "metrics.jsonl", "tensorboard", "hf_model", "wandb", "mlflow.db")
+
+
+def missing_ancestors(path: str | os.PathLike) -> list[Path]:
+    """`path` and its parents that do not exist yet, nearest first: what this run creates."""
+    missing = []
+    for folder in [Path(path).absolute(), *Path(path).absolute().parents]:
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
+
+
+def remove_if_unstarted(created: list[Path]) -> bool:
+    """After a run refused before training (bad input, a missing model or dataset): remove
+    the directories it created (`missing_ancestors`, taken before; so everything in them is
+    this run's) unless it trained (`TRAINED`), so that a refused command leaves the disk as it
+    was. The message the user needs was printed already."""
+    if not created or not created[0].is_dir():
+        return False
+    run_dir = created[0]
+    if any((run_dir / name).exists() for name in TRAINED):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in created[1:]:
+        with contextlib.suppress(OSError):
+            parent.rmdir()  # only when empty: a sibling run may have appeared meanwhile
+    return True
