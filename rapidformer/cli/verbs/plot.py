@@ -1,7 +1,7 @@
 """`rapidformer plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG curves comparing runs.
 
 Writes loss.png, lr.png, throughput.png (tokens/s) and, when runs evaluated, eval.png (their
-validation metric) into --out (default: the first run directory's `plots/`), one line per run,
+validation metric: accuracy, else f1, exact_match or loss; the axis and title name it) into --out (default: the first run directory's `plots/`), one line per run,
 labelled with the run's overrides for a multirun job and its directory name otherwise. A sweep
 does this itself at its end (summary.md links the pictures).
 """
@@ -16,12 +16,20 @@ import yaml
 from rapidformer.errors import InputError, RapidformerError
 from rapidformer.observability.metrics import read_metrics
 
-# file name -> (metric keys in order of preference, y-axis label)
+# file name -> (metric keys in order of preference, what the metric is); each run draws the
+# first key it logged, and the axis and title name the keys drawn
 CURVES = {"loss.png": (("loss",), "training loss"),
           "lr.png": (("lr",), "learning rate"),
-          "throughput.png": (("tokens_per_s",), "tokens/s"),
-          "eval.png": (("validation/accuracy", "validation/f1", "validation/loss",
-                        "validation/lm_loss"), "validation")}
+          "throughput.png": (("tokens_per_s",), "throughput"),
+          "eval.png": (("validation/accuracy", "validation/f1", "validation/exact_match",
+                        "validation/loss", "validation/lm_loss"), "validation")}
+
+
+def axis_label(keys: list[str], meaning: str) -> str:
+    """The y-axis: the metric keys drawn (`validation/accuracy`), with what they mean where the
+    key alone does not say it (`training loss (loss)`)."""
+    named = ", ".join(keys)
+    return named if all(k.startswith(meaning + "/") for k in keys) else f"{meaning} ({named})"
 
 
 def run_label(run_dir: Path) -> str:
@@ -49,9 +57,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
     runs = [(run_label(d), run_metrics(d)) for d in run_dirs]
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for filename, (keys, ylabel) in CURVES.items():
+    for filename, (keys, meaning) in CURVES.items():
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        drawn = False
+        drawn: list[str] = []
         for label, records in runs:
             key = next((k for k in keys if any(k in r for r in records)), None)
             if key is None:
@@ -63,12 +71,15 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
             steps = sorted(points)
             ax.plot(steps, [points[s] for s in steps], marker="." if len(steps) < 30 else None,
                     label=label if key == keys[0] else f"{label} ({key})")
-            drawn = True
+            if key not in drawn:
+                drawn.append(key)
         if not drawn:
             plt.close(fig)
             continue
+        ylabel = axis_label(drawn, meaning)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
+        ax.set_title(f"{ylabel} by step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
