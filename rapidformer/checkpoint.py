@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from rapidformer.errors import CheckpointWriteError, InputError
-from rapidformer.runtime.file_modes import honour_umask
+from rapidformer.file_modes import honour_umask
 
 log = logging.getLogger("rapidformer")
 MANIFEST = "COMPLETE.json"

@@ -26,6 +26,7 @@ from rapidformer.planning.run_plan import RunPlan
 from rapidformer.runtime.checkpointing import CheckpointProtocol, model_change, model_record
 from rapidformer.runtime.rank_progress import RankProgress
 from rapidformer.runtime.distributed import init_distributed
+from rapidformer.file_modes import honour_umask
 from rapidformer.runtime.rng import rng_state, seed_everything, set_rng_state
 
 log = logging.getLogger("rapidformer")
@@ -108,7 +109,8 @@ class RapidformerEngine:
         self._kv_cache_was_on = training_without_kv_cache(model)
         model = self.strategy.prepare(model)
         self.num_parameters = self.strategy.count_parameters(model)
-        log.info("model parameters: %d (%.1fM)", self.num_parameters, self.num_parameters / 1e6)
+        log.info("model parameters: %s (%.1fM)", f"{self.num_parameters:,}",
+                 self.num_parameters / 1e6)
         layers, hidden = model_shape(model, self.cfg.model.num_layers, self.cfg.model.hidden_size)
         self.model_flops = ModelFlops(self.num_parameters, layers, hidden, self.device,
                                       self.world_size)
@@ -266,6 +268,7 @@ class RapidformerEngine:
             model.save_pretrained(str(tmp), state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        honour_umask(tmp)  # safetensors writes model.safetensors 0600
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         log.info("exported Hugging Face model to %s", final)

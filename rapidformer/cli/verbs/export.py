@@ -21,6 +21,7 @@ import yaml
 from rapidformer import checkpoint
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError, RapidformerError
+from rapidformer.file_modes import honour_umask
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -132,6 +133,7 @@ def export(path: Path, out: Path, step: int | None = None) -> Path:
         (tmp / "rapidformer_export.json").write_text(json.dumps(
             {"checkpoint": str(ckpt.absolute()), "memory": memory,
              "step": saved.get("step")}, indent=1))
+        honour_umask(tmp)  # mkdtemp's directory is 0700, safetensors' files 0600
         os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
