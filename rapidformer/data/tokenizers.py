@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from rapidformer.config.schema import ModelConfig
 from rapidformer.errors import InputError
@@ -27,8 +27,21 @@ def load_tokenizer(path: str | os.PathLike, lowercase: bool = True, max_length: 
 
 def train_wordpiece(texts: Iterable[str], out_dir: Path, vocab_size: int, lowercase: bool,
                     max_length: int):
+    """The tokenizer of `wordpiece_vocabulary(texts, ...)`, saved to out_dir."""
+    vocab = wordpiece_vocabulary(texts, vocab_size, lowercase)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_file = out_dir / "vocab.txt"
+    vocab_file.write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tokenizer = load_tokenizer(vocab_file, lowercase, max_length)
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def wordpiece_vocabulary(texts: Iterable[str], vocab_size: int, lowercase: bool) -> list[str]:
     """A WordPiece vocabulary from the corpus: the special tokens, every character (alone and as
-    a `##` continuation, so no word is ever unknown), then the most frequent whole words.
+    a `##` continuation, so no word is ever unknown), then the most frequent whole words, up to
+    `vocab_size` entries in all (fewer when the corpus has fewer words: the model's embeddings,
+    and so its parameter count, follow the vocabulary, not model.vocab_size).
 
     Written by hand rather than with `tokenizers`' trainer, whose merges break ties in hash
     order: the same corpus must give the same vocabulary, or runs and resumes are not
@@ -50,13 +63,28 @@ def train_wordpiece(texts: Iterable[str], out_dir: Path, vocab_size: int, lowerc
     vocab = SPECIAL_TOKENS + chars + [f"##{c}" for c in chars]
     taken = set(vocab)
     words = sorted((w for w in counts if w not in taken), key=lambda w: (-counts[w], w))
-    vocab += words[:max(vocab_size - len(vocab), 0)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    vocab_file = out_dir / "vocab.txt"
-    vocab_file.write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tokenizer = load_tokenizer(vocab_file, lowercase, max_length)
-    tokenizer.save_pretrained(str(out_dir))
-    return tokenizer
+    return vocab + words[:max(vocab_size - len(vocab), 0)]
+
+
+def training_texts(task: str, d, train) -> Iterator[str]:
+    """The texts of the training split (`train`, a datasets.Dataset) that a config-built model's
+    vocabulary is trained on, for each fine-tuning task (`d`: the data config naming the
+    columns). The tasks and the memory plan both read them here, so that the plan counts the
+    embeddings training builds."""
+    if task == "sequence_classification":
+        columns = [d.text_a_column] + ([d.text_b_column] if d.text_b_column else [])
+        return (str(x) for column in columns for x in train[column])
+    if task == "token_classification":
+        return (" ".join(row) for row in train[d.tokens_column])
+    if task == "question_answering":
+        return (text for row in train.select_columns([d.question_column, d.context_column])
+                for text in row.values())
+    if task == "masked_lm":
+        return (str(x) for x in train[d.text_column])
+    if task == "seq2seq_lm":
+        return (str(text) for column in (d.document_column, d.summary_column)
+                for text in train[column])
+    raise ValueError(f"task={task} trains no WordPiece vocabulary")
 
 
 def build_tokenizer(m: ModelConfig, train_texts: Callable[[], Iterable[str]], save_dir: Path,

@@ -57,9 +57,10 @@ def megatron_parameters(layers: int, hidden: int, ffn: int, vocab: int, position
 
 
 def vocab_size(cfg: RunConfig) -> int:
-    """Pretraining: the size of the tokenizer the data was made with, when its files are here;
-    otherwise (and for config-built fine-tuning models, whose WordPiece vocabulary is trained
-    up to this size) model.vocab_size."""
+    """Pretraining: the size of the tokenizer the data was made with, when its files are here.
+    A config-built fine-tuning model: the WordPiece vocabulary training builds from the
+    training texts, when they are on this machine (generated or local data), or the given
+    tokenizer's; otherwise model.vocab_size, the most it can be."""
     from pathlib import Path
 
     m = cfg.model
@@ -68,7 +69,35 @@ def vocab_size(cfg: RunConfig) -> int:
         from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
         return load_pretraining_tokenizer(m).vocab_size
+    if cfg.task.name not in PRETRAINING_TASKS and m.source == "config":
+        if m.tokenizer and Path(m.tokenizer).exists():
+            from rapidformer.data.tokenizers import load_tokenizer
+
+            return len(load_tokenizer(m.tokenizer, m.lowercase))
+        if not m.tokenizer and cfg.data.source in ("synthetic", "local"):
+            return trained_vocab_size(cfg)
     return m.vocab_size
+
+
+def trained_vocab_size(cfg: RunConfig) -> int:
+    """The entries of the WordPiece vocabulary that training trains on the training split: at
+    most model.vocab_size, fewer when the texts hold fewer words (the quickstart's synthetic
+    pairs: 146 of 2000), and the embeddings follow it. Generated data is generated into a
+    temporary directory, as training would into the run directory."""
+    import tempfile
+    from pathlib import Path
+
+    from rapidformer.data.synthetic import write_dataset
+    from rapidformer.data.synthetic_tasks import TASK_KINDS, writer_for
+    from rapidformer.data.text_classification import load_splits
+    from rapidformer.data.tokenizers import training_texts, wordpiece_vocabulary
+
+    task, m = cfg.task.name, cfg.model
+    write = writer_for(task) if task in TASK_KINDS else write_dataset
+    with tempfile.TemporaryDirectory(prefix="rapidformer-plan-") as tmp:
+        train = load_splits(cfg.data, Path(tmp), write_synthetic=write)["train"]
+        return len(wordpiece_vocabulary(training_texts(task, cfg.data, train), m.vocab_size,
+                                        m.lowercase))
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:

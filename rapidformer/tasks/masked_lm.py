@@ -1,13 +1,16 @@
 """Black-box masked language modelling: the seed's `--task masked_lm`. Text rows are
 tokenized and cut at data.max_seq_length; data.mask_prob of the tokens (whole words with
-task.whole_word_masking) are masked anew every time a batch is made (BERT's 80/10/10 rule);
-perplexity at every evaluation, over masks drawn from a fixed seed so evaluations compare."""
+task.whole_word_masking) are masked anew every time a training batch is made (BERT's 80/10/10
+rule); perplexity at every evaluation, over masks drawn once per example from the seed and the
+example's index, so that evaluations compare and every rank count or batching scores the same
+masked tokens."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
 from rapidformer.tasks.base import TaskFinetuner
 
@@ -20,7 +23,7 @@ class MaskedLMFinetuner(TaskFinetuner):
 
         d = self.cfg.data
         splits = self.load_splits()
-        tokenizer = self.make_tokenizer(lambda: (str(x) for x in splits["train"][d.text_column]))
+        tokenizer = self.make_tokenizer(lambda: training_texts("masked_lm", d, splits["train"]))
         whole_words = self.cfg.task.whole_word_masking
 
         def encode(batch):
@@ -30,9 +33,12 @@ class MaskedLMFinetuner(TaskFinetuner):
 
         encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names)
                    for name, ds in splits.items()}
-        collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=d.mask_prob,
+        masking = DataCollatorForLanguageModeling(tokenizer, mlm_probability=d.mask_prob,
                                                   whole_word_mask=whole_words)
-        return encoded["train"], encoded.get("validation"), encoded.get("test"), collate
+        scored = {name: masked_once(ds, masking, self.cfg.trainer.seed)
+                  for name, ds in encoded.items() if name != "train"}
+        collate = MaskOrPad(masking, tokenizer)
+        return encoded["train"], scored.get("validation"), scored.get("test"), collate
 
     def model_optimizer_lr_scheduler_provider(self):
         return build_task_model(self.cfg.model, "masked_lm", self.tokenizer), None, None
@@ -43,15 +49,40 @@ class MaskedLMFinetuner(TaskFinetuner):
     def run_compute_metrics(self, model, eval_dataloader):
         model = model[0]
         loss_sum = masked = 0.0
-        # the same masks at every evaluation, without moving the training's random stream
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.cfg.trainer.seed + self.engine.rank)
-            for batch in eval_dataloader:
-                count = int((batch["labels"] != -100).sum())
-                loss = float(model(**batch).loss)  # every rank's forward runs (sharded weights)
-                if count:  # a small batch can have no masked token: its mean loss is NaN
-                    loss_sum += loss * count
-                    masked += count
+        for batch in eval_dataloader:
+            count = int((batch["labels"] != -100).sum())
+            loss = float(model(**batch).loss)  # every rank's forward runs (sharded weights)
+            if count:  # a small batch can have no masked token: its mean loss is NaN
+                loss_sum += loss * count
+                masked += count
         loss_sum, masked = self.sum_over_ranks(loss_sum, masked)
         loss = loss_sum / max(masked, 1)
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def masked_once(dataset, masking, seed: int):
+    """`dataset` with each row masked by `masking` once, from a seed of its own (the run's
+    seed and the row's index): the masks do not depend on batches, ranks or the training's
+    random stream, which is left where it was."""
+    def mask(row, index):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + index)
+            batch = masking([row])
+        return {key: value[0].tolist() for key, value in batch.items()}
+
+    dropped = [c for c in ("offset_mapping", "special_tokens_mask") if c in dataset.column_names]
+    return dataset.map(mask, with_indices=True, remove_columns=dropped)
+
+
+class MaskOrPad:
+    """The task's collate function: training rows are masked anew in every batch; evaluation
+    rows, masked already (they have labels), are only padded (labels with -100)."""
+
+    def __init__(self, masking, tokenizer):
+        from transformers import DataCollatorForTokenClassification
+
+        self.masking = masking
+        self.padding = DataCollatorForTokenClassification(tokenizer, return_tensors="pt")
+
+    def __call__(self, features):
+        return (self.padding if "labels" in features[0] else self.masking)(features)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from rapidformer.data.qa import best_answers, eval_features, exact_match, f1_score, train_features
+from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
 from rapidformer.tasks.base import TaskFinetuner
 
@@ -19,9 +20,8 @@ class QuestionAnsweringFinetuner(TaskFinetuner):
 
         d, t = self.cfg.data, self.cfg.task
         splits = self.load_splits()
-        tokenizer = self.make_tokenizer(lambda: (
-            text for row in splits["train"].select_columns([d.question_column, d.context_column])
-            for text in row.values()))
+        tokenizer = self.make_tokenizer(
+            lambda: training_texts("question_answering", d, splits["train"]))
         train = splits["train"].map(lambda b: train_features(b, tokenizer, d, t), batched=True,
                                     remove_columns=splits["train"].column_names)
         # evaluation windows of validation and test point into one list of examples

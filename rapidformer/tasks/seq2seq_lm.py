@@ -5,6 +5,7 @@ against the targets, and reports the teacher-forced loss."""
 from __future__ import annotations
 
 
+from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
 from rapidformer.tasks.base import TaskFinetuner
 
@@ -17,9 +18,7 @@ class Seq2SeqFinetuner(TaskFinetuner):
 
         d, t = self.cfg.data, self.cfg.task
         splits = self.load_splits()
-        tokenizer = self.make_tokenizer(lambda: (
-            str(text) for column in (d.document_column, d.summary_column)
-            for text in splits["train"][column]))
+        tokenizer = self.make_tokenizer(lambda: training_texts("seq2seq_lm", d, splits["train"]))
 
         def encode(batch):
             sources = [t.source_prefix + str(x) for x in batch[d.document_column]]
@@ -47,10 +46,15 @@ class Seq2SeqFinetuner(TaskFinetuner):
         generator = self.engine.unwrapped_model()  # `generate` is the Hugging Face model's
         # sharded weights are gathered by every rank's forward: ranks generate in step
         synced = self.engine.strategy.forward_is_collective
-        rouge_sum = loss_sum = rows = batches = 0.0
+        rouge_sum = loss_sum = rows = targets = 0.0
         for batch in eval_dataloader:
-            loss_sum += float(wrapped(**batch).loss)
-            batches += 1
+            # the mean over the batch's target tokens, weighted by them: the mean over every
+            # target token, however they fall into batches and ranks
+            count = int((batch["labels"] != -100).sum())
+            loss = float(wrapped(**batch).loss)  # every rank's forward runs (sharded weights)
+            if count:
+                loss_sum += loss * count
+                targets += count
             generated = generator.generate(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 num_beams=t.num_beams, max_new_tokens=t.max_target_length, synced_gpus=synced)
@@ -61,5 +65,6 @@ class Seq2SeqFinetuner(TaskFinetuner):
                 scores = rouge_score(prediction, reference, rouge_keys=("rougeL",))
                 rouge_sum += float(scores["rougeL_fmeasure"])
                 rows += 1
-        rouge_sum, rows, loss_sum, batches = self.sum_over_ranks(rouge_sum, rows, loss_sum, batches)
-        return {"rougeL": rouge_sum / max(rows, 1), "loss": loss_sum / max(batches, 1)}
+        rouge_sum, rows, loss_sum, targets = self.sum_over_ranks(rouge_sum, rows, loss_sum,
+                                                                 targets)
+        return {"rougeL": rouge_sum / max(rows, 1), "loss": loss_sum / max(targets, 1)}

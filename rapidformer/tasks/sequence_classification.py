@@ -10,7 +10,7 @@ from torchmetrics.functional.classification import (binary_f1_score, multiclass_
                                                     multiclass_f1_score)
 
 from rapidformer.data.text_classification import load_classification_data, tokenize_splits
-from rapidformer.data.tokenizers import build_tokenizer
+from rapidformer.data.tokenizers import build_tokenizer, training_texts
 from rapidformer.models.hf import build_sequence_classifier
 from rapidformer.tasks.base import TaskFinetuner
 
@@ -36,13 +36,9 @@ class SequenceClassificationFinetuner(TaskFinetuner):
         self.scored_splits = data.scored_splits
         tokenizer_dir = self._resumed_tokenizer_dir() or self.engine.run_dir / "tokenizer"
 
-        def train_texts():
-            train = data.splits["train"]
-            yield from (str(x) for x in train[d.text_a_column])
-            if d.text_b_column:
-                yield from (str(x) for x in train[d.text_b_column])
-
-        self.tokenizer = build_tokenizer(m, train_texts, tokenizer_dir, d.max_seq_length)
+        self.tokenizer = build_tokenizer(
+            m, lambda: training_texts("sequence_classification", d, data.splits["train"]),
+            tokenizer_dir, d.max_seq_length)
         encoded = tokenize_splits(data, d, self.tokenizer)
         collate_fn = DataCollatorWithPadding(self.tokenizer, return_tensors="pt")
         return encoded["train"], encoded.get("validation"), encoded.get("test"), collate_fn
@@ -57,13 +53,17 @@ class SequenceClassificationFinetuner(TaskFinetuner):
 
     def run_compute_metrics(self, model, eval_dataloader):
         model = model[0]
-        predictions, labels, losses = [], [], []
+        predictions, labels = [], []
+        loss_sum = 0.0
         for batch in eval_dataloader:
             outputs = model(**batch)
             predictions.append(self.gather(outputs.logits.argmax(dim=-1)))
             labels.append(self.gather(batch["labels"]))
-            losses.append(outputs.loss.float().detach().reshape(1))
+            # the batch's mean loss weighted by its examples: batches differ in size between
+            # ranks (and from one process's), the mean over examples does not
+            loss_sum += float(outputs.loss) * len(batch["labels"])
         predictions, labels = torch.cat(predictions), torch.cat(labels)
         metrics = classification_metrics(predictions, labels, self.num_labels)
-        metrics["loss"] = float(torch.cat(losses).mean())
+        loss_sum, = self.sum_over_ranks(loss_sum)
+        metrics["loss"] = loss_sum / max(len(labels), 1)  # labels: every rank's, gathered
         return metrics

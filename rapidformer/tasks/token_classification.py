@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rapidformer.data.token_labels import (align_labels, entity_counts, load_token_data,
                                            precision_recall_f1)
+from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
 from rapidformer.tasks.base import TaskFinetuner
 
@@ -23,7 +24,7 @@ class TokenClassificationFinetuner(TaskFinetuner):
         data = load_token_data(d, self.engine.run_dir, t.num_labels)
         splits, self.names, self.scored_splits = data.splits, data.names, data.scored_splits
         tokenizer = self.make_tokenizer(
-            lambda: (" ".join(row) for row in splits["train"][d.tokens_column]))
+            lambda: training_texts("token_classification", d, splits["train"]))
 
         def encode(batch):
             enc = tokenizer(batch[d.tokens_column], is_split_into_words=True, truncation=True,
@@ -48,7 +49,7 @@ class TokenClassificationFinetuner(TaskFinetuner):
 
     def run_compute_metrics(self, model, eval_dataloader):
         model = model[0]
-        correct = n_pred = n_gold = right_tokens = tokens = loss_sum = batches = 0
+        correct = n_pred = n_gold = right_tokens = tokens = loss_sum = 0
         for batch in eval_dataloader:
             outputs = model(**batch)
             predicted, gold = outputs.logits.argmax(dim=-1).cpu(), batch["labels"].cpu()
@@ -59,10 +60,12 @@ class TokenClassificationFinetuner(TaskFinetuner):
             rows_gold = [[self.names[i] for i in g[k].tolist()] for g, k in zip(gold, keep)]
             c, p, g = entity_counts(rows_pred, rows_gold)
             correct, n_pred, n_gold = correct + c, n_pred + p, n_gold + g
-            loss_sum, batches = loss_sum + float(outputs.loss), batches + 1
-        correct, n_pred, n_gold, right_tokens, tokens, loss_sum, batches = self.sum_over_ranks(
-            correct, n_pred, n_gold, right_tokens, tokens, loss_sum, batches)
+            # the mean over the batch's labelled tokens, weighted by them: the mean over every
+            # labelled token, however the tokens fall into batches and ranks
+            loss_sum += float(outputs.loss) * int(keep.sum()) if keep.any() else 0.0
+        correct, n_pred, n_gold, right_tokens, tokens, loss_sum = self.sum_over_ranks(
+            correct, n_pred, n_gold, right_tokens, tokens, loss_sum)
         metrics = precision_recall_f1(correct, n_pred, n_gold)
         metrics["accuracy"] = right_tokens / max(tokens, 1)
-        metrics["loss"] = loss_sum / max(batches, 1)
+        metrics["loss"] = loss_sum / max(tokens, 1)
         return metrics
