@@ -37,6 +37,7 @@ import torch
 from rapidformer import checkpoint
 from rapidformer.errors import NonFiniteLoss
 from rapidformer.templates.best import BestTracker
+from rapidformer.observability.compile_log import CompileLog
 from rapidformer.observability.console import logs_through
 from rapidformer.observability.grad_spikes import GradNormSpikes
 from rapidformer.observability.metrics import MetricsSink
@@ -86,6 +87,9 @@ class LoopControl:
                                       t.progress_bar and engine.is_main_process)
             closing.callback(self.progress.close)
             closing.enter_context(logs_through(self.progress))  # log lines above the bar
+            self.compiling = CompileLog.attach(getattr(engine, "model", None),
+                                               engine.cfg.graph.name == "compile")
+            closing.callback(self.compiling.detach)
             self.stop = StopSignals()
             closing.callback(self.stop.restore)
             self.stop.install(engine.world_size)
@@ -107,6 +111,7 @@ class LoopControl:
         """Step `step` is done (`result`: its StepResult). At trainer.log_interval and at the
         last step the window becomes one metrics record (`fields` first) and one log line."""
         self.window.add_step(result)
+        self.compiling.step_done()
         self.progress.update(1)
         if not (step % self.t.log_interval == 0 or step == self.total_iters):
             return
@@ -221,6 +226,7 @@ class LoopControl:
     def finish(self, state, tokenizer=None) -> None:
         """After the final evaluations: the Hugging Face export (trainer.export_hf), of the
         best checkpoint's weights when trainer.best_metric is set."""
+        self.compiling.finish()
         if not self.t.export_hf:
             return
         step, best = state.step, self.best.record

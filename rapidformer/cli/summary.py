@@ -1,0 +1,110 @@
+"""The end-of-run summary: what a finished run left and the commands that go on from it, read
+from the run directory itself (metrics.jsonl, checkpoints/, hf_model/, .hydra/overrides.yaml),
+so it says what is on disk, not what the run meant to write.
+
+    rapidformer: run finished: outputs/2025-01-01_12-00-00
+      final     step 1500: loss 0.0123; validation/accuracy=0.9850, validation/loss=0.0512
+      best      validation/accuracy=0.9900 (step 1000), validation/loss=0.0455 (step 1000)
+      kept best validation/accuracy=0.9900 at step 1000: outputs/.../checkpoints/step_00001000
+      newest    outputs/.../checkpoints/step_00001500
+      exported  outputs/.../hf_model
+      resume    python -m rapidformer +recipe=quickstart trainer.output_dir=... trainer.resume=auto
+      export    rapidformer export outputs/... --to DIR
+      curves    rapidformer plot outputs/...
+
+Printed once, by the process that started the run (the launcher of a multi-process run).
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+from rapidformer import checkpoint
+from rapidformer.observability.format import format_value
+from rapidformer.observability.metrics import read_metrics
+from rapidformer.templates.best import inferred_mode
+
+# overrides the resume command sets itself: the same directory, resumed
+RUN_DIR_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.overwrite")
+EVALUATED = ("validation/", "test/")
+
+
+def run_overrides(run_dir: Path, argv: list[str] | None = None) -> list[str]:
+    """The overrides the run was started with: Hydra's record of them, else the command line's
+    (`argv`, default sys.argv[1:]) without its flags."""
+    recorded = run_dir / ".hydra" / "overrides.yaml"
+    if recorded.is_file():
+        return [str(o) for o in yaml.safe_load(recorded.read_text()) or []]
+    argv = sys.argv[1:] if argv is None else argv
+    return [a for a in argv if not a.startswith("-")]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def resume_command(run_dir: Path, argv: list[str] | None = None) -> str:
+    """`python -m rapidformer <the run's overrides> trainer.output_dir=RUN_DIR
+    trainer.resume=auto`, quoted for a POSIX shell."""
+    kept = [o for o in run_overrides(run_dir, argv) if _key(o) not in RUN_DIR_KEYS]
+    return shlex.join(["python", "-m", "rapidformer", *kept, f"trainer.output_dir={run_dir}",
+                       "trainer.resume=auto"])
+
+
+def _final(records: list[dict]) -> str | None:
+    """The last step, its training loss, and the last value of every evaluated metric."""
+    if not records:
+        return None
+    last: dict = {}
+    for record in records:
+        last.update({k: v for k, v in record.items() if k.startswith(EVALUATED)})
+    loss = next((r["loss"] for r in reversed(records) if "loss" in r), None)
+    parts = [f"loss {format_value(loss)}"] if loss is not None else []
+    if last:
+        parts.append(", ".join(f"{k}={format_value(v)}" for k, v in last.items()))
+    return f"step {records[-1].get('step', '?')}" + (": " + "; ".join(parts) if parts else "")
+
+
+def _best(records: list[dict]) -> str | None:
+    """Each validation metric's best value over the run's evaluations, and its step (the
+    direction from its name, as trainer.best_metric infers it)."""
+    best: dict[str, tuple[float, int]] = {}
+    for record in records:
+        for key, value in record.items():
+            if not key.startswith("validation/") or not isinstance(value, (int, float)):
+                continue
+            lower = inferred_mode(key, None) == "min"
+            if key not in best or (value < best[key][0] if lower else value > best[key][0]):
+                best[key] = (value, record.get("step"))
+    return ", ".join(f"{k}={format_value(v)} (step {s})" for k, (v, s) in best.items()) or None
+
+
+def summary_lines(run_dir: Path, argv: list[str] | None = None) -> list[str]:
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    root = run_dir / "checkpoints"
+    rows = [("final", _final(records)), ("best", _best(records))]
+    marker = checkpoint.read_best(root) if root.is_dir() else None
+    if marker is not None:
+        kept = root / f"step_{marker['step']:08d}"
+        rows.append(("kept best", f"{marker.get('metric')}={format_value(marker.get('value'))} "
+                                  f"at step {marker['step']}: {kept}"))
+    newest = checkpoint.newest_complete(root) if root.is_dir() else None
+    rows.append(("newest", str(newest) if newest else "none: no checkpoint was written"))
+    if (run_dir / "hf_model").is_dir():
+        rows.append(("exported", str(run_dir / "hf_model")))
+    if newest:
+        rows.append(("resume", resume_command(run_dir, argv)))
+        rows.append(("export", shlex.join(["rapidformer", "export", str(run_dir), "--to", "DIR"])))
+    if records:
+        rows.append(("curves", shlex.join(["rapidformer", "plot", str(run_dir)])))
+    width = max(len(name) for name, _ in rows)
+    return [f"rapidformer: run finished: {run_dir}",
+            *(f"  {name:<{width}}  {value}" for name, value in rows if value)]
+
+
+def print_summary(run_dir: Path, argv: list[str] | None = None, file=None) -> None:
+    print("\n".join(summary_lines(run_dir, argv)), file=file or sys.stderr, flush=True)
