@@ -267,6 +267,15 @@ def test_counts_print_as_integers_and_other_values_with_four_decimals():
     assert format_value(float("nan")) == "nan" and format_value(2.5) == "2.5000"
 
 
+def test_the_sweep_table_prints_a_count_metric_as_an_integer():
+    from rapidformer.cli.multirun import summary_table
+
+    row = {"job": 0, "overrides": "a=1", "status": "ok", "error": None, "final_loss": 0.5,
+           "metric": "validation/seen", "value": 400.0, "samples_per_s": 3.0}
+    assert summary_table([row]).splitlines()[-1] == \
+        "| 0 | a=1 | ok | 0.5000 | validation/seen=400 | 3.0 |"
+
+
 def test_every_plot_names_its_metric(tmp_path, monkeypatch):
     import matplotlib.figure
 

@@ -19,6 +19,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from rapidformer.observability.format import format_value
 from rapidformer.observability.metrics import read_metrics
 
 STATUS_FILE = "status.json"
@@ -61,7 +62,8 @@ def summary_table(rows: list[dict]) -> str:
     lines = ["| job | overrides | status | final loss | eval metric | samples/s |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        metric = f"{r['metric']}={fmt(r['value'], '.4f')}" if r["metric"] else "-"
+        value = "-" if r["value"] is None else format_value(r["value"])  # counts as integers
+        metric = f"{r['metric']}={value}" if r["metric"] else "-"
         status = r["status"]
         if status != "ok":  # a table cell: no pipes
             status = f"{status.upper()}: {r['error'] or '-'}".replace("|", "\\|")
