@@ -40,7 +40,8 @@ def _cfg(*overrides: str):
 
 # --- one real run: the summary, the modes of what it wrote, its parameter count ----------------
 
-RUN = [*FAST, "data.synthetic_train_size=64", "data.synthetic_eval_size=32", "trainer.train_iters=2", "trainer.eval_interval=1", "trainer.save_interval=1",
+RUN = [*FAST, "data.synthetic_train_size=64", "data.synthetic_eval_size=32",
+       "trainer.train_iters=2", "trainer.eval_interval=1", "trainer.save_interval=1",
        "trainer.keep_last=1", "trainer.best_metric=validation/loss"]
 
 

@@ -1,9 +1,10 @@
 """`rapidformer plot RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG curves comparing runs.
 
 Writes loss.png, lr.png, throughput.png (tokens/s) and, when runs evaluated, eval.png (their
-validation metric: accuracy, else f1, exact_match or loss; the axis and title name it) into --out (default: the first run directory's `plots/`), one line per run,
-labelled with the run's overrides for a multirun job and its directory name otherwise. A sweep
-does this itself at its end (summary.md links the pictures).
+validation metric: accuracy, else f1, exact_match or loss; the axis and title name it) into
+--out (default: the first run directory's `plots/`), one line per run, labelled with the run's
+overrides for a multirun job and its directory name otherwise. A sweep does this itself at its
+end (summary.md links the pictures).
 """
 from __future__ import annotations
 
