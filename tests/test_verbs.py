@@ -96,7 +96,8 @@ def test_the_plan_counts_the_parameters_of_the_model_the_run_builds():
     from rapidformer.planning.model_shape import model_shape
 
     # the generated pairs hold more words than 100 entries: the trained vocabulary is full
-    shape = model_shape(_cfg("model=bert_tiny", "model.vocab_size=100"))
+    shape = model_shape(_cfg("model=bert_tiny", "model.vocab_size=100",
+                             "data.synthetic_train_size=200"))
     real = BertForSequenceClassification(BertConfig(
         vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=256, max_position_embeddings=128))

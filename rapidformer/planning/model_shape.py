@@ -84,7 +84,9 @@ def trained_vocab_size(cfg: RunConfig) -> int:
     most model.vocab_size, fewer when the texts hold fewer words (the quickstart's synthetic
     pairs: 146 of 2000), and the embeddings follow it. Generated data is generated into a
     temporary directory, as training would into the run directory."""
+    import json
     import tempfile
+    from dataclasses import asdict
     from pathlib import Path
 
     from rapidformer.data.synthetic import write_dataset
@@ -92,12 +94,24 @@ def trained_vocab_size(cfg: RunConfig) -> int:
     from rapidformer.data.text_classification import load_splits
     from rapidformer.data.tokenizers import training_texts, wordpiece_vocabulary
 
-    task, m = cfg.task.name, cfg.model
+    task, m, d = cfg.task.name, cfg.model, cfg.data
+    # generated data is a function of its settings: the same settings, the same vocabulary
+    # (memory=auto plans at every start, and a test or a sweep plans many configs)
+    key = (task, m.vocab_size, m.lowercase, json.dumps(asdict(d), sort_keys=True, default=str)) \
+        if d.source == "synthetic" and not d.path else None
+    if key in _GENERATED_VOCAB:
+        return _GENERATED_VOCAB[key]
     write = writer_for(task) if task in TASK_KINDS else write_dataset
     with tempfile.TemporaryDirectory(prefix="rapidformer-plan-") as tmp:
-        train = load_splits(cfg.data, Path(tmp), write_synthetic=write)["train"]
-        return len(wordpiece_vocabulary(training_texts(task, cfg.data, train), m.vocab_size,
+        train = load_splits(d, Path(tmp), write_synthetic=write)["train"]
+        size = len(wordpiece_vocabulary(training_texts(task, d, train), m.vocab_size,
                                         m.lowercase))
+    if key is not None:
+        _GENERATED_VOCAB[key] = size
+    return size
+
+
+_GENERATED_VOCAB: dict[tuple, int] = {}
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:
