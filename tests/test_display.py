@@ -197,6 +197,19 @@ def test_a_checkpoint_of_private_temp_files_is_sealed_with_the_umask_modes(tmp_p
     assert checkpoint.verify(final) == []  # the modes are set before the files are hashed
 
 
+def test_eval_and_predict_outputs_follow_the_umask(tmp_path):
+    from rapidformer.cli.verbs.evaluate import write_json
+    from rapidformer.inference.rows import write_rows
+
+    previous = os.umask(0o027)
+    try:
+        write_json(tmp_path / "scores.json", {"validation/accuracy": 1.0})
+        write_rows(tmp_path / "predictions.jsonl", "jsonl", [{"label": 1}])
+    finally:
+        os.umask(previous)
+    assert _mode(tmp_path / "scores.json") == _mode(tmp_path / "predictions.jsonl") == 0o640
+
+
 def test_the_umask_is_read_without_being_changed():
     from rapidformer.file_modes import current_umask
 

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from rapidformer.errors import InputError
+from rapidformer.file_modes import honour_umask
 
 FORMATS = {".jsonl": "jsonl", ".csv": "csv", ".tsv": "tsv"}
 
@@ -94,7 +95,7 @@ def write_rows(path: Path, fmt: str, rows: list[dict]) -> None:
                 writer.writeheader()
                 for row in rows:
                     writer.writerow({k: _cell(v) for k, v in row.items()})
-        os.chmod(tmp, 0o644)
+        honour_umask(Path(tmp))  # mkstemp's file is 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

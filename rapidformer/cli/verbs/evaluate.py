@@ -21,6 +21,7 @@ from pathlib import Path
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import (EXIT_WRITE_FAILED, InputError, NotAvailableError,
                                RapidformerError, debug_enabled)
+from rapidformer.file_modes import honour_umask
 from rapidformer.inference import restore
 
 
@@ -105,7 +106,7 @@ def write_json(path: Path, record: dict) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
             f.write("\n")
-        os.chmod(tmp, 0o644)
+        honour_umask(Path(tmp))  # mkstemp's file is 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
