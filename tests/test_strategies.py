@@ -1,8 +1,10 @@
 """The strategy contract, strategy by strategy, on 2 gloo ranks started in-process
 (torch.multiprocessing): the same per-step losses as one plain process on the same global
 batches, an exact resume from a mid-run checkpoint, and an export whose weights equal those
-`rapidformer export` reads offline from the same checkpoint. The CLI's own multi-process tests
-(launcher, torchrun, failures) are in test_distributed.py."""
+`rapidformer export` reads offline from the same checkpoint. megatron-core besides: its
+checkpoints resume at another layout, bf16/fp16 follow fp32, and activation recompute keeps the
+losses with dropout. The CLI's own multi-process tests (launcher, torchrun, failures) are in
+test_distributed.py and test_parallel.py."""
 from __future__ import annotations
 
 import json
@@ -17,6 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import OFFLINE_ENV
+
+pytestmark = pytest.mark.slow  # each fixture trains every case: 20 s to minutes
 
 STEPS, SAVED_AT, VOCAB, SEQ = 4, 2, 64, 17  # Megatron reads SEQ - 1: a multiple of TP
 BASE = ["model=gpt2_tiny", "trainer.device=cpu", "trainer.micro_batch_size=2",
@@ -62,45 +66,52 @@ def _train(engine, model, first_step: int) -> dict[int, float]:
     (with pipeline stages only the last has them: summed and counted over every rank)."""
     rank, size = engine.data_parallel
     forward = _megatron_forward if engine.strategy.name == "megatron" else _forward
-    losses = {}
+    losses, scales = {}, {}
     for step in range(first_step, STEPS + 1):
         batch = _global_batches()[step - 1].to(engine.device)
         mine = iter(batch[rank::size].split(engine.cfg.trainer.micro_batch_size))
         micro = engine.forward_backward(forward, mine, model, engine.accumulation)
-        assert engine.step().stepped
+        result = engine.step()
+        assert result.stepped
+        scales[step] = result.loss_scale
         total = torch.tensor([float(sum(micro)), float(len(micro))], dtype=torch.float64)
         loss_sum, count = engine.all_reduce_sum(total).tolist()
         losses[step] = loss_sum / count
         if step in (SAVED_AT, STEPS):
             engine.save_checkpoint(step, {"step": step, "train_state": {}})
-    return losses
+    return losses, scales
 
 
-def run_contract(overrides: list[str], run_dir: str) -> dict:
-    """Train, resume in a fresh engine from the mid-run checkpoint, export; what rank 0 saw."""
+def _engine(overrides: list[str], run_dir: str):
     from rapidformer.config.compose import compose, resolve
     from rapidformer.engine import RapidformerEngine
 
-    def engine_for(*extra):
-        _, cfg = resolve(compose([*BASE, *overrides, *extra]), run_dir)
-        return RapidformerEngine(cfg=cfg, run_dir=run_dir)
+    _, cfg = resolve(compose([*BASE, *overrides]), run_dir)
+    return RapidformerEngine(cfg=cfg, run_dir=run_dir)
 
-    engine = engine_for()
-    model, _, _ = engine.compose(_model(engine.cfg))
-    losses = _train(engine, model, 1)
-    exported = engine.export_hf(step=STEPS)
-    strategy = engine.strategy.name
 
-    resumed = engine_for(f"trainer.resume={run_dir}/checkpoints/step_{SAVED_AT:08d}")
+def resume_from(overrides: list[str], checkpoint: str, run_dir: str) -> dict[int, float]:
+    """A fresh engine (its own layout: overrides) loads checkpoint and trains to the end."""
+    resumed = _engine([*overrides, f"trainer.resume={checkpoint}"], run_dir)
     fresh = _model(resumed.cfg)
     with torch.no_grad():  # other weights than the checkpoint's: the load must replace them
         for p in fresh.parameters():
             p.add_(1.0)
     model, _, _ = resumed.compose(fresh)
     state = resumed.load_checkpoint(resumed.resume_checkpoint)
-    after = _train(resumed, model, state["step"] + 1)
-    return {"losses": losses, "resumed": after, "strategy": strategy,
-            "parameters": engine.num_parameters, "exported": str(exported) if exported else None}
+    return _train(resumed, model, state["step"] + 1)[0]
+
+
+def run_contract(overrides: list[str], run_dir: str) -> dict:
+    """Train, resume in a fresh engine from the mid-run checkpoint, export; what rank 0 saw."""
+    engine = _engine(overrides, run_dir)
+    model, _, _ = engine.compose(_model(engine.cfg))
+    losses, scales = _train(engine, model, 1)
+    exported = engine.export_hf(step=STEPS)
+    after = resume_from(overrides, f"{run_dir}/checkpoints/step_{SAVED_AT:08d}", run_dir)
+    return {"losses": losses, "resumed": after, "strategy": engine.strategy.name,
+            "loss_scales": scales, "parameters": engine.num_parameters,
+            "exported": str(exported) if exported else None}
 
 
 def _by_step(losses: dict) -> dict[int, float]:
@@ -135,7 +146,8 @@ def on_two_ranks(cases: dict, run_dir: Path) -> dict:
     mp.start_processes(_worker, args=(2, port, cases, str(run_dir), str(out)), nprocs=2,
                        start_method="spawn")
     return {name: {**result, "losses": _by_step(result["losses"]),
-                   "resumed": _by_step(result["resumed"])}
+                   "resumed": _by_step(result["resumed"]),
+                   "loss_scales": _by_step(result["loss_scales"])}
             for name, result in json.loads(out.read_text()).items()}
 
 
@@ -166,6 +178,20 @@ MEGATRON = ["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=unused
 MEGATRON_CASES = {"tp2": ["parallelism=tp2"], "pp2": ["parallelism=pp2"],
                   "tp2_sequence_parallel": ["parallelism=tp2", "parallelism.sequence_parallel=true"],
                   "dp2": [], "dp2_distributed_optimizer": ["memory=zero1"]}
+# bf16 and fp16 weights with fp32 main weights in megatron-core's optimizer (fp16 with its
+# dynamic loss scale, here with the distributed optimizer over 2 replicas): name: (overrides,
+# tolerance against the fp32 process)
+MEGATRON_HALF = {"pp2_bf16": (["parallelism=pp2", "precision=bf16"], 2e-2),
+                 "dp2_fp16_distributed_optimizer": (["precision=fp16", "memory=zero2"], 5e-3)}
+# activation recompute replays each layer in the backward pass, its dropout masks included
+# (megatron-core's RNG tracker): the losses of keeping the activations, at the same layout
+DROPOUT = ["parallelism=pp2", "memory=zero1", "model.hidden_dropout=0.1",
+           "model.attention_dropout=0.1"]
+RECOMPUTE = {"pp2_dropout": DROPOUT,
+             **{f"pp2_dropout_recompute_{granularity}": [
+                 *DROPOUT, "trainer.checkpoint_activations=true",
+                 f"trainer.recompute_granularity={granularity}"]
+                for granularity in ("full", "selective")}}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +216,9 @@ def megatron_one_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def megatron_two_ranks(tmp_path_factory):
-    return on_two_ranks({name: [*MEGATRON, *extra] for name, extra in MEGATRON_CASES.items()},
+    cases = {**MEGATRON_CASES, **{name: extra for name, (extra, _) in MEGATRON_HALF.items()},
+             **RECOMPUTE}
+    return on_two_ranks({name: [*MEGATRON, *extra] for name, extra in cases.items()},
                         tmp_path_factory.mktemp("megatron_two_ranks"))
 
 
@@ -241,6 +269,53 @@ def test_megatron_layouts_on_two_ranks_keep_the_contract(megatron_one_process,
     assert set(mine) == set(theirs)
     for name, tensor in theirs.items():
         torch.testing.assert_close(mine[name], tensor, atol=1e-4, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("case,extra", [("tp2", []),
+                                        ("dp2_distributed_optimizer", ["memory=zero1"])])
+def test_megatron_checkpoints_resume_on_one_process(megatron_one_process, megatron_two_ranks,
+                                                    case, extra, tmp_path):
+    """megatron-core's distributed checkpoints: TP=2 resumes on one process, and the
+    distributed optimizer's state of 2 replicas resumes on 1; the losses go on as those of
+    the one process that was never interrupted."""
+    saved = Path(megatron_two_ranks[case]["exported"]).parent / "checkpoints" / \
+        f"step_{SAVED_AT:08d}"
+    files = {p.name for p in (saved / "megatron").iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata"} <= files, files
+    assert len([f for f in files if f.endswith(".distcp")]) >= 2, files  # one set per rank
+    resumed = resume_from([*MEGATRON, *extra], str(saved), str(tmp_path))
+    assert sorted(resumed) == list(range(SAVED_AT + 1, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(megatron_one_process["losses"][step], rel=1e-4), step
+
+
+@pytest.mark.parametrize("case", list(MEGATRON_HALF))
+def test_megatron_half_precision_follows_fp32(megatron_one_process, megatron_two_ranks, case):
+    got, (_, tolerance) = megatron_two_ranks[case], MEGATRON_HALF[case]
+    reference = megatron_one_process["losses"]
+    assert sorted(got["losses"]) == sorted(reference)
+    for step, loss in reference.items():
+        assert got["losses"][step] == pytest.approx(loss, rel=tolerance), (case, step)
+    for step, loss in got["resumed"].items():
+        assert loss == pytest.approx(got["losses"][step], abs=1e-6), (case, step)
+    scales = got["loss_scales"]
+    if "fp16" in case:  # megatron-core's dynamic scale, from its initial value
+        assert scales[1] == 65536.0, scales
+    else:
+        assert set(scales.values()) == {None}, scales
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_megatron_recompute_keeps_the_losses_with_dropout(megatron_two_ranks, granularity):
+    plain = megatron_two_ranks["pp2_dropout"]
+    recompute = megatron_two_ranks[f"pp2_dropout_recompute_{granularity}"]
+    no_dropout = megatron_two_ranks["pp2"]["losses"]
+    assert plain["losses"][1] != pytest.approx(no_dropout[1], rel=1e-4)  # dropout is on
+    assert sorted(recompute["losses"]) == sorted(plain["losses"])
+    for step, loss in plain["losses"].items():
+        assert recompute["losses"][step] == pytest.approx(loss, rel=1e-5), step
+    for step, loss in recompute["resumed"].items():  # the dropout masks resume too
+        assert loss == pytest.approx(recompute["losses"][step], abs=1e-6), step
 
 
 def _assert_export_matches_offline(exported: Path) -> None:
