@@ -45,6 +45,9 @@ def from_export(directory: Path, task: str):
         raise InputError(f"--checkpoint {directory}: a Hugging Face model without its tokenizer "
                          f"(no tokenizer_config.json); use the run's hf_model/ or a "
                          f"`rapidformer export` directory, which hold both")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the one line predict prints is the result
     try:
         model = _auto_class(task).from_pretrained(str(directory))
     except (OSError, ValueError) as exc:
