@@ -23,7 +23,8 @@ usage: rapidformer [SEED FLAGS] [OVERRIDES] [HYDRA FLAGS]    train (or fine-tune
        rapidformer VERB [ARGS]                              inspect configs, runs, checkpoints
        python -m rapidformer [OVERRIDES] [HYDRA FLAGS]      train, Hydra overrides only
 
-With no arguments it runs the quickstart: a tiny BERT on generated sentence pairs, on a CPU.
+With no recipe, task or user script named it runs the quickstart: a tiny BERT on generated
+sentence pairs, on a CPU. Every run prints first which recipe it uses.
 
 verbs (rapidformer VERB --help for each one's arguments):
 {verbs}
