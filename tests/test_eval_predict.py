@@ -77,8 +77,7 @@ def named_pairs(tmp_path_factory, pairs_dir) -> Path:
     """The session's generated pairs with their labels as names, and a labelled test split."""
     out = tmp_path_factory.mktemp("named_pairs")
     for split in ("train", "validation", "test"):
-        rows = read_jsonl(pairs_dir / f"{split}.jsonl") if (pairs_dir / f"{split}.jsonl").is_file() \
-            else read_jsonl(pairs_dir / "validation.jsonl")[::-1]
+        rows = read_jsonl(pairs_dir / f"{split}.jsonl")
         (out / f"{split}.jsonl").write_text("".join(
             json.dumps({**r, "label": ["different", "same"][int(r["label"])]}) + "\n"
             for r in rows[:64 if split == "train" else 32]))
@@ -114,7 +113,7 @@ def test_eval_equals_the_training_log_for_each_checkpoint(cls_run, capsys):
 
 
 def test_eval_scores_other_data_named_by_overrides(cls_run, named_pairs, capsys):
-    code, out, err = cli(["eval", str(cls_run), f"data.validation_file=test.jsonl"], capsys)
+    code, out, err = cli(["eval", str(cls_run), "data.validation_file=test.jsonl"], capsys)
     assert code == 0, err
     written = sorted((cls_run / "eval").glob("step_00000006-*.json"))
     assert len(written) == 1  # the run's own scores are not replaced
@@ -224,8 +223,8 @@ def test_a_damaged_checkpoint_is_refused(cls_run, tmp_path, capsys):
     weights.write_bytes(bytes(data))
     given = tmp_path / "in.jsonl"
     given.write_text('{"sentence1": "a", "sentence2": "b"}\n')
-    for argv in (["eval", str(run)],
-                 ["predict", str(run), "--input", str(given), "--output", str(tmp_path / "o.jsonl")]):
+    predict = ["predict", str(run), "--input", str(given), "--output", str(tmp_path / "o.jsonl")]
+    for argv in (["eval", str(run)], predict):
         code, _, err = cli(argv, capsys)
         assert code == 2
         message = one_error(err)
@@ -319,3 +318,13 @@ def test_question_answering_eval_and_answer_spans(qa_run, tmp_path, capsys):
         if row["answer"]:  # a span of the context, at the characters given
             start, end = int(row["answer_start"]), int(row["answer_end"])
             assert example["context"][start:end] == row["answer"]
+
+
+def test_eval_keeps_integer_metrics_integers():
+    import torch
+
+    from rapidformer.cli.verbs.evaluate import plain_number, shown
+
+    assert [type(plain_number(v)) for v in (400, torch.tensor(7), True, 0.5, torch.tensor(0.25))] \
+        == [int, int, int, float, float]
+    assert (shown(plain_number(torch.tensor(400))), shown(plain_number(0.5))) == ("400", "0.5000")

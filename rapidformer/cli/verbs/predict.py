@@ -182,7 +182,8 @@ def predict_command(argv: list[str]) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="a training run's directory")
     parser.add_argument("--input", type=Path, required=True, help="a .jsonl, .csv or .tsv file")
-    parser.add_argument("--output", type=Path, required=True, help="where the rows go (same format)")
+    parser.add_argument("--output", type=Path, required=True,
+                        help="where the rows go (the input's format)")
     parser.add_argument("--checkpoint", default=restore.LAST,
                         help="last (default), best, a step_NNNNNNNN directory, or a Hugging Face "
                              "directory the run exported (RUN_DIR/hf_model)")
@@ -193,7 +194,7 @@ def predict_command(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=_positive, default=5,
                         help="masked_lm: tokens shown for each mask (default 5)")
     parser.add_argument("--max-new-tokens", type=_positive,
-                        help="seq2seq_lm: generated tokens at most (default task.max_target_length)")
+                        help="seq2seq_lm: new tokens at most (default task.max_target_length)")
     parser.add_argument("--num-beams", type=_positive,
                         help="seq2seq_lm: beam search width (default task.num_beams)")
     args = parser.parse_args(argv)
