@@ -54,3 +54,20 @@ def strategy_of_checkpoint(state: dict, where) -> type[Strategy]:
         raise InputError(f"{where} was written by strategy '{name}', which this version does not "
                          f"know (known: {', '.join(STRATEGIES)}); use the rapidformer that wrote it")
     return STRATEGIES[name]
+
+
+# what wrappers put before a parameter's name (DDP, torch.compile, FSDP1-style)
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _strip(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def checkpoint_weights(ckpt, saved: dict) -> dict:
+    """The fp32 model weights of a checkpoint, read by the strategy that wrote it (`saved`:
+    its state.json), under the bare model's parameter names."""
+    state = strategy_of_checkpoint(saved, ckpt).read_weights(ckpt)
+    return {_strip(k): v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -177,7 +177,7 @@ def best_checkpoint(root: Path) -> Path:
 
 def checkpoint_weights(ckpt: Path) -> tuple[dict, dict]:
     """(the fp32 model weights, the checkpoint's state.json)."""
-    from rapidformer.cli.verbs.export import weights
+    from rapidformer.accelerators.table import checkpoint_weights as weights
 
     saved = checkpoint.read_state(ckpt)
     return weights(ckpt, saved), saved

@@ -19,12 +19,10 @@ from pathlib import Path
 import yaml
 
 from rapidformer import checkpoint
+from rapidformer.accelerators.table import checkpoint_weights as weights
 from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError, RapidformerError
 from rapidformer.file_modes import honour_umask
-
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
 
 def locate(path: Path, step: int | None) -> tuple[Path, Path]:
     """(checkpoint directory, run directory)."""
@@ -49,20 +47,6 @@ def locate(path: Path, step: int | None) -> tuple[Path, Path]:
         raise InputError(f"{run_dir}/config.yaml is missing: export needs the run's resolved "
                          f"config next to its checkpoints")
     return ckpt, run_dir
-
-
-def _strip(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def weights(ckpt: Path, saved: dict) -> dict:
-    """The fp32 model weights of a checkpoint, read by the strategy that wrote it."""
-    from rapidformer.accelerators.table import strategy_of_checkpoint
-
-    state = strategy_of_checkpoint(saved, ckpt).read_weights(ckpt)
-    return {_strip(k): v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
 def _rows(state: dict, *suffixes: str) -> int | None:
