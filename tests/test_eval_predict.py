@@ -323,7 +323,8 @@ def test_question_answering_eval_and_answer_spans(qa_run, tmp_path, capsys):
 def test_eval_keeps_integer_metrics_integers():
     import torch
 
-    from rapidformer.cli.verbs.evaluate import plain_number, shown
+    from rapidformer.cli.verbs.evaluate import plain_number
+    from rapidformer.observability.format import format_value as shown
 
     assert [type(plain_number(v)) for v in (400, torch.tensor(7), True, 0.5, torch.tensor(0.25))] \
         == [int, int, int, float, float]

@@ -47,5 +47,5 @@ def run_verb(name: str, argv: list[str]) -> int:
     except RapidformerError as exc:
         if debug_enabled():
             raise
-        print(f"rapidformer {name}: error: {exc}", file=sys.stderr)
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from rapidformer.config.validate import PRETRAINING_TASKS
-from rapidformer.errors import (EXIT_WRITE_FAILED, InputError, NotAvailableError,
-                               RapidformerError, debug_enabled)
+from rapidformer.errors import EXIT_WRITE_FAILED, InputError, NotAvailableError
+from rapidformer.observability.format import format_value
 from rapidformer.file_modes import honour_umask
 from rapidformer.inference import restore
 
@@ -34,10 +34,6 @@ def plain_number(value):
     if isinstance(value, int):
         return value
     return float(value)
-
-
-def shown(value) -> str:
-    return str(value) if isinstance(value, int) else f"{value:.4f}"
 
 
 def evaluate(run_dir: Path, choice: str | None = None, overrides: list[str] = ()) -> dict:
@@ -128,12 +124,7 @@ def eval_command(argv: list[str]) -> int:
         output = args.output or default_output(args.run_dir, Path(result["checkpoint"]),
                                                args.overrides)
         write_json(output, result)
-    except RapidformerError as exc:
-        if debug_enabled():
-            raise
-        print(f"rapidformer: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except OSError as exc:
+    except OSError as exc:  # a RapidformerError is reported by run_verb
         print(f"rapidformer: error: cannot write {exc.filename or args.output}: "
               f"{exc.strerror or exc}; give --output FILE in a writable directory",
               file=sys.stderr)
@@ -141,6 +132,6 @@ def eval_command(argv: list[str]) -> int:
     print(f"checkpoint {result['checkpoint']} (step {result['step']})")
     width = max(len(k) for k in result["metrics"])
     for key, value in result["metrics"].items():
-        print(f"  {key:<{width}}  {shown(value)}")
+        print(f"  {key:<{width}}  {format_value(value)}")
     print(f"wrote {output}")
     return 0

@@ -14,8 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rapidformer.errors import (EXIT_WRITE_FAILED, InputError, RapidformerError,
-                                debug_enabled)
+from rapidformer.errors import EXIT_WRITE_FAILED, InputError
 from rapidformer.inference import predictors, restore, rows as row_files
 
 CLASSIFIERS = ("sequence_classification", "token_classification")
@@ -202,12 +201,7 @@ def predict_command(argv: list[str]) -> int:
         count, used = predict(args.run_dir, args.input, args.output, args.checkpoint,
                               args.batch_size, args.device, args.top_k, args.max_new_tokens,
                               args.num_beams)
-    except RapidformerError as exc:
-        if debug_enabled():
-            raise
-        print(f"rapidformer: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except OSError as exc:
+    except OSError as exc:  # a RapidformerError is reported by run_verb
         print(f"rapidformer: error: cannot write {exc.filename or args.output}: "
               f"{exc.strerror or exc}; give --output a path in a writable directory",
               file=sys.stderr)
