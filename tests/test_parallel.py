@@ -40,6 +40,7 @@ def assert_same_losses(a: dict, b: dict, rel: float = 1e-4) -> None:
 # tests/test_strategies.py, on 2 ranks started in-process
 
 
+@pytest.mark.slow  # 27-44 s measured (its own process imports megatron-core)
 def test_megatron_gpt_exports_to_gpt2_with_the_same_logits(tmp_path):
     """The conversion itself: megatron-core's logits and GPT-2's on the same tokens (run in its
     own process: the CPU compatibility layer is process-wide)."""
