@@ -289,21 +289,21 @@ def _id_labels(train: list, column: str, num_labels: int | None):
     top = max((v for v in train if v is not None), default=0)
     n = num_labels or max(top + 1, 2)
 
-    def to_id(value, where: str) -> int:
+    def to_id(value, where) -> int:  # where(): the row's place, worked out for an error only
         if isinstance(value, str):
             raise InputError(
-                f"{where} has the label '{value}' in column '{column}' (data.label_column), but "
+                f"{where()} has the label '{value}' in column '{column}' (data.label_column), but "
                 f"the training labels are class ids (0..{top}); write ids here too, or names in "
                 f"every split")
         if value < 0:
             raise InputError(
-                f"{where} has a negative label ({value}) in column '{column}' "
+                f"{where()} has a negative label ({value}) in column '{column}' "
                 f"(data.label_column); labels must be 0..num_labels-1")
         if value >= n:
             fix = ("raise task.num_labels or fix the data" if num_labels else
                    f"the training labels go up to {top}: add label {value} to the training data, "
                    f"set task.num_labels={value + 1}, or fix the data")
-            raise InputError(f"{where} has label {value} but task.num_labels={n} (column "
+            raise InputError(f"{where()} has label {value} but task.num_labels={n} (column "
                              f"'{column}', data.label_column); labels must be 0..{n - 1}: {fix}")
         return value
 
@@ -320,10 +320,10 @@ def _named_labels(train: list, column: str, num_labels: int | None):
             f"'{column}' (data.label_column) but task.num_labels={num_labels}; raise "
             f"task.num_labels to {len(names)} or leave it unset")
 
-    def to_id(value, where: str) -> int:
+    def to_id(value, where) -> int:  # where(): the row's place, worked out for an error only
         if str(value) not in index:
             raise InputError(
-                f"{where} has the label '{value}' in column '{column}' (data.label_column), "
+                f"{where()} has the label '{value}' in column '{column}' (data.label_column), "
                 f"which no training row has (the training labels: {_listing(names)}); add it to "
                 f"the training data or fix this label")
         return index[str(value)]
@@ -346,7 +346,8 @@ def _split_ids(split: str, labels: list, to_id, place, column: str) -> list[int]
                }.get(split, f"the {split} split is partly labelled: label every row, or leave "
                             f"every label empty (or {NO_LABEL}) to load it unscored")
         raise InputError(f"{place(i)} has {what} in column '{column}' (data.label_column); {why}")
-    return [to_id(v, place(i)) for i, v in enumerate(labels)]
+    # place(i) reads the file up to row i: only for the message of a bad label
+    return [to_id(v, lambda i=i: place(i)) for i, v in enumerate(labels)]
 
 
 def _with_label_column(ds, column: str, ids: list[int] | None):
