@@ -85,7 +85,8 @@ def documented_commands():
             if context is None or "..." in command or re.search(r"\b[A-Z]+=?\[", command):
                 continue
             name = f"{page.relative_to(REPO)}:{number}"
-            yield pytest.param(command, comment, context, block, earlier_text, id=name)
+            copies = [c for c in earlier if c.startswith("rapidformer cp ")]
+            yield pytest.param(command, comment, context, block, earlier_text, copies, id=name)
 
 
 def _overrides(command: str, tmp: Path) -> list[str] | None:
@@ -140,9 +141,10 @@ def _path_made_before(value: str, earlier: str) -> bool:
     return top in words or any(value.startswith(w) and len(w) > 3 for w in words if "/" in w)
 
 
-@pytest.mark.parametrize("command, comment, context, block, earlier",
+@pytest.mark.parametrize("command, comment, context, block, earlier, copies",
                          list(documented_commands()))
-def test_documented_command(command, comment, context, block, earlier, tmp_path, monkeypatch):
+def test_documented_command(command, comment, context, block, earlier, copies, tmp_path,
+                            monkeypatch):
     import torch
 
     from rapidformer.config import search
@@ -155,6 +157,10 @@ def test_documented_command(command, comment, context, block, earlier, tmp_path,
     for example in ("examples",):  # what the commands name in the repository
         (tmp_path / example).symlink_to(REPO / example)
     monkeypatch.chdir(tmp_path)
+    from rapidformer.cli.verbs.copy import cp_command
+
+    for copy in copies:  # the page's `rapidformer cp` steps make the config folders it uses
+        assert cp_command(shlex.split(copy)[2:]) == 0, copy
     try:
         overrides = _overrides(command, tmp_path)
         if overrides is None:
