@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import read_metrics
+from tests.test_verbs import cli  # (exit code, stdout, stderr) of `rapidformer ARGV`
 
 # a few steps of a tiny BERT: seconds each on a CPU
 TINY = ["trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.log_interval=1",
@@ -32,18 +32,6 @@ def train(run: Path, *overrides: str) -> Path:
     return run
 
 
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `rapidformer ARGV`, in this process."""
-    from rapidformer.cli import console
-
-    os.environ.pop("RAPIDFORMER_DEBUG", None)
-    try:
-        console.main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_error(err: str) -> str:
