@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from rapidformer import checkpoint
+from rapidformer.config.compose import override_key
 from rapidformer.observability.format import format_value
 from rapidformer.observability.metrics import read_metrics
 from rapidformer.templates.best import inferred_mode
@@ -42,14 +43,10 @@ def run_overrides(run_dir: Path, argv: list[str] | None = None) -> list[str]:
     return [a for a in argv if not a.startswith("-")]
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def resume_command(run_dir: Path, argv: list[str] | None = None) -> str:
     """`python -m rapidformer <the run's overrides> trainer.output_dir=RUN_DIR
     trainer.resume=auto`, quoted for a POSIX shell."""
-    kept = [o for o in run_overrides(run_dir, argv) if _key(o) not in RUN_DIR_KEYS]
+    kept = [o for o in run_overrides(run_dir, argv) if override_key(o) not in RUN_DIR_KEYS]
     return shlex.join(["python", "-m", "rapidformer", *kept, f"trainer.output_dir={run_dir}",
                        "trainer.resume=auto"])
 

@@ -80,7 +80,7 @@ def option_text(group: str, option: str) -> str:
     return option_folder(group).joinpath(f"{option}.yaml").read_text(encoding="utf-8")
 
 
-def _key_of(override: str) -> str:
+def override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
 
 
@@ -92,7 +92,7 @@ CHOOSES_THE_RUN = ("recipe", "user_script", "task")
 def with_default_recipe(overrides: list[str]) -> list[str]:
     """`python -m rapidformer` alone runs the quickstart: it is added when the command names
     no recipe, no user script and no task; otherwise the groups' defaults apply."""
-    if any(_key_of(o) in CHOOSES_THE_RUN for o in overrides):
+    if any(override_key(o) in CHOOSES_THE_RUN for o in overrides):
         return list(overrides)
     return [f"+recipe={DEFAULT_RECIPE}", *overrides]
 
@@ -100,10 +100,10 @@ def with_default_recipe(overrides: list[str]) -> list[str]:
 def recipe_line(overrides: list[str]) -> str:
     """What a run prints first: the recipe it uses, or that it uses none (overrides after
     with_default_recipe)."""
-    named = [o.split("=", 1)[1] for o in overrides if _key_of(o) == "recipe" and "=" in o
+    named = [o.split("=", 1)[1] for o in overrides if override_key(o) == "recipe" and "=" in o
              and not o.startswith("~")]
     if named and overrides[0] == f"+recipe={DEFAULT_RECIPE}" and \
-            not any(_key_of(o) == "recipe" for o in overrides[1:]):
+            not any(override_key(o) == "recipe" for o in overrides[1:]):
         return (f"recipe: {DEFAULT_RECIPE} (the default: the command names no recipe, task or "
                 f"user_script)")
     if named:
@@ -281,7 +281,7 @@ def ignored_override_problems(overrides: list[str], cfg: DictConfig) -> list[str
         return []  # a white-box script may read any key
     problems = []
     for text in overrides:
-        key = _key_of(text)
+        key = override_key(text)
         used = next((USED_ONLY_WITH[k] for k in (key, ".".join(key.split(".")[:2]))
                      if k in USED_ONLY_WITH), None)
         if used is None or text.lstrip().startswith("~"):
@@ -304,7 +304,7 @@ def _existing_key_problems(overrides: list[str], compose_without) -> list[str]:
     from hydra.errors import HydraException
 
     adds = [o for o in overrides if not o.startswith("++") and o.startswith("+")
-            and _key_of(o) not in OPTION_GROUPS and _parse(o).type == OverrideType.ADD]
+            and override_key(o) not in OPTION_GROUPS and _parse(o).type == OverrideType.ADD]
     if not adds:
         return []
     try:
@@ -313,7 +313,7 @@ def _existing_key_problems(overrides: list[str], compose_without) -> list[str]:
         return []
     problems = []
     for text in adds:
-        key = _key_of(text)
+        key = override_key(text)
         if OmegaConf.select(base, key, default=_UNRESOLVED, throw_on_missing=False) \
                 is not _UNRESOLVED:
             value = text.split("=", 1)[1] if "=" in text else ""
@@ -334,7 +334,7 @@ def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> 
         overrides = with_default_recipe(overrides)
     overrides = check_overrides(overrides)
     installed_files(CONF_PACKAGE)  # a broken install says how to mend it, before Hydra's error
-    if search.folders() and not any(_key_of(o) == "hydra.searchpath" for o in overrides):
+    if search.folders() and not any(override_key(o) == "hydra.searchpath" for o in overrides):
         entries = ",".join(f"'file://{d}'" for d in search.folders())
         overrides = [f"hydra.searchpath=[{entries}]", *overrides]
 
