@@ -33,6 +33,10 @@ class TaskConfig:
     # masked_lm: mask whole words (all their sub-tokens together) instead of single tokens;
     # data.mask_prob is the share of tokens masked, drawn anew every time a batch is made
     whole_word_masking: bool = False
+    # masked_lm, bert_pretraining: run BERT's MLM head (a hidden x vocabulary matmul) on the
+    # masked positions only (masked; the same loss, NVIDIA's and MLPerf's BERT do so) or on every
+    # position (all). Hugging Face BERT models; other models run their own head
+    mlm_head: Literal["masked", "all"] = "masked"
     # seq2seq_lm: target length (labels longer are cut), beams and new tokens at evaluation, and
     # a text put before every source (T5's "summarize: ")
     max_target_length: int = 64
@@ -114,6 +118,12 @@ class DataConfig:
     # padding from 20 % to 2 % but final accuracy from 0.985 to 0.875 (length and label are
     # correlated there, and a step of one micro-batch then sees one length; docs/benchmarks.md)
     group_by_length: bool = False
+    # the length a fine-tuning batch is padded to: longest (its longest row), max
+    # (max_seq_length), N (the next multiple of N), or a list of bucket lengths (the smallest that
+    # fits; max_seq_length is the last). auto: longest in eager mode; with graph=compile, buckets
+    # (rapidformer/data/lengths.py), so that a compiled model meets a few shapes, not one per
+    # length. With trainer.unpad the packed row's tokens are rounded up to a multiple instead
+    pad_to: Union[int, Literal["auto", "longest", "max"], list[int]] = "auto"
     num_workers: int = 0
     # --- Megatron pretraining data (data.source=megatron) ---
     # the seed's --data-impl; megatron-core reads mmap only ("infer" is accepted as mmap)
@@ -230,6 +240,11 @@ class TrainerConfig:
     # (only attention's scores and softmax: most of the memory for a few % of compute)
     recompute_granularity: Literal["full", "selective"] = "full"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # train encoders (Hugging Face BERT: sequence and token classification, masked LM, BERT
+    # pretraining) on the real tokens only: a batch's sequences packed into one row, attention
+    # per sequence (flash variable-length on GPUs; no attention dropout there), the padded
+    # path's loss (rapidformer/models/unpadded.py). Evaluation stays padded
+    unpad: bool = False
     log_interval: int = 10
     # null: evaluate at the end of every epoch (PreTrainer: at the end of training)
     eval_interval: Optional[int] = None

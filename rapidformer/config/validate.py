@@ -36,7 +36,10 @@ def _describe(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is Union:
         parts = [_describe(a) for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(parts) + " or null"
+        return " or ".join(parts) + (" or null" if type(None) in typing.get_args(tp) else "")
+    if origin is list:
+        item, = typing.get_args(tp) or (Any,)
+        return f"a list of {_describe(item).removeprefix('an ').removeprefix('a ')}s"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
             dict: "a mapping"}.get(
         tp, getattr(tp, "__name__", str(tp)))
@@ -57,6 +60,12 @@ def _coerce(value: Any, tp) -> tuple[bool, Any]:
         return False, value
     if origin is Literal:
         return (value in typing.get_args(tp) and not isinstance(value, bool)), value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        item, = typing.get_args(tp) or (Any,)
+        converted = [_coerce(v, item) for v in value]
+        return all(ok for ok, _ in converted), [v for _, v in converted]
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:
@@ -140,6 +149,8 @@ class Bound:
     def holds(self, value) -> bool:
         if value is None:
             return self.null is not None
+        if isinstance(value, (str, list)):  # a key's named or listed values: checked by name
+            return True
         if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
             return False
         return self.high is None or value < self.high or (value == self.high and not self.high_open)
@@ -242,6 +253,7 @@ BOUNDS: dict[str, Bound] = {
                                             example="10",
                                             note="a window max this many times the recent median"),
     "launcher.nproc_per_node": Bound(1, example="1"),
+    "data.pad_to": Bound(1, example="16"),
     "launcher.nnodes": Bound(1, example="1"),
     "launcher.master_port": Bound(1, 65535, example="6010", note="a TCP port"),
     "launcher.rendezvous_timeout": Bound(1, example="300", note="seconds"),
@@ -372,6 +384,7 @@ def check_values(cfg: RunConfig) -> list[str]:
     p.extend(_pretraining_problems(cfg))
     p.extend(_megatron_problems(cfg))
     p.extend(_task_problems(cfg))
+    p.extend(_length_problems(cfg))
 
     par = cfg.parallelism
     if par.sequence_parallel and (par.tensor_model_parallel_size < 2
@@ -540,6 +553,41 @@ def compile_modes() -> list[str]:
 
 
 ENCODER_DECODER_ARCHS = ("t5",)
+
+
+UNPADDED_TASKS = ("sequence_classification", "token_classification", "masked_lm",
+                  "bert_pretraining")
+
+
+def _length_problems(cfg: RunConfig) -> list[str]:
+    """data.pad_to's buckets and trainer.unpad's tasks, models, graph and precision."""
+    t, m, d = cfg.trainer, cfg.model, cfg.data
+    p: list[str] = []
+    if isinstance(d.pad_to, list):
+        bad = [b for b in d.pad_to if not MIN_SEQ_LENGTH <= b <= d.max_seq_length]
+        if bad or not d.pad_to:
+            p.append(f"data.pad_to={d.pad_to}: bucket lengths are between {MIN_SEQ_LENGTH} and "
+                     f"data.max_seq_length={d.max_seq_length}"
+                     + (f" ({', '.join(map(str, bad))} is not)" if bad else " (the list is empty)")
+                     + f"; e.g. data.pad_to=[{d.max_seq_length // 4},{d.max_seq_length // 2}]")
+        if t.unpad:
+            p.append(f"data.pad_to={d.pad_to} lists row lengths, but trainer.unpad=true packs "
+                     f"each batch into one row of real tokens, rounded up to a multiple: give "
+                     f"data.pad_to an integer (e.g. 256) or auto")
+    if not t.unpad:
+        return p
+    if cfg.task.name not in UNPADDED_TASKS:
+        p.append(f"trainer.unpad=true with task={cfg.task.name}: not yet; unpadded training "
+                 f"drives {', '.join(UNPADDED_TASKS)} (Hugging Face BERT models); set "
+                 f"trainer.unpad=false")
+    elif m.arch.startswith("megatron") or (m.source == "config" and m.arch != "bert"):
+        p.append(f"trainer.unpad=true with model={m.name}: unpadded training drives Hugging "
+                 f"Face BERT models (model=bert_tiny, bert_base, or model=hf with a BERT "
+                 f"checkpoint); set trainer.unpad=false")
+    if cfg.graph.name == "ort":
+        p.append("trainer.unpad=true with graph=ort: the exported ONNX graph has no "
+                 "variable-length attention; use graph=eager or graph=compile")
+    return p
 
 
 def _task_problems(cfg: RunConfig) -> list[str]:

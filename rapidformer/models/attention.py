@@ -26,6 +26,8 @@ import inspect
 import logging
 import sys
 
+import torch
+
 log = logging.getLogger(__name__)
 
 TRAINING_SDPA = "rapidformer_sdpa"
@@ -76,12 +78,73 @@ def _packed_sequences_unless_own_positions(find):
     return find_packed_sequence_indices
 
 
+_dropout_noted = False
+
+
+def varlen_attention(module, query, key, value, cu_seq_lens, max_length: int, scaling, dropout):
+    """Attention within each sequence of a packed row; query/key/value [1, heads, T, dim],
+    returns [1, T, heads, dim] as transformers' attention functions do. bf16/fp16 on a GPU:
+    the variable-length flash kernel; otherwise the sequences are put back into rows of
+    `max_length` for SDPA (the attention costs what padded attention costs, the rest of the
+    model still runs on the real tokens only)."""
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        global _dropout_noted
+        if dropout and not _dropout_noted:
+            _dropout_noted = True
+            log.warning("trainer.unpad: attention dropout (%.2g) is not applied on the GPU: "
+                        "torch's variable-length flash kernel has none (hidden dropout is)",
+                        dropout)
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        out = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length,
+                          scale=scaling)
+        return out.unsqueeze(0), None
+    return _attention_in_rows(module, query, key, value, cu_seq_lens, max_length, scaling,
+                              dropout)
+
+
+def _attention_in_rows(module, query, key, value, cu_seq_lens, max_length, scaling, dropout):
+    heads, total, dim = query.shape[1:]
+    rows = cu_seq_lens.numel() - 1
+    index = torch.arange(total, device=query.device)
+    row = torch.searchsorted(cu_seq_lens[1:], index, right=True).clamp(max=rows - 1)
+    # the tail segment (padding to a multiple) may be longer than a row: it wraps, and its
+    # outputs are never read
+    position = (index - cu_seq_lens[row]) % max_length
+    valid = torch.zeros(rows, max_length, dtype=torch.bool, device=query.device)
+    valid[row, position] = True
+    valid[:, 0] = True  # no row without a key: an empty row's softmax would be NaN
+
+    def to_rows(t):
+        out = t.new_zeros(rows, max_length, heads, dim)
+        out[row, position] = t[0].transpose(0, 1)
+        return out.transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        to_rows(query), to_rows(key), to_rows(value), attn_mask=valid[:, None, None, :],
+        dropout_p=dropout if module.training else 0.0, scale=scaling)
+    return out.transpose(1, 2)[row, position].unsqueeze(0), None
+
+
+def training_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       **kwargs):
+    """transformers' SDPA attention, or the per-sequence attention of a packed batch."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is not None and attention_mask is None:
+        return varlen_attention(module, query, key, value, cu_seq_lens, kwargs["max_length_q"],
+                                scaling, dropout)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                  dropout=dropout, **kwargs)
+
+
 def register() -> None:
     """Make `rapidformer_sdpa` a transformers attention implementation (idempotent)."""
     from transformers import AttentionInterface, masking_utils
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    AttentionInterface.register(TRAINING_SDPA, sdpa_attention_forward)
+    AttentionInterface.register(TRAINING_SDPA, training_attention)
     masking_utils.AttentionMaskInterface.register(TRAINING_SDPA, training_sdpa_mask)
     find = getattr(masking_utils, "find_packed_sequence_indices", None)
     if find is not None and not hasattr(find, "rapidformer_wrapped"):

@@ -7,6 +7,7 @@ import torch
 from rapidformer.data.synthetic_tasks import TASK_KINDS, writer_for
 from rapidformer.data.text_classification import load_splits, require_columns
 from rapidformer.data.tokenizers import build_tokenizer
+from rapidformer.tasks.batching import Batching
 from rapidformer.templates.finetuner import Finetuner
 
 
@@ -39,6 +40,13 @@ class TaskFinetuner(Finetuner):
         if path is not None and (path / "tokenizer" / "tokenizer_config.json").is_file():
             return path / "tokenizer"
         return None
+
+    def shape_batches(self, collate, masked_lm: bool = False):
+        """The evaluation collate around `collate` (the task's padding one); the training one
+        becomes `self.train_collate_fn` (data.pad_to, trainer.unpad, task.mlm_head)."""
+        self.batching = Batching(self.cfg, self.tokenizer, masked_lm=masked_lm)
+        self.train_collate_fn, evaluation = self.batching.collates(collate)
+        return evaluation
 
     def sum_over_ranks(self, *values: float) -> list[float]:
         total = torch.tensor([float(v) for v in values], dtype=torch.float64,

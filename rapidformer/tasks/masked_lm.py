@@ -37,11 +37,12 @@ class MaskedLMFinetuner(TaskFinetuner):
                                                   whole_word_mask=whole_words)
         scored = {name: masked_once(ds, masking, self.cfg.trainer.seed)
                   for name, ds in encoded.items() if name != "train"}
-        collate = MaskOrPad(masking, tokenizer)
+        collate = self.shape_batches(MaskOrPad(masking, tokenizer), masked_lm=True)
         return encoded["train"], scored.get("validation"), scored.get("test"), collate
 
     def model_optimizer_lr_scheduler_provider(self):
-        return build_task_model(self.cfg.model, "masked_lm", self.tokenizer), None, None
+        model = build_task_model(self.cfg.model, "masked_lm", self.tokenizer)
+        return self.batching.drive(model), None, None
 
     def run_forward_step(self, batch, model):
         return model(**batch).loss

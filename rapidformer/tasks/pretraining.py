@@ -8,11 +8,13 @@ run's tokenizer (the one the data was made with), megatron-core datasets, a Hugg
 from __future__ import annotations
 
 import torch
+from torch.utils.data import default_collate
 
 from rapidformer.compat import mpu
 from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets
 from rapidformer.models.hf import build_pretraining_model
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
+from rapidformer.tasks.batching import Batching
 from rapidformer.templates.pretrainer import PreTrainer
 from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
@@ -43,17 +45,28 @@ class _MegatronDataPretrainer(PreTrainer):
 
 class BertPretrainer(_MegatronDataPretrainer):
     build_megatron_model = build_megatron_bert
+    batching = None  # a Hugging Face BERT's batch shapes (tasks/batching.py)
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         d = self.cfg.data  # data.impl is checked with the config
-        return build_bert_datasets(d.path, self._tokenizer(), d.split,
+        tokenizer = self._tokenizer()
+        if not self.megatron_model:
+            self.batching = Batching(self.cfg, tokenizer.hf, masked_lm=True)
+            self.collate_fn = self.batching.pretraining_collate(default_collate)
+        return build_bert_datasets(d.path, tokenizer, d.split,
                                    train_val_test_num_samples, d.max_seq_length, d.mask_prob,
                                    d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
                                    skip_warmup=not d.mmap_warmup,
                                    path_to_cache=self.engine.run_dir / "data_index_cache")
 
+    def model_optimizer_lr_scheduler_provider(self):
+        model, optimizer, scheduler = super().model_optimizer_lr_scheduler_provider()
+        return (self.batching.drive(model) if self.batching else model), optimizer, scheduler
+
     def run_forward_step(self, data_iterator, model):
-        data = mpu.broadcast_data(BERT_KEYS, next(data_iterator), torch.int64)
+        batch = next(data_iterator)
+        keys = BERT_KEYS if self.megatron_model else list(batch)
+        data = mpu.broadcast_data(keys, batch, torch.int64)
         if self.megatron_model:
             return megatron_bert_forward(model, data)
         return model(**data).loss

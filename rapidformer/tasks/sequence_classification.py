@@ -40,13 +40,13 @@ class SequenceClassificationFinetuner(TaskFinetuner):
             m, lambda: training_texts("sequence_classification", d, data.splits["train"]),
             tokenizer_dir, d.max_seq_length)
         encoded = tokenize_splits(data, d, self.tokenizer)
-        collate_fn = DataCollatorWithPadding(self.tokenizer, return_tensors="pt")
+        collate_fn = self.shape_batches(DataCollatorWithPadding(self.tokenizer, return_tensors="pt"))
         return encoded["train"], encoded.get("validation"), encoded.get("test"), collate_fn
 
     def model_optimizer_lr_scheduler_provider(self):
         model = build_sequence_classifier(self.cfg.model, self.num_labels, self.tokenizer,
                                           self.label_names)
-        return model, None, None
+        return self.batching.drive(model), None, None
 
     def run_forward_step(self, batch, model):
         return model(**batch).loss

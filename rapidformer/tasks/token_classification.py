@@ -35,14 +35,15 @@ class TokenClassificationFinetuner(TaskFinetuner):
 
         encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names)
                    for name, ds in splits.items()}
-        collate = DataCollatorForTokenClassification(tokenizer, return_tensors="pt")
+        collate = self.shape_batches(DataCollatorForTokenClassification(tokenizer,
+                                                                        return_tensors="pt"))
         return encoded["train"], encoded.get("validation"), encoded.get("test"), collate
 
     def model_optimizer_lr_scheduler_provider(self):
         labels = {"num_labels": len(self.names), "id2label": dict(enumerate(self.names)),
                   "label2id": {n: i for i, n in enumerate(self.names)}}
-        return build_task_model(self.cfg.model, "token_classification", self.tokenizer,
-                                **labels), None, None
+        model = build_task_model(self.cfg.model, "token_classification", self.tokenizer, **labels)
+        return self.batching.drive(model), None, None
 
     def run_forward_step(self, batch, model):
         return model(**batch).loss

@@ -66,12 +66,16 @@ class Finetuner:
     - `model_optimizer_lr_scheduler_provider()` -> (model, optimizer or None, lr_scheduler or None)
     - `run_forward_step(batch, model)` -> loss
     - `run_compute_metrics(model, eval_dataloader)` -> dict of metrics (`model` is a list)
+
+    Set `self.train_collate_fn` in the first to give training batches a collate function of
+    their own (e.g. packed rows); evaluation and test use the one the method returns.
     """
 
     def __init__(self, engine):
         self.engine = engine
         self.cfg = engine.cfg
         self.tokenizer = None  # set it to have the tokenizer saved with checkpoints and export
+        self.train_collate_fn = None  # training's own collate function, if it has one
 
     # --- the four methods of the seed's template ------------------------------------------------
     def train_valid_test_datasets_provider(self):
@@ -154,7 +158,8 @@ class Finetuner:
         total_iters = t.train_iters or t.epochs * sampler.steps_per_epoch
         model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
                                                         total_iters=total_iters)
-        train_loader = self._train_loader(train_ds, sampler, collate_fn)
+        train_loader = self._train_loader(train_ds, sampler,
+                                          self.train_collate_fn or collate_fn)
         eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
                         for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
         if t.best_metric and not eval_loaders:

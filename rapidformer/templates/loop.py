@@ -301,7 +301,12 @@ class _Window:
     def add_input(self, batch):
         ids = batch.get("input_ids") if isinstance(batch, dict) else None
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        if ids is not None:
+        packed = batch.get("cu_seq_lens_q") if isinstance(batch, dict) else None
+        if ids is not None and packed is not None:  # trainer.unpad: B sequences and a tail
+            self.samples += packed.numel() - 2
+            self.slots += ids.numel()
+            self.tokens = self.tokens + packed[-2]
+        elif ids is not None:
             self.samples += ids.shape[0]
             self.slots += ids.numel()
             self.tokens = self.tokens + (mask.sum() if mask is not None else ids.numel())

@@ -1,0 +1,86 @@
+"""The lengths fine-tuning batches are padded to (`data.pad_to`).
+
+Padding a batch to its longest row wastes the least compute, but a compiled model meets a new
+shape with almost every batch: torch.compile recompiles (or falls back to a dynamic-shape graph
+with slower kernels), and CUDA graphs record one graph per shape. Padding to a few bucket
+lengths bounds the shapes for a few percent more padding; the share of padding is logged as
+`padding_frac` either way.
+
+`auto` is the batch's longest row in eager mode, and with graph=compile the buckets of
+`auto_buckets` (eight lengths spaced evenly up to max_seq_length, multiples of 8). With
+trainer.unpad the padded dimension is the packed row's token count, rounded up to a multiple
+(`token_multiple`).
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from rapidformer.models.unpadded import IGNORE, round_up
+
+# value of each key's padding; any other [B, S] tensor pads with 0
+_FILLS = {"labels": IGNORE, "attention_mask": 0, "special_tokens_mask": 1}
+
+
+def auto_buckets(max_length: int, count: int = 8) -> list[int]:
+    """`count` lengths up to `max_length`, evenly spaced, each a multiple of 8."""
+    step = round_up(max(max_length // count, 1), 8)
+    buckets = list(range(step, max_length, step))
+    return buckets + [max_length]
+
+
+def bucket_lengths(pad_to, max_length: int, compiled: bool) -> list[int] | int | None:
+    """data.pad_to resolved: a sorted list of bucket lengths, an int (pad to a multiple of
+    it), or None (the batch's longest row)."""
+    if pad_to == "auto":
+        return auto_buckets(max_length) if compiled else None
+    if pad_to == "longest":
+        return None
+    if pad_to == "max":
+        return [max_length]
+    if isinstance(pad_to, int):
+        return pad_to
+    return sorted({int(b) for b in pad_to if b < max_length} | {max_length})
+
+
+def target_length(longest: int, rule) -> int:
+    if rule is None:
+        return longest
+    if isinstance(rule, int):
+        return round_up(longest, rule)
+    return rule[min(bisect.bisect_left(rule, longest), len(rule) - 1)]
+
+
+def token_multiple(pad_to, compiled: bool) -> int:
+    """trainer.unpad: the multiple the packed row's tokens are rounded up to."""
+    if isinstance(pad_to, int):
+        return pad_to
+    return 256 if compiled and pad_to == "auto" else 8
+
+
+def pad_batch(batch: dict, length: int, pad_id: int, left: bool = False) -> dict:
+    """Every [B, S] tensor of a collated batch padded to [B, length]."""
+    rows, width = batch["input_ids"].shape
+    if length <= width:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() == 2 and value.shape == (rows, width):
+            fill = pad_id if key == "input_ids" else _FILLS.get(key, 0)
+            extra = value.new_full((rows, length - width), fill)
+            value = torch.cat([extra, value] if left else [value, extra], dim=1)
+        out[key] = value
+    return out
+
+
+class PadTo:
+    """Collate step: the wrapped collate function's batch padded up to its bucket length."""
+
+    def __init__(self, collate, rule, pad_id: int, left: bool = False):
+        self.collate, self.rule, self.pad_id, self.left = collate, rule, pad_id, left
+
+    def __call__(self, features):
+        batch = dict(self.collate(features))
+        width = batch["input_ids"].shape[1]
+        return pad_batch(batch, target_length(width, self.rule), self.pad_id, self.left)
