@@ -29,3 +29,12 @@ def finish(path, result: dict) -> None:
     print(f"wrote {path}")
     if any("error" in row for row in result["rows"]):
         sys.exit(1)
+
+
+def keep_log(name: str, result, lines: int = 60) -> None:
+    """A run's last log lines appended to $BENCH_LOG, when set (to read why a row was slow)."""
+    path = os.environ.get("BENCH_LOG")
+    if path:
+        tail = (result.stderr + result.stdout).splitlines()[-lines:]
+        with open(path, "a") as f:
+            f.write(f"===== {name} (exit {result.returncode})\n" + "\n".join(tail) + "\n")

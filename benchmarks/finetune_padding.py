@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from _report import finish, portable_command
+from _report import finish, keep_log, portable_command
 
 MODELS = {"small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                         intermediate_size=1536),
@@ -122,6 +122,7 @@ def rapidformer_row(row: str, model: Path, data: Path, args, work: Path) -> dict
                f"trainer.output_dir={out}", *RF_ROWS[row], *args.overrides]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
+    keep_log(row, result)
     wall = time.perf_counter() - started
     base = {"row": row, "model": model.name, "command": portable_command(
         " ".join(command[1:]), {str(work): "WORK"})}

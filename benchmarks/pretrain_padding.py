@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import finish, portable_command
+from _report import finish, keep_log, portable_command
 
 from rapidformer.data.corpus import VOCAB_SAMPLE_DOCS, iter_documents, write_corpus
 from rapidformer.data.corpus import write_wordpiece_vocab
@@ -77,6 +77,7 @@ def rapidformer_row(row: str, corpus: str, prefix: str, vocab: Path, args, work:
                f"trainer.output_dir={out}"]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
+    keep_log(row, result)
     base = {"row": row, "corpus": corpus, "process_wall_s": round(time.perf_counter() - started, 1),
             "command": portable_command(" ".join(command[1:]), {str(work): "WORK"})}
     if result.returncode != 0:

@@ -120,9 +120,8 @@ class DataConfig:
     group_by_length: bool = False
     # the length a fine-tuning batch is padded to: longest (its longest row), max
     # (max_seq_length), N (the next multiple of N), or a list of bucket lengths (the smallest that
-    # fits; max_seq_length is the last). auto: longest in eager mode; with graph=compile, buckets
-    # (rapidformer/data/lengths.py), so that a compiled model meets a few shapes, not one per
-    # length. With trainer.unpad the packed row's tokens are rounded up to a multiple instead
+    # fits; max_seq_length is the last). auto: longest in eager mode; with graph=compile the next
+    # multiple of 16, so that a compiled model meets few shapes (rapidformer/data/lengths.py). With trainer.unpad the packed row's tokens are rounded up to a multiple instead
     pad_to: Union[int, Literal["auto", "longest", "max"], list[int]] = "auto"
     num_workers: int = 0
     # --- Megatron pretraining data (data.source=megatron) ---

@@ -6,8 +6,11 @@ with slower kernels), and CUDA graphs record one graph per shape. Padding to a f
 lengths bounds the shapes for a few percent more padding; the share of padding is logged as
 `padding_frac` either way.
 
-`auto` is the batch's longest row in eager mode, and with graph=compile the buckets of
-`auto_buckets` (eight lengths spaced evenly up to max_seq_length, multiples of 8). With
+`auto` is the batch's longest row in eager mode, and with graph=compile the next multiple of
+16: torch.compile's automatic dynamic shapes then cover every length with one graph after the
+second, and no length-alignment guard of the attention kernels tells two lengths apart (on one
+H200, plain Hugging Face + torch.compile at lengths of the longest row spent 90 s of a
+3-epoch, 13-second fine-tune recompiling; docs/benchmarks.md). With
 trainer.unpad the padded dimension is the packed row's token count, rounded up to a multiple
 (`token_multiple`).
 """
@@ -19,22 +22,16 @@ import torch
 
 from rapidformer.models.unpadded import IGNORE, round_up
 
+COMPILED_MULTIPLE = 16
 # value of each key's padding; any other [B, S] tensor pads with 0
 _FILLS = {"labels": IGNORE, "attention_mask": 0, "special_tokens_mask": 1}
-
-
-def auto_buckets(max_length: int, count: int = 8) -> list[int]:
-    """`count` lengths up to `max_length`, evenly spaced, each a multiple of 8."""
-    step = round_up(max(max_length // count, 1), 8)
-    buckets = list(range(step, max_length, step))
-    return buckets + [max_length]
 
 
 def bucket_lengths(pad_to, max_length: int, compiled: bool) -> list[int] | int | None:
     """data.pad_to resolved: a sorted list of bucket lengths, an int (pad to a multiple of
     it), or None (the batch's longest row)."""
     if pad_to == "auto":
-        return auto_buckets(max_length) if compiled else None
+        return COMPILED_MULTIPLE if compiled else None
     if pad_to == "longest":
         return None
     if pad_to == "max":
