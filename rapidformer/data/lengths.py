@@ -20,11 +20,19 @@ import bisect
 
 import torch
 
-from rapidformer.models.unpadded import IGNORE, round_up
-
+IGNORE = -100  # the label of a position without a loss
 COMPILED_MULTIPLE = 16
-# value of each key's padding; any other [B, S] tensor pads with 0
+# value of each key's padding; input_ids pad with the tokenizer's pad id, any other [B, S]
+# tensor with 0
 _FILLS = {"labels": IGNORE, "attention_mask": 0, "special_tokens_mask": 1}
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def fill_value(key: str, pad_id: int) -> int:
+    return pad_id if key == "input_ids" else _FILLS.get(key, 0)
 
 
 def bucket_lengths(pad_to, max_length: int, compiled: bool) -> list[int] | int | None:
@@ -64,8 +72,7 @@ def pad_batch(batch: dict, length: int, pad_id: int, left: bool = False) -> dict
     out = {}
     for key, value in batch.items():
         if torch.is_tensor(value) and value.dim() == 2 and value.shape == (rows, width):
-            fill = pad_id if key == "input_ids" else _FILLS.get(key, 0)
-            extra = value.new_full((rows, length - width), fill)
+            extra = value.new_full((rows, length - width), fill_value(key, pad_id))
             value = torch.cat([extra, value] if left else [value, extra], dim=1)
         out[key] = value
     return out

@@ -34,25 +34,10 @@ import logging
 
 import torch
 
+from rapidformer.data.lengths import IGNORE, fill_value, round_up
 from rapidformer.errors import ConfigError
 
 log = logging.getLogger("rapidformer")
-
-IGNORE = -100
-# keys of a packed batch that are the layout, not the model's input
-LAYOUT_KEYS = ("cu_seq_lens_q", "masked_positions")
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _fill(key: str, pad_id: int) -> int:
-    if key == "labels":
-        return IGNORE
-    if key == "input_ids":
-        return pad_id
-    return 0
 
 
 def masked_positions(labels: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -80,7 +65,7 @@ def unpad_batch(batch: dict, pad_id: int, token_multiple: int) -> dict:
             continue
         if torch.is_tensor(value) and value.shape[:2] == (rows, width) and value.dim() == 2:
             flat = value[mask]
-            tail = torch.full((total - real,), _fill(key, pad_id), dtype=value.dtype)
+            tail = torch.full((total - real,), fill_value(key, pad_id), dtype=value.dtype)
             out[key] = torch.cat([flat, tail]).unsqueeze(0)
         else:
             out[key] = value
