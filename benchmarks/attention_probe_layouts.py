@@ -11,7 +11,7 @@ import sys, json
 sys.path.insert(0, "benchmarks")
 import torch, torch.nn.functional as F
 from run import build_model, batch_for, measure, WORKLOADS
-from profile_step import kind_of
+from rapidformer.observability.step_profiler import kind_of
 
 dev = torch.device("cuda")
 out = {}

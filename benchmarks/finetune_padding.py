@@ -46,6 +46,8 @@ RF_ROWS = {
     "rf-compile-cudagraphs": ["precision=bf16", "graph=compile", "graph.mode=reduce-overhead"],
     "rf-unpad": ["precision=bf16", "trainer.unpad=true"],
     "rf-unpad-compile": ["precision=bf16", "trainer.unpad=true", "graph=compile"],
+    "rf-unpad-compile-cudagraphs": ["precision=bf16", "trainer.unpad=true", "graph=compile",
+                                    "graph.mode=reduce-overhead"],
 }
 HF_ROWS = {"hf-eager": dict(compiled=False, bf16=False), "hf-eager-bf16": dict(compiled=False, bf16=True),
            "hf-compile": dict(compiled=True, bf16=True)}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -22,20 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import SMOKE, WORKLOADS, batch_for, build_model, hf_loop, rapidformer_loop  # noqa: E402
 
-# kernel name pattern -> kind, first match wins
-KINDS = [("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
-         ("matmul", r"gemm|matmul|sm90_xmma|cutlass|cublas|nvjet|ampere_.*_s16816|sm80|aten::(add)?b?mm\b"),
-         ("optimizer", r"adam|multi_tensor|foreach|fused_.*optim"),
-         ("loss", r"cross_entropy|log_softmax|nll_loss"),
-         ("communication", r"nccl|allreduce|all_gather|reduce_scatter"),
-         ("copy", r"memcpy|memset|copy_|cat_|Memcpy|Memset"),
-         ("fused elementwise", r"triton_|fused"),
-         ("other elementwise", r".")]
-
-
-def kind_of(name: str) -> str:
-    return next(kind for kind, pattern in KINDS if re.search(pattern, name, re.IGNORECASE))
-
+from rapidformer.observability.step_profiler import kernel_summary  # noqa: E402
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser()
@@ -84,28 +70,14 @@ def main(argv=None) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-    kernels: dict[str, float] = {}
-    for event in prof.key_averages():
-        us = (event.device_time_total if device.type == "cuda" else event.self_cpu_time_total)
-        if us > 0 and (device.type == "cuda" or event.key.startswith("aten::")):
-            kernels[event.key] = kernels.get(event.key, 0.0) + us
-    total = sum(kernels.values())
-    by_kind: dict[str, float] = {}
-    for name, us in kernels.items():
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us
     variant = "".join(["_nomask" if args.no_mask else "",
                        f"_{args.sdpa}" if args.sdpa != "default" else ""])
+    summary = kernel_summary(prof, device.type, args.steps)
     result = {"workload": args.workload, "system": args.system, "steps": args.steps,
               "attention_mask": not args.no_mask, "sdpa": args.sdpa,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__,
-              "ms_per_step": round(total / 1000 / args.steps, 2),
-              "kinds": {k: {"ms_per_step": round(v / 1000 / args.steps, 2),
-                            "share": round(v / total, 4)}
-                        for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-              "top_kernels": [{"name": name[:120], "kind": kind_of(name),
-                               "ms_per_step": round(us / 1000 / args.steps, 3)}
-                              for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]]}
+              "torch": torch.__version__, "ms_per_step": summary["kernel_ms_per_step"],
+              "kinds": summary["kinds"], "top_kernels": summary["top_kernels"]}
     print(f"{args.workload} / {args.system}: {result['ms_per_step']} ms of kernels per step")
     print("| kind | ms per step | share |\n|---|---|---|")
     for kind, entry in result["kinds"].items():

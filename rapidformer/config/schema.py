@@ -245,6 +245,10 @@ class TrainerConfig:
     # path's loss (rapidformer/models/unpadded.py). Evaluation stays padded
     unpad: bool = False
     log_interval: int = 10
+    # [first, last]: record these training steps with torch.profiler: a Chrome/Perfetto trace
+    # and the device's time by kernel kind, with its share of the steps' wall time, in
+    # <run dir>/profile/ (observability/step_profiler.py). null: no profile
+    profile_steps: Optional[list[int]] = None
     # null: evaluate at the end of every epoch (PreTrainer: at the end of training)
     eval_interval: Optional[int] = None
     # PreTrainer: iterations (global batches) per evaluation, Megatron's --eval-iters

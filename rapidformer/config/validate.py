@@ -385,6 +385,11 @@ def check_values(cfg: RunConfig) -> list[str]:
     p.extend(_megatron_problems(cfg))
     p.extend(_task_problems(cfg))
     p.extend(_length_problems(cfg))
+    steps = t.profile_steps
+    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        p.append(f"trainer.profile_steps={list(steps)}: give the first and the last training "
+                 f"step to profile, 1 <= first <= last, e.g. trainer.profile_steps=[20,24] "
+                 f"(after the compile and warm-up steps)")
 
     par = cfg.parallelism
     if par.sequence_parallel and (par.tensor_model_parallel_size < 2

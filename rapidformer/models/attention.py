@@ -78,30 +78,32 @@ def _packed_sequences_unless_own_positions(find):
     return find_packed_sequence_indices
 
 
-_dropout_noted = False
+HALF = (torch.bfloat16, torch.float16)
 
 
 def varlen_attention(module, query, key, value, cu_seq_lens, max_length: int, scaling, dropout):
     """Attention within each sequence of a packed row; query/key/value [1, heads, T, dim],
     returns [1, T, heads, dim] as transformers' attention functions do. bf16/fp16 on a GPU:
-    the variable-length flash kernel; otherwise the sequences are put back into rows of
-    `max_length` for SDPA (the attention costs what padded attention costs, the rest of the
-    model still runs on the real tokens only)."""
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+    the variable-length flash kernel, which has no dropout (`flash_drops_dropout` tells the
+    run before it starts: a log call here would break the compiled graph in every layer);
+    otherwise the sequences are put back into rows of `max_length` for SDPA (the attention
+    costs what padded attention costs, the rest of the model still runs on the real tokens
+    only)."""
+    if query.is_cuda and query.dtype in HALF:
         from torch.nn.attention.varlen import varlen_attn
 
-        global _dropout_noted
-        if dropout and not _dropout_noted:
-            _dropout_noted = True
-            log.warning("trainer.unpad: attention dropout (%.2g) is not applied on the GPU: "
-                        "torch's variable-length flash kernel has none (hidden dropout is)",
-                        dropout)
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         out = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length,
                           scale=scaling)
         return out.unsqueeze(0), None
     return _attention_in_rows(module, query, key, value, cu_seq_lens, max_length, scaling,
                               dropout)
+
+
+def flash_drops_dropout(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed batches on this device and compute dtype take the flash kernel, which
+    applies no attention dropout."""
+    return device.type == "cuda" and dtype in HALF
 
 
 def _attention_in_rows(module, query, key, value, cu_seq_lens, max_length, scaling, dropout):

@@ -41,6 +41,7 @@ from rapidformer.observability.compile_log import CompileLog
 from rapidformer.observability.console import logs_through
 from rapidformer.observability.grad_spikes import GradNormSpikes
 from rapidformer.observability.metrics import MetricsSink
+from rapidformer.observability.step_profiler import StepProfiler
 from rapidformer.runtime.preemption import StopSignals, newest_checkpoint
 
 log = logging.getLogger("rapidformer")
@@ -90,6 +91,10 @@ class LoopControl:
             self.compiling = CompileLog.attach(getattr(engine, "model", None),
                                                engine.cfg.graph.name == "compile")
             closing.callback(self.compiling.detach)
+            self.profiler = StepProfiler(t.profile_steps, engine.run_dir, engine.rank,
+                                         engine.device)
+            closing.callback(self.profiler.close)
+            self.profiler.before_steps(self.start_step)
             self.stop = StopSignals()
             closing.callback(self.stop.restore)
             self.stop.install(engine.world_size)
@@ -112,6 +117,7 @@ class LoopControl:
         last step the window becomes one metrics record (`fields` first) and one log line."""
         self.window.add_step(result)
         self.compiling.step_done()
+        self.profiler.step_done(step)
         self.progress.update(1)
         if not (step % self.t.log_interval == 0 or step == self.total_iters):
             return
