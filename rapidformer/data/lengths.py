@@ -57,6 +57,13 @@ def target_length(longest: int, rule) -> int:
     return rule[min(bisect.bisect_left(rule, longest), len(rule) - 1)]
 
 
+def expected_recompiles(pad_to) -> int:
+    """The recompiles a compiled model's batch shapes explain: one per bucket length, or two
+    (torch.compile's automatic dynamic shapes: the second length it meets compiles a graph for
+    every length) where the lengths are the longest row's or a multiple's."""
+    return len(pad_to) if isinstance(pad_to, list) else 2
+
+
 def token_multiple(pad_to, compiled: bool) -> int:
     """trainer.unpad: the multiple the packed row's tokens are rounded up to."""
     if isinstance(pad_to, int):

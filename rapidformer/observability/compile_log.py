@@ -23,6 +23,12 @@ def compiled_frames() -> int:
     return int(counters["frames"]["ok"])
 
 
+def _guard_failure_counts() -> dict:
+    from torch._dynamo.utils import guard_failures
+
+    return {code: len(reasons) for code, reasons in guard_failures.items()}
+
+
 class CompileLog:
     """Attach with `CompileLog.attach(model, enabled)`; the loop calls `step_done()` after each
     step and `finish()` at the run's end, `detach()` when it leaves."""
@@ -36,12 +42,15 @@ class CompileLog:
         self.frames_before = compiled_frames() if model is not None else 0
         self.phase_frames = 0  # the count when the phase began
         self.warmup_frames = 0  # compiled by the first step and the first evaluation
+        self.failures_before = _guard_failure_counts()
+        self.expected = None  # recompiles the batch shapes explain (set by attach)
 
     @classmethod
-    def attach(cls, model, enabled: bool) -> CompileLog:
+    def attach(cls, model, enabled: bool, expected: int | None = None) -> CompileLog:
         if not enabled or not isinstance(model, torch.nn.Module):
             return cls(None)
         self = cls(model)
+        self.expected = expected
         self.handles = [model.register_forward_pre_hook(self._before),
                         model.register_forward_hook(self._after)]
         return self
@@ -83,6 +92,27 @@ class CompileLog:
         log.info("graph=compile: %d graphs compiled, %d of them after the first step and "
                  "evaluation (recompiles%s)", total, recompiles,
                  "; TORCH_LOGS=recompiles says why" if recompiles else "")
+        if self.expected is not None and recompiles > self.expected:
+            causes = "; ".join(f"{n} x {reason}" for reason, n in self.new_guard_failures()[:3])
+            log.warning("graph=compile: %d recompiles, more than the %d the batch shapes explain "
+                        "(data.pad_to): each costs a compile and, with CUDA graphs, a new "
+                        "graph. The guards that failed: %s", recompiles, self.expected,
+                        causes or "not recorded (TORCH_LOGS=recompiles)")
+
+    def new_guard_failures(self) -> list[tuple[str, int]]:
+        """(the failed guard, how often) since attach, most frequent first: torch._dynamo's
+        record of why compiled frames were not reused."""
+        from collections import Counter
+
+        from torch._dynamo.utils import guard_failures
+
+        counts: Counter = Counter()
+        for code, reasons in guard_failures.items():
+            for reason in reasons[self.failures_before.get(code, 0):]:
+                # '1/0: tensor 'x' size mismatch at index 1. expected 64, actual 80  # file:line'
+                first = reason.split("\n")[0].split("#")[0].strip()
+                counts[f"{first} (in {code.co_name})"] += 1
+        return counts.most_common()
 
     def detach(self) -> None:
         for handle in self.handles:

@@ -37,16 +37,27 @@ def kind_of(name: str) -> str:
 
 def kernel_summary(prof, device_type: str, steps: int, wall_s: float | None = None) -> dict:
     """The profiled steps' kernel time per step, by kind and for the top kernels (on a CPU:
-    the aten ops' own CPU time)."""
+    the aten ops' own CPU time). On a GPU, `regions` are the host-side events (compiled
+    graphs, the optimizer step) with the device time of the kernels they launched: nested
+    regions overlap, so they are not added up."""
+    from torch.autograd import DeviceType
+
     kernels: dict[str, float] = {}
+    regions: dict[str, float] = {}
     for event in prof.key_averages():
-        us = event.device_time_total if device_type == "cuda" else event.self_cpu_time_total
-        if us > 0 and (device_type == "cuda" or event.key.startswith("aten::")):
-            kernels[event.key] = kernels.get(event.key, 0.0) + us
+        if device_type == "cuda":
+            # a host-side event's device time is its kernels' time again: kernels only
+            if event.device_type == DeviceType.CUDA and event.device_time_total > 0:
+                kernels[event.key] = kernels.get(event.key, 0.0) + event.device_time_total
+            elif event.device_type == DeviceType.CPU and event.device_time_total > 0:
+                regions[event.key] = regions.get(event.key, 0.0) + event.device_time_total
+        elif event.self_cpu_time_total > 0 and event.key.startswith("aten::"):
+            kernels[event.key] = kernels.get(event.key, 0.0) + event.self_cpu_time_total
     total = sum(kernels.values()) or 1e-9
     by_kind: dict[str, float] = {}
     for name, us in kernels.items():
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us
+    per_step = lambda us: round(us / 1000 / steps, 3)  # noqa: E731
     summary = {"steps": steps, "kernel_ms_per_step": round(total / 1000 / steps, 2)}
     if wall_s:
         summary["wall_ms_per_step"] = round(wall_s * 1000 / steps, 2)
@@ -54,8 +65,11 @@ def kernel_summary(prof, device_type: str, steps: int, wall_s: float | None = No
     summary["kinds"] = {k: {"ms_per_step": round(v / 1000 / steps, 2), "share": round(v / total, 4)}
                         for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
     summary["top_kernels"] = [{"name": name[:120], "kind": kind_of(name),
-                               "ms_per_step": round(us / 1000 / steps, 3)}
+                               "ms_per_step": per_step(us)}
                               for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]]
+    if regions:
+        summary["regions"] = [{"name": name[:120], "device_ms_per_step": per_step(us)}
+                              for name, us in sorted(regions.items(), key=lambda kv: -kv[1])[:12]]
     return summary
 
 

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from rapidformer import checkpoint
+from rapidformer.data.lengths import expected_recompiles
 from rapidformer.errors import NonFiniteLoss
 from rapidformer.templates.best import BestTracker
 from rapidformer.observability.compile_log import CompileLog
@@ -89,7 +90,8 @@ class LoopControl:
             closing.callback(self.progress.close)
             closing.enter_context(logs_through(self.progress))  # log lines above the bar
             self.compiling = CompileLog.attach(getattr(engine, "model", None),
-                                               engine.cfg.graph.name == "compile")
+                                               engine.cfg.graph.name == "compile",
+                                               expected_recompiles(engine.cfg.data.pad_to))
             closing.callback(self.compiling.detach)
             self.profiler = StepProfiler(t.profile_steps, engine.run_dir, engine.rank,
                                          engine.device)
