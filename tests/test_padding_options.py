@@ -65,6 +65,14 @@ def test_profile_steps_write_the_kernel_table_and_the_trace(tmp_path, caplog):
     assert "profile of steps 2-3" in caplog.text
 
 
+def test_a_profile_past_the_runs_end_writes_the_steps_recorded(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="rapidformer"):
+        train(tmp_path / "run", "trainer.profile_steps=[3,10]")  # 4 steps in all
+    table = json.loads((tmp_path / "run" / "profile" / "kernels_rank0.json").read_text())
+    assert (table["first"], table["last"], table["steps"]) == (3, 4, 2)
+    assert "the run ended at step 4" in caplog.text
+
+
 def test_a_gpu_profile_counts_each_kernel_once():
     from torch.autograd import DeviceType
 

@@ -83,6 +83,7 @@ class StepProfiler:
         self.rank, self.device = rank, device
         self.prof = None
         self.started = 0.0
+        self.seen = 0  # the last step taken
 
     def before_steps(self, done: int) -> None:
         """`done`: the steps taken before this run's loop (a resumed run's)."""
@@ -94,14 +95,22 @@ class StepProfiler:
             self.first = None
 
     def step_done(self, step: int) -> None:
+        self.seen = step
         if self.prof is not None and step >= self.last:
             self._stop(step)
         elif self.first is not None and self.prof is None and step + 1 == self.first:
             self._start()
 
     def close(self) -> None:
-        """The loop ended before `last` (a stop signal, early stopping): nothing is written."""
-        if self.prof is not None:
+        """The loop ended before `last` (its last step, a stop signal, early stopping): the
+        steps recorded are written."""
+        if self.prof is None:
+            return
+        if self.seen >= self.first:
+            log.warning("trainer.profile_steps=[%d, %d]: the run ended at step %d; the steps "
+                        "recorded are written", self.first, self.last, self.seen)
+            self._stop(self.seen)
+        else:
             self.prof.__exit__(None, None, None)
             self.prof = None
 

@@ -10,7 +10,6 @@ import torch
 from rapidformer.data.lengths import PadTo, bucket_lengths, token_multiple
 from rapidformer.models.attention import flash_drops_dropout
 from rapidformer.models.unpadded import Unpad, WithMaskedPositions, supported, use_unpadded_forward
-
 from rapidformer.planning.run_plan import pick_device
 
 log = logging.getLogger("rapidformer")
