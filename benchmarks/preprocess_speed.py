@@ -3,6 +3,7 @@ documents/s and tokens/s, for GPT-2 BPE (document level, --append-eod) and lower
 WordPiece (--split-sentences).
 
     python benchmarks/preprocess_speed.py                  # 100 MB corpus, --workers 2
+    python benchmarks/preprocess_speed.py --workers 1 2 4 8 16   # scaling, one row each
     python benchmarks/preprocess_speed.py --mb 5           # a quick check of the plumbing
 
 The corpus and both vocabularies come from rapidformer.data.corpus, so nothing is downloaded.
@@ -31,15 +32,16 @@ from rapidformer.data.corpus import (VOCAB_SAMPLE_DOCS, iter_documents, write_co
                                      write_gpt2_bpe, write_wordpiece_vocab)
 
 
-def run_one(name: str, flags: list[str], level: str, corpus: dict, args, work: Path) -> dict:
-    prefix = work / name
+def run_one(name: str, flags: list[str], level: str, corpus: dict, workers: int,
+            work: Path) -> dict:
+    prefix = work / f"{name}_w{workers}"
     command = ["--input", corpus["path"], "--output-prefix", str(prefix), "--dataset-impl", "mmap",
-               "--workers", str(args.workers), "--log-interval", "1000000", *flags]
+               "--workers", str(workers), "--log-interval", "1000000", *flags]
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "rapidformer.data.preprocess_data", *command],
                             capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    row = {"name": name, "workers": args.workers, "seconds": round(seconds, 2),
+    row = {"name": name, "workers": workers, "seconds": round(seconds, 2),
            # the work directory is temporary: record the command relative to it
            "command": ("python -m rapidformer.data.preprocess_data " + " ".join(command)).replace(
                str(work), "WORK")}
@@ -85,13 +87,14 @@ def machine() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=float, default=100.0, help="corpus size in MiB")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2],
+                        help="worker counts: a row per tokenizer and count")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--work-dir", help="keep the corpus and outputs here (default: a temporary "
                                            "directory, removed at the end)")
     parser.add_argument("--out", default="docs/benchmarks/preprocess_speed.json")
     args = parser.parse_args()
-    if args.mb <= 0 or args.workers < 1:
+    if args.mb <= 0 or min(args.workers) < 1:
         parser.error("--mb must be positive and --workers at least 1")
     with tempfile.TemporaryDirectory(prefix="rapidformer-preprocess-") as temp:
         work = Path(args.work_dir or temp)
@@ -113,22 +116,24 @@ def main() -> None:
                  "sentence")]
         rows = []
         for name, flags, level in runs:
-            rows.append(run_one(name, flags, level, corpus, args, work))
-            print(json.dumps(rows[-1]), flush=True)
+            for workers in args.workers:
+                rows.append(run_one(name, flags, level, corpus, workers, work))
+                print(json.dumps(rows[-1]), flush=True)
     result = {"date": datetime.date.today().isoformat(), "machine": machine(),
               "corpus": {**corpus, "path": None if not args.work_dir else corpus["path"],
                          "mb": corpus["bytes"] / 2**20, "seed": args.seed}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{corpus['bytes'] / 2**20:.1f} MiB, {corpus['documents']} documents, "
-          f"--workers {args.workers}, {os.cpu_count()} CPUs; wrote {args.out}\n")
-    print("| tokenizer | seconds | MB/s | docs/s | tokens | tokens/s | sequences |")
-    print("|---|---|---|---|---|---|---|")
+          f"{os.cpu_count()} CPUs; wrote {args.out}\n")
+    print("| tokenizer | workers | seconds | MB/s | docs/s | tokens | tokens/s | sequences |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r and "tokens" not in r:
-            print(f"| {r['name']} | failed: {r['error']} | | | | | |")
+            print(f"| {r['name']} | {r['workers']} | failed: {r['error']} | | | | | |")
             continue
-        print(f"| {r['name']} | {r['seconds']:.1f} | {r['mb_per_s']:.2f} | {r['docs_per_s']:.0f} "
+        print(f"| {r['name']} | {r['workers']} | {r['seconds']:.1f} | {r['mb_per_s']:.2f} "
+              f"| {r['docs_per_s']:.0f} "
               f"| {r['tokens']} | {r['tokens_per_s']:.0f} | {r['sequences']} |")
     if any("error" in r for r in rows):
         sys.exit(1)

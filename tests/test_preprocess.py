@@ -447,3 +447,54 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path, corpus, bert_vo
     assert sorted(p.name for p in tmp_path.glob(".tmp-*")) == sorted(
         [f".tmp-o_text_document-{live}.bin", f".tmp-other_text_document-{dead.pid}.bin"])
     assert len(_read(tmp_path / "o_text_document")) == 3
+
+
+# --- chunks and workers --------------------------------------------------------------------------
+
+def test_chunks_and_workers_write_the_same_bytes_and_skip_the_same_lines(tmp_path, gpt2_files,
+                                                                         capsys):
+    from rapidformer.data.preprocess_data import CHUNK_LINES
+
+    vocab, merges = gpt2_files
+    lines = [json.dumps({"text": MIXED[i % len(MIXED)]}) for i in range(2 * CHUNK_LINES + 7)]
+    lines[CHUNK_LINES - 1] = "{not json"  # the last line of the first chunk
+    lines[CHUNK_LINES + 3] = json.dumps({"txt": "no text key"})
+    path = tmp_path / "many.json"
+    path.write_text("\n".join(lines) + "\n")
+    outputs = {}
+    for workers in (1, 2):
+        prefix = tmp_path / f"w{workers}"
+        preprocess_main([*_gpt2_args(path, prefix, vocab, merges), "--append-eod",
+                         "--on-error", "skip", "--workers", str(workers)])
+        outputs[workers] = [Path(f"{prefix}_text_document{e}").read_bytes() for e in (".bin", ".idx")]
+        err = capsys.readouterr().err
+        assert err.index(f"line {CHUNK_LINES}") < err.index(f"line {CHUNK_LINES + 4}")
+        assert "2 malformed lines skipped" in err
+    assert outputs[1] == outputs[2]
+    dataset = _read(tmp_path / "w2_text_document")
+    assert len(dataset.document_indices) - 1 == len(lines) - 2
+
+
+def test_a_worker_imports_neither_torch_nor_transformers(tmp_path, gpt2_files):
+    """The worker's tokenizer is the main process's Rust tokenizer, sent serialized."""
+    import pickle
+
+    from rapidformer.data.preprocess_data import Encoder, build_tokenizer, parse_args
+
+    vocab, merges = gpt2_files
+    args = parse_args(_gpt2_args(tmp_path / "in.json", tmp_path / "out", vocab, merges)
+                      + ["--append-eod"])
+    tokenizer, eod, _ = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, None)
+    pickled = tmp_path / "encoder.pkl"
+    pickled.write_bytes(pickle.dumps(Encoder(args, tokenizer, eod)))
+    probe = ("import pickle, sys\n"
+             "from rapidformer.data.preprocess_data import _encode_in_worker, _start_worker\n"
+             f"_start_worker(pickle.loads(open({str(pickled)!r}, 'rb').read()))\n"
+             "errors, nbytes, docs, arrays = _encode_in_worker([(1, b'{\"text\": \"The kid.\"}')])\n"
+             "print(arrays['text'][0].tolist(), 'torch' in sys.modules, "
+             "'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, **OFFLINE_ENV}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ids = tokenizer.encode("The kid.", add_special_tokens=False) + [eod]
+    assert out.stdout.strip() == f"{ids} False False"

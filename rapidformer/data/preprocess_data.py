@@ -5,8 +5,14 @@
         --tokenizer-type GPT2BPETokenizer --append-eod --workers 2
 
 One JSON object per line; each `--json-keys` field (default `text`) becomes
-`{prefix}_{key}_document.bin/.idx` (`_sentence` with `--split-sentences`). The files are written
-with megatron-core's `IndexedDatasetBuilder`, so they are Megatron's format exactly.
+`{prefix}_{key}_document.bin/.idx` (`_sentence` with `--split-sentences`). The files are
+Megatron's format exactly (`data/indexed_writer.py`: byte for byte what megatron-core's
+`IndexedDatasetBuilder` writes), without importing megatron-core.
+
+Speed: the lines go to the workers in chunks of `CHUNK_LINES`; a worker tokenizes a chunk's
+pieces in one batched call to the Rust tokenizer, rebuilt from the main process's serialized
+one (no transformers or torch import in a worker), and sends back NumPy arrays, which the main
+process writes as they come, in input order.
 
 Documents are numbered as Megatron-LM's tools/preprocess_data.py (the megatron-core version)
 numbers them, one per line:
@@ -58,6 +64,9 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
+from rapidformer.data.indexed_writer import IndexedWriter
 from rapidformer.errors import InputError
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
@@ -302,57 +311,122 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in (part.strip() for part in SENTENCE_END.split(text)) if s]
 
 
-def _encode(tokenizer, pieces: list[str]) -> list[list[int]]:
-    """Token ids of each non-empty piece. Rust-backed tokenizers get one batched call per
-    document: with short sentences the Python wrapper around each call, not the tokenizer,
-    was most of the time (about 2x overall)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        ids = [e.ids for e in backend.encode_batch(pieces, add_special_tokens=False)] \
-            if pieces else []
-    else:
-        ids = [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
-    # Megatron keeps only sentences with tokens
-    return [s for s in ids if s]
+def _fast_backend(tokenizer):
+    """The Rust tokenizer (`tokenizers.Tokenizer`) behind a Hugging Face tokenizer, or None."""
+    return getattr(tokenizer, "backend_tokenizer", None)
+
+
+# documents per task a worker takes: one batched tokenizer call and one array per key each
+CHUNK_LINES = 256
 
 
 class Encoder:
-    """Per worker: parse a line, tokenize each key (by sentence or whole), append EOD."""
+    """Per worker: parse a chunk of lines, tokenize every key's pieces of the whole chunk in
+    one batched call, and hand back NumPy arrays (cheap to send between processes and to
+    write). A worker process builds its tokenizer from the main process's serialized Rust
+    tokenizer: it imports neither transformers nor torch (a spawned worker used to spend
+    seconds importing them before its first line)."""
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, tokenizer, eod: int | None):
+        self.args, self.eod = args, eod
+        backend = _fast_backend(tokenizer)
+        self.backend_json = backend.to_str() if backend is not None else None
+        self.tokenizer = tokenizer  # in this process; a worker rebuilds its own
+
+    def __getstate__(self):
+        return {**self.__dict__, "tokenizer": None}  # the worker's initializer builds it
 
     def initializer(self):
         # Ctrl-C reaches the whole process group: the main process alone handles it, and stops
         # the workers itself (a KeyboardInterrupt here would print a traceback per worker)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        Encoder.tokenizer, Encoder.eod, _ = build_tokenizer(
-            self.args.tokenizer_type, self.args.vocab_file, self.args.merge_file,
-            self.args.tokenizer_model)
+        # one thread per worker: the workers are the parallelism
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        if self.backend_json is not None:
+            from tokenizers import Tokenizer
 
-    def encode(self, numbered_line):
-        number, raw = numbered_line
-        try:
-            texts = parse_line(raw, self.args.json_keys)
-        except LineError as exc:
-            return number, None, f"line {number}{exc.where}: {exc.what}", len(raw)
-        return number, {key: self.sentences(text) for key, text in texts.items()}, None, len(raw)
-
-    def sentences(self, text: str | list[str]) -> list[list[int]]:
-        """Token ids of each sentence with tokens, the EOD after the last."""
-        if isinstance(text, list):
-            pieces = text
-        elif self.args.split_sentences:
-            pieces = split_sentences(text)
+            self.tokenizer = Tokenizer.from_str(self.backend_json)
         else:
-            pieces = [text]
-        ids = _encode(Encoder.tokenizer, pieces)
-        if ids and self.args.append_eod:
-            ids[-1].append(Encoder.eod)
-        return ids
+            a = self.args
+            self.tokenizer, _, _ = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file,
+                                                   a.tokenizer_model)
+
+    def encode_chunk(self, chunk: list[tuple[int, bytes]]):
+        """(errors as (line, message), input bytes, documents, {key: (tokens, sequence
+        lengths, sequences per document)}) for a chunk of numbered lines, in their order."""
+        errors, pieces, nbytes = [], {k: [] for k in self.args.json_keys}, 0
+        counts = {k: [] for k in self.args.json_keys}  # pieces per document
+        for number, raw in chunk:
+            nbytes += len(raw)
+            try:
+                texts = parse_line(raw, self.args.json_keys)
+            except LineError as exc:
+                errors.append((number, f"line {number}{exc.where}: {exc.what}"))
+                continue
+            for key, text in texts.items():
+                split = self._pieces(text)
+                pieces[key].extend(split)
+                counts[key].append(len(split))
+        out = {key: self._arrays(pieces[key], counts[key]) for key in self.args.json_keys}
+        return errors, nbytes, len(chunk) - len(errors), out
+
+    def _pieces(self, text: str | list[str]) -> list[str]:
+        if isinstance(text, list):
+            return text
+        return split_sentences(text) if self.args.split_sentences else [text]
+
+    def _arrays(self, pieces: list[str], counts: list[int]):
+        ids = self._encode(pieces)
+        tokens, lengths, per_document, at = [], [], [], 0
+        for n in counts:
+            # Megatron keeps only sentences with tokens, and ends a document with tokens with
+            # the EOD (on its last sentence)
+            sentences = [s for s in ids[at:at + n] if s]
+            at += n
+            if sentences and self.args.append_eod:
+                sentences[-1] = [*sentences[-1], self.eod]
+            for s in sentences:
+                tokens.extend(s)
+                lengths.append(len(s))
+            per_document.append(len(sentences))
+        return (np.array(tokens, dtype=np.int32), np.array(lengths, dtype=np.int32),
+                np.array(per_document, dtype=np.int32))
+
+    def _encode(self, pieces: list[str]) -> list[list[int]]:
+        if not pieces:
+            return []
+        tokenizer = self.tokenizer
+        if hasattr(tokenizer, "encode_batch"):  # a tokenizers.Tokenizer (a worker's)
+            return [e.ids for e in tokenizer.encode_batch(pieces, add_special_tokens=False)]
+        backend = _fast_backend(tokenizer)
+        if backend is not None:
+            return [e.ids for e in backend.encode_batch(pieces, add_special_tokens=False)]
+        return [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
 
 
-# ---------------------------------------------------------------------------- signals, temp files
+_worker: Encoder | None = None  # a worker process's encoder, with its tokenizer
+
+
+def _start_worker(encoder: Encoder) -> None:
+    global _worker
+    encoder.initializer()
+    _worker = encoder
+
+
+def _encode_in_worker(chunk):
+    return _worker.encode_chunk(chunk)
+
+
+def _chunks(lines, size: int):
+    chunk = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
 
 class _SignalStop:
     """SIGTERM/SIGINT raise Interrupted in the main thread, once; while `defer` is set (the
@@ -455,16 +529,6 @@ def preprocess(args) -> list[Path]:
 
 
 def _preprocess(args, stop: _SignalStop) -> list[Path]:
-    import torch
-
-    import rapidformer.data.megatron  # noqa: F401  (quiets megatron-core's import warnings)
-
-    try:
-        from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    except ImportError as exc:
-        raise PreprocessError("writing Megatron indexed datasets needs megatron-core: pip install "
-                              "'megatron-core>=0.16,<0.17' (or the project's [megatron] extra)") from exc
-
     source = Path(args.input)
     if not source.is_file():
         raise PreprocessError(f"--input {source}: no such file")
@@ -491,45 +555,41 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
     finals = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
     temps = {key: str(out_dir / f".tmp-{Path(finals[key]).name}-{os.getpid()}")
              for key in args.json_keys}
-    encoder = Encoder(args)
+    encoder = Encoder(args, tokenizer, eod)
     started, done, tokens, size, skipped = time.time(), 0, 0, 0, 0
-    pool = None
+    pool, writers = None, {}
     try:
-        builders = {key: IndexedDatasetBuilder(temps[key] + ".bin",
-                                               dtype=DType.optimal_dtype(vocab_size))
-                    for key in args.json_keys}
+        writers = {key: IndexedWriter(temps[key] + ".bin", vocab_size)
+                   for key in args.json_keys}
         with open(source, "rb") as f:
             # bytes, decoded line by line: a bad byte is then reported at its line and column
             lines = ((n, line) for n, line in enumerate(f, start=1) if line.strip())
+            chunks = _chunks(lines, CHUNK_LINES)
             if args.workers > 1:
-                pool = multiprocessing.get_context("spawn").Pool(args.workers,
-                                                                 initializer=encoder.initializer)
-                results = pool.imap(encoder.encode, lines, chunksize=32)
+                pool = multiprocessing.get_context("spawn").Pool(
+                    args.workers, initializer=_start_worker, initargs=(encoder,))
+                results = pool.imap(_encode_in_worker, chunks)
             else:
-                Encoder.tokenizer, Encoder.eod = tokenizer, eod
-                results = map(encoder.encode, lines)
-            for number, docs, error, nbytes in results:
+                results = map(encoder.encode_chunk, chunks)
+            for errors, nbytes, documents, arrays in results:
                 size += nbytes
-                if error:
+                for _, error in errors:
                     if args.on_error == "fail":
                         raise PreprocessError(f"{source} {error}; fix the line, or pass "
                                               f"--on-error skip to leave such lines out")
                     skipped += 1
                     print(f"skipping {source} {error}", file=sys.stderr)
-                    continue
-                for key, sentences in docs.items():
+                for key, (ids, lengths, per_document) in arrays.items():
                     # an empty document too: Megatron's builder keeps it, so document N stays
                     # line N
-                    flat = [t for s in sentences for t in s]
-                    builders[key].add_document(torch.tensor(flat, dtype=torch.int64),
-                                               [len(s) for s in sentences])
-                    tokens += len(flat)
-                done += 1
-                if done % args.log_interval == 0:
+                    writers[key].add(ids, lengths, per_document)
+                    tokens += int(ids.size)
+                before, done = done, done + documents
+                if done // args.log_interval > before // args.log_interval:
                     _progress(done, size, started)
         _check_not_empty(source, args, done, tokens)
-        for key, builder in builders.items():
-            builder.finalize(temps[key] + ".idx")
+        for key, writer in writers.items():
+            writer.finalize(temps[key] + ".idx")
         # from here the output is whole: a signal no longer stops the run, which ends in
         # milliseconds, so that no output is left half renamed or reported as not written
         stop.defer = True
@@ -550,6 +610,8 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
         with stop.deferred():
             if pool is not None:
                 pool.terminate()
+            for writer in writers.values():
+                writer.close()
             for temp in temps.values():
                 for ext in (".bin", ".idx"):
                     Path(temp + ext).unlink(missing_ok=True)
