@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rapidformer.data.indexed_writer import INDEX_HEADER
 from rapidformer.errors import InputError, NotAvailableError
 
 log = logging.getLogger("rapidformer")
@@ -37,7 +38,6 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 # its import and dataset builder log every step at INFO (a summary is logged here instead)
 logging.getLogger("megatron").setLevel(logging.WARNING)
 
-INDEX_HEADER = b"MMIDIDX\x00\x00"
 # the vocabulary check reads at most this many tokens of each file (a few hundred MB)
 VOCAB_CHECK_TOKENS = 1 << 27
 DATA_IMPLS = ("mmap", "infer")

@@ -311,11 +311,6 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in (part.strip() for part in SENTENCE_END.split(text)) if s]
 
 
-def _fast_backend(tokenizer):
-    """The Rust tokenizer (`tokenizers.Tokenizer`) behind a Hugging Face tokenizer, or None."""
-    return getattr(tokenizer, "backend_tokenizer", None)
-
-
 # documents per task a worker takes: one batched tokenizer call and one array per key each
 CHUNK_LINES = 256
 
@@ -329,12 +324,15 @@ class Encoder:
 
     def __init__(self, args, tokenizer, eod: int | None):
         self.args, self.eod = args, eod
-        backend = _fast_backend(tokenizer)
-        self.backend_json = backend.to_str() if backend is not None else None
-        self.tokenizer = tokenizer  # in this process; a worker rebuilds its own
+        # the Rust tokenizer behind a Hugging Face one (a tokenizers.Tokenizer), else the
+        # Hugging Face tokenizer itself
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.tokenizer = tokenizer if backend is None else backend
 
     def __getstate__(self):
-        return {**self.__dict__, "tokenizer": None}  # the worker's initializer builds it
+        # a worker gets the Rust tokenizer serialized, or builds the Hugging Face one itself
+        rust = hasattr(self.tokenizer, "encode_batch")
+        return {**self.__dict__, "tokenizer": self.tokenizer.to_str() if rust else None}
 
     def initializer(self):
         # Ctrl-C reaches the whole process group: the main process alone handles it, and stops
@@ -342,10 +340,10 @@ class Encoder:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # one thread per worker: the workers are the parallelism
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        if self.backend_json is not None:
+        if isinstance(self.tokenizer, str):
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_str(self.backend_json)
+            self.tokenizer = Tokenizer.from_str(self.tokenizer)
         else:
             a = self.args
             self.tokenizer, _, _ = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file,
@@ -396,11 +394,8 @@ class Encoder:
         if not pieces:
             return []
         tokenizer = self.tokenizer
-        if hasattr(tokenizer, "encode_batch"):  # a tokenizers.Tokenizer (a worker's)
+        if hasattr(tokenizer, "encode_batch"):  # Rust: one batched call for the chunk
             return [e.ids for e in tokenizer.encode_batch(pieces, add_special_tokens=False)]
-        backend = _fast_backend(tokenizer)
-        if backend is not None:
-            return [e.ids for e in backend.encode_batch(pieces, add_special_tokens=False)]
         return [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
 
 
@@ -427,6 +422,8 @@ def _chunks(lines, size: int):
     if chunk:
         yield chunk
 
+
+# ---------------------------------------------------------------------------- signals, temp files
 
 class _SignalStop:
     """SIGTERM/SIGINT raise Interrupted in the main thread, once; while `defer` is set (the

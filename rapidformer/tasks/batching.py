@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from rapidformer.data.lengths import PadTo, bucket_lengths, token_multiple
 from rapidformer.models.attention import flash_drops_dropout
+from rapidformer.models.dtypes import DTYPES
 from rapidformer.models.unpadded import Unpad, WithMaskedPositions, supported, use_unpadded_forward
 from rapidformer.planning.run_plan import pick_device
 
@@ -76,8 +75,7 @@ class Batching:
 
     def _note_dropout(self, model) -> None:
         dropout = getattr(getattr(model, "config", None), "attention_probs_dropout_prob", 0.0)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision.dtype,
-                                                                      torch.float32)
+        dtype = DTYPES[self.cfg.precision.dtype]
         if dropout and flash_drops_dropout(pick_device(self.cfg.trainer.device), dtype):
             log.warning("trainer.unpad: attention dropout (%.2g) is not applied on the GPU: "
                         "torch's variable-length flash kernel has none (hidden dropout is)",
