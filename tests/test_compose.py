@@ -41,7 +41,9 @@ REQUIRED.update({
 # recipes whose data the user gives: the mmap prefix and the vocabulary it was made with
 RECIPE_REQUIRED = {"bert_pretrain": ["data.path=corpus_text_sentence", "model.tokenizer=vocab.txt"],
                    "gpt_pretrain": ["data.path=corpus_text_document", "model.tokenizer=vocab.json",
-                                    "model.merge_file=merges.txt"]}
+                                    "model.merge_file=merges.txt"],
+                   "llama_pretrain": ["data.path=corpus_text_document",
+                                      "model.tokenizer=vocab.json", "model.merge_file=merges.txt"]}
 
 
 def test_every_group_has_options():

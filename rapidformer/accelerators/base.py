@@ -21,6 +21,7 @@ import torch
 from rapidformer.accelerators.recompute import enable_recompute
 from rapidformer.config.schema import RunConfig
 from rapidformer.models.attention import use_training_sdpa
+from rapidformer.models.kernels import apply_kernels, check_kernels_device
 from rapidformer.planning.run_plan import RunPlan
 
 log = logging.getLogger("rapidformer")
@@ -56,6 +57,7 @@ class Strategy(abc.ABC):
     def __init__(self, cfg: RunConfig, plan: RunPlan, rank: int, world_size: int):
         self.cfg, self.plan, self.rank, self.world_size = cfg, plan, rank, world_size
         self.device = plan.device
+        check_kernels_device(cfg.kernels, self.device)
         self.model = self.optimizer = self.lr_scheduler = None
         self.precision = None  # the precision seam's object, where the strategy keeps one
 
@@ -78,8 +80,15 @@ class Strategy(abc.ABC):
 
     # --- building ---------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model on its device, before any wrapper: the training attention path and, when
-        asked for, Hugging Face's per-layer activation recompute."""
+        """The model on its device, before any wrapper: fused kernels (kernels=liger), float8
+        linear layers (precision=fp8), the training attention path and, when asked for, Hugging
+        Face's per-layer activation recompute."""
+        # kernels first: liger's SwiGLU module keeps linear layers that float8 then converts
+        apply_kernels(model, self.cfg.kernels, self.device)
+        if self.cfg.precision.fp8_scaling:
+            from rapidformer.accelerators.float8 import convert_to_float8
+
+            convert_to_float8(model, self.cfg.precision)
         if self.training_sdpa:
             use_training_sdpa(model)
         if self.hf_recompute and self.cfg.trainer.checkpoint_activations:

@@ -121,6 +121,14 @@ class FSDP2Strategy(DDPStrategy):
     def clips_in_optimizer(self) -> bool:
         return False  # the fused kernel's divisor would have to be a DTensor
 
+    def step(self):
+        result = super().step()
+        if self.cfg.precision.fp8_all_gather:
+            from rapidformer.accelerators.float8 import precompute_fsdp_scales
+
+            precompute_fsdp_scales(self.model, self.cfg.precision)
+        return result
+
     def save(self, directory: Path) -> dict:
         save_shards(self.model, self.optimizer, directory / DCP_DIR)
         return self._schedule_and_precision()

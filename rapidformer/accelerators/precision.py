@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 
+from rapidformer.accelerators.float8 import check_fp8_device
 from rapidformer.config.schema import PrecisionConfig
 from rapidformer.errors import ConfigError
 from rapidformer.models.dtypes import DTYPES
@@ -16,6 +17,7 @@ from rapidformer.models.dtypes import DTYPES
 
 
 def check_device_supports(p: PrecisionConfig, device: torch.device) -> None:
+    check_fp8_device(p, device)
     if p.dtype == "fp32":
         return
     if not torch.amp.autocast_mode.is_autocast_available(device.type):

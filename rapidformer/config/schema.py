@@ -60,6 +60,11 @@ class ModelConfig:
     num_attention_heads: Optional[int] = 2
     intermediate_size: Optional[int] = 256
     max_position_embeddings: Optional[int] = 128
+    # decoders with grouped-query attention (arch llama): key/value heads; null: one per
+    # attention head (multi-head attention)
+    num_key_value_heads: Optional[int] = None
+    # rotary position embeddings' base (arch llama)
+    rope_theta: float = 10000.0
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     # std of the random initial weights of a config-built model
@@ -76,6 +81,8 @@ class ModelConfig:
     tokenizer_type: Optional[Literal["BertWordPieceLowerCase", "BertWordPieceCase",
                                      "GPT2BPETokenizer", "HuggingFaceTokenizer"]] = None
     merge_file: Optional[str] = None
+    # sdpa (torch's scaled_dot_product_attention) or eager: transformers' attention for Hugging
+    # Face models; for megatron_* the local layers' core attention (eager: megatron-core's own)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
 
@@ -149,6 +156,20 @@ class PrecisionConfig:
     # fp16 dynamic loss scaling (torch.amp.GradScaler)
     initial_scale: float = 65536.0
     growth_interval: int = 2000
+    # precision=fp8: torchao's float8 matmuls in the linear layers, bf16 autocast for the rest
+    # (dtype bf16). How each float8 tensor is scaled: tensorwise (one scale a tensor: the
+    # fastest), rowwise (one a row: more accurate), rowwise_with_gw_hp (rowwise, the weight
+    # gradient's matmul in bf16)
+    fp8_scaling: Optional[Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]] = None
+    # leave in bf16 the linear layers too small to gain from float8 (torchao's measured sizes);
+    # the output head is never converted
+    fp8_skip_small: bool = True
+    # memory=fsdp with tensorwise scaling: all-gather the sharded weights in float8 (half the
+    # bytes of bf16)
+    fp8_all_gather: bool = False
+    # float8 matmuls emulated in higher precision: for checking the numerics on a CPU or a GPU
+    # without float8; never faster
+    fp8_emulate: bool = False
 
 
 @dataclass
@@ -315,6 +336,19 @@ class LauncherConfig:
 
 
 @dataclass
+class KernelsConfig:
+    # liger: liger-kernel's Triton kernels in the model families it covers (Llama, Mistral,
+    # Qwen, Gemma, ...), on CUDA GPUs; none: the model's own layers
+    name: Literal["none", "liger"] = "none"
+    # causal LM training: the output head's matmul and the cross-entropy in one kernel that
+    # never materializes the [tokens, vocab] logits
+    fused_linear_cross_entropy: bool = True
+    rms_norm: bool = True
+    swiglu: bool = True
+    rope: bool = True
+
+
+@dataclass
 class LoggerConfig:
     # where metrics go besides metrics.jsonl and TensorBoard (trainer.tensorboard)
     name: Literal["tensorboard", "wandb", "mlflow"] = "tensorboard"
@@ -338,6 +372,7 @@ class RunConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -349,5 +384,5 @@ class RunConfig:
     recipe: Optional[str] = None
 
 
-GROUPS = ("task", "model", "data", "precision", "memory", "parallelism", "graph", "optim",
-          "scheduler", "trainer", "launcher", "logger")
+GROUPS = ("task", "model", "data", "precision", "memory", "parallelism", "graph", "kernels",
+          "optim", "scheduler", "trainer", "launcher", "logger")

@@ -194,6 +194,8 @@ BOUNDS: dict[str, Bound] = {
     "model.hidden_size": Bound(1, null=PRETRAINED_OWN, example="768"),
     "model.num_layers": Bound(1, null=PRETRAINED_OWN, example="12"),
     "model.num_attention_heads": Bound(1, null=PRETRAINED_OWN, example="12"),
+    "model.num_key_value_heads": Bound(1, null="one per attention head", example="8"),
+    "model.rope_theta": Bound(0, low_open=True, example="500000"),
     "model.intermediate_size": Bound(1, null=PRETRAINED_OWN, example="3072"),
     "model.max_position_embeddings": Bound(1, null=PRETRAINED_OWN, example="512"),
     "model.vocab_size": Bound(1, null=PRETRAINED_OWN, example="30522"),
@@ -337,6 +339,10 @@ def range_problems(cfg: RunConfig) -> list[str]:
     return p
 
 
+def _divisor_below(n: int, k: int) -> int:
+    return max(d for d in range(1, min(n, k) + 1) if n % d == 0)
+
+
 def check_values(cfg: RunConfig) -> list[str]:
     """Impossible values and incompatible settings; each message names the key(s) and a fix."""
     m = cfg.model
@@ -370,6 +376,19 @@ def check_values(cfg: RunConfig) -> list[str]:
     if m.source == "config" and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
         p.append(f"model.hidden_size={m.hidden_size} is not divisible by "
                  f"model.num_attention_heads={m.num_attention_heads}")
+    if m.source == "config" and m.arch == "llama" and m.hidden_dropout:
+        p.append(f"model.hidden_dropout={m.hidden_dropout}: a Llama-shaped model has no hidden "
+                 f"dropout (only model.attention_dropout); set model.hidden_dropout=0")
+    kv = m.num_key_value_heads
+    if m.source == "config" and kv is not None and m.arch != "llama":
+        p.append(f"model.num_key_value_heads={kv} with model.arch={m.arch}: only a Llama-shaped "
+                 f"model has grouped-query attention here; drop the key or use model=llama_tiny "
+                 f"/ llama_1b")
+    if m.source == "config" and kv is not None and kv >= 1 and m.num_attention_heads % kv:
+        p.append(f"model.num_key_value_heads={kv} does not divide "
+                 f"model.num_attention_heads={m.num_attention_heads}: each key/value head serves "
+                 f"a whole group of query heads; pick a divisor, e.g. "
+                 f"model.num_key_value_heads={_divisor_below(m.num_attention_heads, kv)}")
     if m.source == "config" and d.max_seq_length > m.max_position_embeddings:
         p.append(f"data.max_seq_length={d.max_seq_length} is above "
                  f"model.max_position_embeddings={m.max_position_embeddings}; lower the first "
@@ -385,6 +404,11 @@ def check_values(cfg: RunConfig) -> list[str]:
     p.extend(_megatron_problems(cfg))
     p.extend(_task_problems(cfg))
     p.extend(_length_problems(cfg))
+    p.extend(_fp8_problems(cfg))
+    if cfg.kernels.name != "none" and (m.arch.startswith("megatron") or cfg.graph.name == "ort"):
+        p.append(f"kernels={cfg.kernels.name} with "
+                 f"{'model=' + m.name if m.arch.startswith('megatron') else 'graph=ort'}: its "
+                 f"kernels patch Hugging Face models trained by torch; use kernels=none")
     steps = t.profile_steps
     if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
         p.append(f"trainer.profile_steps={list(steps)}: give the first and the last training "
@@ -451,6 +475,37 @@ def check_values(cfg: RunConfig) -> list[str]:
     if cfg.memory.name == "fsdp" and (cfg.memory.offload_optimizer and not cfg.memory.offload_params):
         p.append("memory.offload_optimizer=true with memory=fsdp needs memory.offload_params=true "
                  "(FSDP offloads parameters and optimizer state together)")
+    return p
+
+
+def _fp8_problems(cfg: RunConfig) -> list[str]:
+    """precision=fp8: torchao's float8 linear layers, in the torch strategies only."""
+    pr, p = cfg.precision, []
+    if pr.fp8_scaling is None:
+        if pr.fp8_all_gather or pr.fp8_emulate:
+            p.append("precision.fp8_all_gather / precision.fp8_emulate are set, but "
+                     "precision.fp8_scaling is null: they apply to precision=fp8 only")
+        return p
+    if pr.dtype != "bf16":
+        p.append(f"precision.fp8_scaling={pr.fp8_scaling} with precision.dtype={pr.dtype}: float8 "
+                 f"linear layers run with bf16 autocast for the rest of the model; use "
+                 f"precision=fp8 (dtype bf16)")
+    if cfg.model.arch.startswith("megatron"):
+        p.append(f"precision=fp8 with model={cfg.model.name}: megatron-core's float8 needs "
+                 f"Transformer Engine, which is not part of this build; use precision=bf16 with "
+                 f"Megatron models, or precision=fp8 with a Hugging Face model")
+    elif cfg.memory.name in ("zero1", "zero2", "zero3"):
+        p.append(f"precision=fp8 with memory={cfg.memory.name}: DeepSpeed keeps its own bf16 "
+                 f"weight copies and casts, which torchao's float8 layers do not go through; use "
+                 f"memory=fsdp (FSDP2 shards float8 layers, optionally gathering them in float8) "
+                 f"or memory=none")
+    if cfg.graph.name == "ort":
+        p.append("precision=fp8 with graph=ort: ONNX Runtime training runs fp32 on the CPU here; "
+                 "use graph=compile")
+    if pr.fp8_all_gather and (cfg.memory.name != "fsdp" or pr.fp8_scaling != "tensorwise"):
+        p.append(f"precision.fp8_all_gather=true needs memory=fsdp and "
+                 f"precision.fp8_scaling=tensorwise (this run: memory={cfg.memory.name}, "
+                 f"{pr.fp8_scaling}): it gathers FSDP2's weight shards with one scale a tensor")
     return p
 
 
@@ -526,6 +581,11 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "data.reset_position_ids": ("task.name", ("causal_lm",)),
     "precision.initial_scale": ("precision.dtype", ("fp16",)),
     "precision.growth_interval": ("precision.dtype", ("fp16",)),
+    "precision.fp8_scaling": ("precision.dtype", ("bf16",)),
+    "kernels.fused_linear_cross_entropy": ("kernels.name", ("liger",)),
+    "kernels.rms_norm": ("kernels.name", ("liger",)),
+    "kernels.swiglu": ("kernels.name", ("liger",)),
+    "kernels.rope": ("kernels.name", ("liger",)),
     # memory=auto sets both from the mode it picks
     "memory.offload_optimizer": ("memory.name", ("zero1", "zero2", "zero3", "fsdp")),
     "memory.offload_params": ("memory.name", ("zero3", "fsdp")),
@@ -694,6 +754,8 @@ def _megatron_problems(cfg: RunConfig) -> list[str]:
     if cfg.memory.offload_optimizer or cfg.memory.offload_params:
         p.append("memory.offload_optimizer/offload_params with a Megatron model is not built yet; "
                  "set them to false")
-    if cfg.graph.name != "eager":
-        p.append(f"graph={cfg.graph.name} with a Megatron model is not built yet; use graph=eager")
+    if cfg.graph.name == "ort" or (cfg.graph.name == "compile" and cfg.graph.scope == "model"):
+        p.append(f"graph={cfg.graph.name}{' graph.scope=model' * (cfg.graph.name == 'compile')} "
+                 f"with a Megatron model is not built; use graph=compile (each transformer layer "
+                 f"compiled) or graph=eager")
     return p

@@ -63,6 +63,9 @@ def _shape(m: ModelConfig, tokenizer) -> dict:
                 "dropout_rate": m.hidden_dropout, "initializer_factor": m.initializer_range / 0.02,
                 "pad_token_id": tokenizer.pad_token_id, "eos_token_id": eos,
                 "decoder_start_token_id": tokenizer.pad_token_id}
+    if m.arch in LLAMA_ARCHS:
+        return {"vocab_size": len(tokenizer), **_llama_shape(m),
+                "pad_token_id": tokenizer.pad_token_id}
     return {"vocab_size": len(tokenizer), "hidden_size": m.hidden_size,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
             "intermediate_size": m.intermediate_size,
@@ -72,11 +75,25 @@ def _shape(m: ModelConfig, tokenizer) -> dict:
             "initializer_range": m.initializer_range, "pad_token_id": tokenizer.pad_token_id}
 
 
+# config-built decoders of the Llama family (RMSNorm, SwiGLU, rotary positions, grouped-query
+# attention); Mistral, Qwen and other pretrained ones come through model=hf
+LLAMA_ARCHS = ("llama",)
+
+
+def _llama_shape(m: ModelConfig) -> dict:
+    return {"hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_key_value_heads or m.num_attention_heads,
+            "intermediate_size": m.intermediate_size,
+            "max_position_embeddings": m.max_position_embeddings, "rope_theta": m.rope_theta,
+            "attention_dropout": m.attention_dropout, "initializer_range": m.initializer_range}
+
+
 def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
     """BERT with MLM + NSP heads (bert_pretraining) or a causal LM (causal_lm): pretrained, or
     built from the config with the pretraining tokenizer's vocabulary (a MegatronTokenizer)."""
     from transformers import (AutoModelForCausalLM, AutoModelForPreTraining, BertConfig,
-                              GPT2Config)
+                              GPT2Config, LlamaConfig)
 
     auto = AutoModelForPreTraining if task == "bert_pretraining" else AutoModelForCausalLM
     if m.source == "pretrained":
@@ -108,10 +125,15 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
             embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             initializer_range=m.initializer_range, bos_token_id=tokenizer.eod,
             eos_token_id=tokenizer.eod)
+    elif m.arch in LLAMA_ARCHS:
+        # input and output embeddings apart, as in Llama 2 and Llama 3 from 8B on
+        config = LlamaConfig(vocab_size=tokenizer.vocab_size, **_llama_shape(m),
+                             bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod,
+                             tie_word_embeddings=False)
     else:
-        raise InputError(f"task=causal_lm builds a GPT-2-shaped model from the config; "
-                         f"model.arch={m.arch} is not gpt2 (use model=gpt2_tiny or gpt2_small, or "
-                         f"a pretrained causal LM with model=hf)")
+        raise InputError(f"task=causal_lm builds a GPT-2- or Llama-shaped model from the config; "
+                         f"model.arch={m.arch} is neither (use model=gpt2_tiny, gpt2_small, "
+                         f"llama_tiny or llama_1b, or a pretrained causal LM with model=hf)")
     config._attn_implementation = m.attn_implementation
     return auto.from_config(config, attn_implementation=m.attn_implementation)
 

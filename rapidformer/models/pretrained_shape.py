@@ -11,6 +11,7 @@ CONFIG_NAMES = {
     "hidden_size": ("hidden_size", "n_embd", "d_model"),
     "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
     "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "num_key_value_heads": ("num_key_value_heads",),
     "intermediate_size": ("intermediate_size", "n_inner", "d_ff"),
     "max_position_embeddings": ("max_position_embeddings", "n_positions"),
     "vocab_size": ("vocab_size",),

@@ -27,8 +27,8 @@ log = logging.getLogger("rapidformer")
 
 # the model settings a checkpoint records, to say which changed when its weights do not fit
 MODEL_SHAPE_KEYS = ("name", "source", "name_or_path", "arch", "hidden_size", "num_layers",
-                    "num_attention_heads", "intermediate_size", "max_position_embeddings",
-                    "vocab_size", "tokenizer")
+                    "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                    "max_position_embeddings", "vocab_size", "tokenizer")
 
 
 class CheckpointProtocol:

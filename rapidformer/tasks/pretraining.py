@@ -3,7 +3,7 @@
 
 The same three PreTrainer methods a white-box user writes, filled in from the config: the
 run's tokenizer (the one the data was made with), megatron-core datasets, a Hugging Face model
-(`AutoModelForPreTraining` / a GPT-2-shaped causal LM), and the seed's forward steps.
+(`AutoModelForPreTraining` / a GPT-2- or Llama-shaped causal LM), and the seed's forward steps.
 """
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from torch.utils.data import default_collate
 from rapidformer.compat import mpu
 from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets
 from rapidformer.models.hf import build_pretraining_model
+from rapidformer.models.kernels import fuses_the_loss
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
 from rapidformer.tasks.batching import Batching
 from rapidformer.templates.pretrainer import PreTrainer
 from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
+from rapidformer.errors import InputError
 
 BERT_KEYS = ["input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label"]
 GPT_KEYS = ["input_ids", "labels", "position_ids"]
@@ -24,7 +26,8 @@ GPT_KEYS = ["input_ids", "labels", "position_ids"]
 
 class _MegatronDataPretrainer(PreTrainer):
     def _tokenizer(self):
-        tokenizer = load_pretraining_tokenizer(self.cfg.model)
+        # the data decides a BERT vocabulary's end-of-document entries (Megatron's [BOS]/[EOS])
+        tokenizer = load_pretraining_tokenizer(self.cfg.model, self.cfg.data.path)
         self.tokenizer = tokenizer.hf  # saved with checkpoints and the export
         return tokenizer
 
@@ -37,7 +40,9 @@ class _MegatronDataPretrainer(PreTrainer):
         return self.cfg.model.arch.startswith("megatron")
 
     def model_optimizer_lr_scheduler_provider(self):
-        tokenizer = load_pretraining_tokenizer(self.cfg.model)
+        tokenizer = load_pretraining_tokenizer(self.cfg.model, self.cfg.data.path)
+        if tokenizer.added and self.cfg.model.source == "pretrained":
+            check_pretrained_vocabulary(self.cfg.model, tokenizer)
         if self.megatron_model:
             return type(self).build_megatron_model(self.cfg, tokenizer.vocab_size), None, None
         return build_pretraining_model(self.cfg.model, self.cfg.task.name, tokenizer), None, None
@@ -93,11 +98,34 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
         # documents in every batch and build a full attention mask for them
         positions = ({"position_ids": data["position_ids"]} if self.cfg.data.reset_position_ids
                      else {})
+        if model.training and fuses_the_loss(self.cfg.kernels):
+            # the labels are shifted already: the fused loss takes them as they are
+            return model(input_ids=data["input_ids"], shift_labels=data["labels"],
+                         **positions).loss
         logits = model(input_ids=data["input_ids"], **positions).logits
         # the labels are shifted already (Megatron's samples), so no second shift as in
         # Hugging Face's own LM loss; -100 marks the masked positions (EOD, padding)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                  data["labels"].flatten(), ignore_index=-100)
+
+
+def check_pretrained_vocabulary(m, tokenizer) -> None:
+    """A pretrained BERT's embeddings end at its vocab.txt; data that ends documents with
+    Megatron's [EOS] (an id past them) cannot train it: say which option makes data it can."""
+    from transformers import AutoConfig
+
+    try:
+        size = AutoConfig.from_pretrained(m.name_or_path).vocab_size
+    except (OSError, ValueError):
+        return  # the model's own loading says why
+    if size < tokenizer.vocab_size:
+        raise InputError(f"model {m.name_or_path} has {size} embeddings, but data.path ends "
+                         f"documents with Megatron's [EOS] (id {tokenizer.eod}), which "
+                         f"{m.tokenizer} does not have (the tokenizer adds "
+                         f"{' and '.join(tokenizer.added)}: {tokenizer.vocab_size} entries); "
+                         f"preprocess the data again with --bert-eod sep (or without "
+                         f"--append-eod), or train a model built from the config "
+                         f"(model=bert_base)")
 
 
 def megatron_gpt_forward(model, data: dict):

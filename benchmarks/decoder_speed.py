@@ -1,0 +1,218 @@
+"""Decoder pretraining speed: rapidformer through its CLI (`+recipe=llama_pretrain`: a Llama
+3.2 1B-shaped model, bf16, torch.compile) in bf16, float8 (precision=fp8) and with liger-kernel
+(kernels=liger), against a plain Hugging Face + torch.compile loop on the same samples, in one
+call on one GPU.
+
+Data: the project's generated documents as Megatron mmap files, GPT-2 BPE trained on them and
+the vocabulary padded to GPT-2's 50,257 entries (the output head of a real model). Seq 2048,
+micro batch 8, constant lr 3e-4, AdamW (fused), clipping 1.0, every system the same samples in
+the same order.
+
+    python benchmarks/decoder_speed.py                              # GPU: every row
+    python benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 --iters 200
+    python benchmarks/decoder_speed.py --smoke                      # CPU, tiny, a few steps
+
+Each row: tokens/s and MFU (bf16 peak) over the log windows after step 20, peak GB, the first
+step's seconds, and the loss curve (each log window's mean loss). Writes
+docs/benchmarks/decoder_speed.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _data import gpt_mmap_data
+from _report import finish, keep_log, portable_command
+
+RF_ROWS = {"rf-bf16": [],
+           "rf-fp8": ["precision=fp8"],
+           "rf-fp8-rowwise": ["precision=fp8", "precision.fp8_scaling=rowwise"],
+           "rf-liger": ["kernels=liger"],
+           "rf-fp8-liger": ["precision=fp8", "kernels=liger"]}
+HF_ROWS = ("hf-compile",)
+VOCAB_SIZE = 50257
+LOG_INTERVAL = 10
+SKIP = 20  # the first steps (compile, warm-up) are not in the means
+
+
+def common(data: dict, args) -> list[str]:
+    return ["+recipe=llama_pretrain", f"model={args.model}", f"data.path={data['prefix']}",
+            f"model.tokenizer={data['vocab']}", f"model.merge_file={data['merges']}",
+            f"data.max_seq_length={args.seq}", f"trainer.train_iters={args.iters}",
+            f"trainer.micro_batch_size={args.batch}", f"trainer.global_batch_size={args.batch}",
+            "trainer.lr=3e-4", "scheduler=constant", f"trainer.log_interval={LOG_INTERVAL}",
+            "trainer.eval_iters=1", "trainer.export_hf=false", "trainer.progress_bar=false",
+            "trainer.save_last=false", "data.num_workers=2", *args.overrides]
+
+
+def rapidformer_row(row: str, data: dict, args, work: Path) -> dict:
+    out = work / row
+    command = [sys.executable, "-m", "rapidformer", *common(data, args), *RF_ROWS[row],
+               f"trainer.output_dir={out}"]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    keep_log(row, result)
+    base = {"row": row, "process_wall_s": round(time.perf_counter() - started, 1),
+            "command": portable_command(" ".join(command[1:]), {str(work): "WORK"})}
+    if result.returncode != 0:
+        return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in records if "tokens_per_s" in r]
+    later = [r for r in windows if r["step"] > SKIP] or windows
+    mean = lambda key: sum(r.get(key) or 0 for r in later) / len(later)
+    first = re.search(r"first step compiled and ran in ([\d.]+) s", result.stderr + result.stdout)
+    float8 = re.search(r"(\d+) linear layers in float8", result.stderr + result.stdout)
+    return {**base, "tokens_per_s": round(mean("tokens_per_s")),
+            "mfu": round(mean("mfu"), 4) if any("mfu" in r for r in later) else None,
+            "peak_mem_gb": round(max(r.get("peak_mem_gb", 0) for r in windows), 2),
+            "first_step_s": float(first.group(1)) if first else None,
+            "float8_layers": int(float8.group(1)) if float8 else 0,
+            "loss_curve": [round(r["loss"], 4) for r in windows],
+            "loss_at_end": round(windows[-1]["loss"], 4)}
+
+
+def hf_row(row: str, data: dict, args, work: Path) -> dict:
+    command = [sys.executable, __file__, "--hf-child", "--hf-data", json.dumps(data),
+               "--iters", str(args.iters), "--batch", str(args.batch), "--seq", str(args.seq),
+               "--model", args.model, *(["--smoke"] if args.smoke else [])]
+    result = subprocess.run(command, capture_output=True, text=True)
+    keep_log(row, result)
+    base = {"row": row, "command": "plain Hugging Face LlamaForCausalLM + torch.compile, "
+                                   "same samples"}
+    if result.returncode != 0:
+        return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}
+    return {**base, **json.loads(result.stdout.strip().splitlines()[-1])}
+
+
+def hf_child(args) -> None:
+    """LlamaForCausalLM of the same shape compiled, fused AdamW at a constant lr, bf16 autocast,
+    clipping, on the megatron-core samples rapidformer reads: the loop a user writes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rapidformer.config.compose import compose, resolve
+    from rapidformer.data.megatron import build_gpt_datasets
+    from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
+    from rapidformer.observability.flops import flops_per_token, peak_flops
+
+    data = json.loads(args.hf_data)
+    _, cfg = resolve(compose(common(data, args)), tempfile.mkdtemp())
+    tokenizer = load_pretraining_tokenizer(cfg.model)
+    d, m = cfg.data, cfg.model
+    train, _, _ = build_gpt_datasets(d.path, tokenizer, d.split, [args.iters * args.batch, 0, 0],
+                                     d.max_seq_length, cfg.trainer.seed,
+                                     path_to_cache=tempfile.mkdtemp())
+    loader = torch.utils.data.DataLoader(train, batch_size=args.batch, num_workers=2,
+                                         pin_memory=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(cfg.trainer.seed)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                                  betas=(0.9, 0.95), fused=device.type == "cuda")
+    forward = model if args.smoke else torch.compile(model)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if not args.smoke
+                else contextlib.nullcontext())
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    losses, started, first_step = [], None, None
+    t0 = time.perf_counter()
+    for step, batch in enumerate(loader, 1):
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        with autocast:
+            logits = forward(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if step == 1:
+            sync()
+            first_step = time.perf_counter() - t0
+        if step == SKIP:
+            sync()
+            started = time.perf_counter()
+        if step == args.iters:
+            break
+    sync()
+    elapsed = time.perf_counter() - (started or t0)
+    tokens_per_s = max(len(losses) - SKIP, 1) * args.batch * args.seq / elapsed
+    parameters = sum(p.numel() for p in model.parameters())
+    peak = peak_flops(device)
+    curve = [round(float(sum(losses[i:i + LOG_INTERVAL]) / LOG_INTERVAL), 4)
+             for i in range(0, len(losses) - LOG_INTERVAL + 1, LOG_INTERVAL)]
+    print(json.dumps({
+        "tokens_per_s": round(tokens_per_s),
+        "mfu": round(tokens_per_s * flops_per_token(parameters, m.num_layers, m.hidden_size,
+                                                    args.seq) / peak, 4) if peak else None,
+        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if device.type == "cuda" else None,
+        "first_step_s": round(first_step, 1), "loss_curve": curve,
+        "loss_at_end": curve[-1] if curve else None}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", nargs="+", default=[*HF_ROWS, *RF_ROWS],
+                        choices=[*HF_ROWS, *RF_ROWS])
+    parser.add_argument("--model", default="llama_1b")
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--mb", type=float, default=40.0, help="the corpus's MiB")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: llama_tiny, seq 64, eager fp32, emulated float8")
+    parser.add_argument("--out", default="docs/benchmarks/decoder_speed.json")
+    parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-data", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.overrides = [*args.overrides, "trainer.device=cpu", "graph=eager", "precision=fp32"]
+        args.model, args.seq, args.mb = "llama_tiny", 64, min(args.mb, 1.0)
+        if not args.hf_child:
+            args.iters, args.batch = 30, 4
+            args.rows = [r for r in args.rows if "liger" not in r]
+            RF_ROWS.update({row: [*extra, "precision.fp8_emulate=true",
+                                  "precision.fp8_skip_small=false"]
+                            for row, extra in RF_ROWS.items() if "fp8" in row})
+    if args.hf_child:
+        return hf_child(args)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rapidformer-decoder-speed-") as temp:
+        work = Path(temp)
+        data = gpt_mmap_data(work, args.mb, vocab_size=VOCAB_SIZE)
+        for row in args.rows:
+            runner = hf_row if row in HF_ROWS else rapidformer_row
+            rows.append(runner(row, data, args, work))
+            print(json.dumps(rows[-1]), flush=True)
+    import torch
+
+    base = next((r["tokens_per_s"] for r in rows if r["row"] == "hf-compile" and "error" not in r),
+                None)
+    for r in rows:
+        if base and "tokens_per_s" in r:
+            r["vs_hf_compile"] = round(r["tokens_per_s"] / base, 3)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    finish(args.out, {"date": datetime.date.today().isoformat(), "device": device,
+                      "torch": torch.__version__, "model": args.model, "seq": args.seq,
+                      "micro_batch": args.batch, "iterations": args.iters,
+                      "command": portable_command(" ".join(sys.argv)), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""precision=fp8: torchao's float8 training for a model's linear layers.
+
+Each converted `nn.Linear` casts its input, weight and output gradient to float8 (e4m3 forward,
+e5m2 gradients) with dynamic scales and multiplies on the float8 tensor cores; the weights stay
+fp32 parameters, so the optimizer, checkpoints and the Hugging Face export do not change (a
+`Float8Linear` has `nn.Linear`'s state dict). Everything else runs under the precision group's
+bf16 autocast. The conversion happens on the bare model before any wrapper: DDP, FSDP2
+(`fully_shard` then shards the float8 modules; with `precision.fp8_all_gather` it gathers the
+weights in float8) and torch.compile, which fuses the casts and scales into the neighbouring
+kernels (without it float8 is slower than bf16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from rapidformer.config.schema import PrecisionConfig
+from rapidformer.errors import ConfigError, InputError
+
+log = logging.getLogger("rapidformer")
+
+# float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+MIN_CAPABILITY = (8, 9)
+INSTALL = "pip install 'rapidformer[fp8]' (torchao)"
+
+
+def check_fp8_device(p: PrecisionConfig, device: torch.device) -> None:
+    """precision=fp8 needs float8 tensor cores, unless it is emulated."""
+    if p.fp8_scaling is None or p.fp8_emulate:
+        return
+    if device.type != "cuda":
+        raise ConfigError([f"precision=fp8 needs a GPU with float8 tensor cores (compute "
+                           f"capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer); this "
+                           f"run is on '{device.type}'. Use precision=bf16, or "
+                           f"precision.fp8_emulate=true to check the numerics (slow)"])
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        raise ConfigError([f"precision=fp8: {torch.cuda.get_device_name(device)} has compute "
+                           f"capability {capability[0]}.{capability[1]}, without float8 tensor "
+                           f"cores (they start at {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: Ada, "
+                           f"Hopper); use precision=bf16"])
+
+
+def gains_from_float8(scaling: str, out_features: int, in_features: int) -> bool:
+    """Whether a linear layer of this size runs faster in float8 than in bf16: torchao's
+    measured thresholds (H100, forward + backward of the layer, float8 casts included)."""
+    n, k = out_features, in_features
+    if scaling == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def float8_filter(model: nn.Module, p: PrecisionConfig):
+    """torchao's module filter: which linear layers become float8, and the reasons for the rest
+    (reason -> count) filled in as it runs."""
+    head = _output_head(model)
+    left_out: dict[str, int] = {}
+
+    def convert(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        n, k = module.weight.shape
+        reason = None
+        if module is head:
+            reason = "the output head"  # its logits feed the loss: kept at bf16's precision
+        elif n % 16 or k % 16:
+            reason = "a size not a multiple of 16"  # the float8 matmul's requirement
+        elif p.fp8_skip_small and not gains_from_float8(p.fp8_scaling, n, k):
+            reason = "too small to gain (precision.fp8_skip_small)"
+        if reason:
+            left_out[reason] = left_out.get(reason, 0) + 1
+        return reason is None
+
+    return convert, left_out
+
+
+def _torchao_float8():
+    """torchao.float8, imported without the warnings of torchao's CUDA extensions that fail to
+    load where they are not used (a CPU, another GPU architecture)."""
+    quiet = logging.getLogger("torchao")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    finally:
+        quiet.setLevel(level)
+    return float8
+
+
+def float8_config(p: PrecisionConfig):
+    config = _torchao_float8().Float8LinearConfig.from_recipe_name(p.fp8_scaling)
+    return dataclasses.replace(config, emulate=p.fp8_emulate,
+                               enable_fsdp_float8_all_gather=p.fp8_all_gather)
+
+
+def convert_to_float8(model: nn.Module, p: PrecisionConfig) -> nn.Module:
+    """The model with its eligible linear layers swapped for torchao's Float8Linear, in place;
+    refused when none is eligible (precision=fp8 would then be bf16 under another name)."""
+    try:
+        convert_to_float8_training = _torchao_float8().convert_to_float8_training
+    except ImportError as exc:
+        raise InputError(f"precision=fp8 needs torchao, which is not installed: {INSTALL}") \
+            from exc
+    keep, left_out = float8_filter(model, p)
+    conv1d = (" (this model's blocks are transformers' Conv1D layers, as in GPT-2)"
+              if any(type(m).__name__ == "Conv1D" for m in model.modules()) else "")
+    convert_to_float8_training(model, config=float8_config(p), module_filter_fn=keep)
+    converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    kept = ", ".join(f"{n} as {why}" for why, n in left_out.items()) or "none"
+    if not converted:
+        small = (", set precision.fp8_skip_small=false to convert small layers too"
+                 if p.fp8_skip_small else "")
+        raise InputError(
+            f"precision=fp8 found no linear layer to convert in {type(model).__name__} (left in "
+            f"bf16: {kept}). Float8 converts torch.nn.Linear layers{conv1d}. Use a model with linear layers (model=llama_1b, BERT, Hugging Face "
+            f"Llama/Qwen/Mistral){small}, or use precision=bf16")
+    log.info("precision=fp8 (%s scaling%s): %d linear layers in float8; left in bf16: %s",
+             p.fp8_scaling, ", emulated" if p.fp8_emulate else "", converted, kept)
+    return model
+
+
+def precompute_fsdp_scales(model: nn.Module, p: PrecisionConfig) -> None:
+    """After an optimizer step under FSDP2 with float8 all-gather: every float8 weight's scale
+    in one all-reduce, instead of one per weight in the next forward pass."""
+    if p.fp8_scaling == "tensorwise" and p.fp8_all_gather:
+        _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,0 +1,56 @@
+"""kernels=liger: liger-kernel's Triton kernels swapped into a Hugging Face model.
+
+liger-kernel patches a model instance of a family it knows (Llama, Mistral, Qwen, Gemma, ...):
+RMSNorm, the SwiGLU MLP and the rotary embedding become its kernels, and the causal LM's forward
+becomes one that, when it is given labels in training, runs the output head and the
+cross-entropy chunk by chunk in one kernel (the [tokens, vocab] logits never exist: on a 50k
+vocabulary at 8 x 2048 tokens that is 3.3 GB of bf16 logits and as much for their gradient).
+The rotary patch replaces the family module's function, process-wide, as liger-kernel does.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rapidformer.config.schema import KernelsConfig
+from rapidformer.errors import ConfigError, InputError
+
+log = logging.getLogger("rapidformer")
+
+INSTALL = "pip install 'rapidformer[liger]' (liger-kernel)"
+
+
+def check_kernels_device(k: KernelsConfig, device: torch.device) -> None:
+    if k.name == "liger" and device.type != "cuda":
+        raise ConfigError([f"kernels=liger runs Triton kernels on CUDA GPUs; this run is on "
+                           f"'{device.type}'. Use kernels=none"])
+
+
+def apply_kernels(model: torch.nn.Module, k: KernelsConfig, device: torch.device) -> None:
+    """Patch `model` in place with the configured kernels (kernels=none: nothing)."""
+    if k.name == "none":
+        return
+    check_kernels_device(k, device)
+    try:
+        from liger_kernel.transformers.monkey_patch import (MODEL_TYPE_TO_APPLY_LIGER_FN,
+                                                            _apply_liger_kernel_to_instance)
+    except ImportError as exc:
+        raise InputError(f"kernels=liger needs liger-kernel, which is not installed: {INSTALL}") \
+            from exc
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise InputError(f"kernels=liger: liger-kernel has no kernels for model type "
+                         f"'{model_type}' ({type(model).__name__}); it covers "
+                         f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}. Use kernels=none")
+    _apply_liger_kernel_to_instance(model=model, rope=k.rope, rms_norm=k.rms_norm,
+                                    swiglu=k.swiglu, cross_entropy=False,
+                                    fused_linear_cross_entropy=k.fused_linear_cross_entropy)
+    log.info("kernels=liger on %s: rope=%s rms_norm=%s swiglu=%s fused_linear_cross_entropy=%s",
+             model_type, k.rope, k.rms_norm, k.swiglu, k.fused_linear_cross_entropy)
+
+
+def fuses_the_loss(k: KernelsConfig) -> bool:
+    """Whether a causal LM's training forward computes its loss itself, from shifted labels,
+    without logits (liger-kernel's fused linear cross-entropy)."""
+    return k.name == "liger" and k.fused_linear_cross_entropy

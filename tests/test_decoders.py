@@ -1,0 +1,178 @@
+"""Modern decoders and their accelerators, in-process on tiny models: the Llama model group
+pretrains on mmap data and exports, precision=fp8's float8 conversion (which layers, what the
+state dict keeps, the refusals), kernels=liger's refusals, and on a GPU both trained against
+bf16. The strategy contract for Llama and float8 (DDP, FSDP2 with float8 all-gather, ZeRO-3)
+is in test_strategies.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rapidformer.config.compose import compose, resolve
+from rapidformer.config.schema import KernelsConfig, PrecisionConfig
+from rapidformer.errors import ConfigError, InputError
+
+QUIET = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
+
+
+def llama_args(data: dict) -> list[str]:
+    return ["+recipe=llama_pretrain", "model=llama_tiny", f"data.path={data['gpt']}",
+            f"model.tokenizer={data['gpt2_vocab']}", f"model.merge_file={data['merges']}",
+            "data.max_seq_length=64", "data.split=90,5,5", "data.num_workers=0",
+            "trainer.micro_batch_size=4", "trainer.global_batch_size=16", "trainer.lr=3e-3",
+            "trainer.log_interval=5", "trainer.eval_iters=2", "trainer.device=cpu",
+            "graph=eager", "precision=fp32", "scheduler.warmup_fraction=0", *QUIET]
+
+
+def pretrain(run: Path, overrides: list[str]) -> list[dict]:
+    from rapidformer.engine import RapidformerEngine
+    from rapidformer.tasks import task_class
+
+    _, cfg = resolve(compose([*overrides, f"trainer.output_dir={run}"]), str(run))
+    task_class(cfg.task.name)(engine=RapidformerEngine(cfg, run)).train()
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_llama(**shape):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
+              "max_position_embeddings": 64, "tie_word_embeddings": False, **shape}
+    return LlamaForCausalLM(LlamaConfig(**config))
+
+
+def fp8(**keys) -> PrecisionConfig:
+    return PrecisionConfig(name="fp8", dtype="bf16", fp8_scaling="tensorwise", **keys)
+
+
+def test_llama_pretrains_on_mmap_data_and_exports_a_llama(tmp_path, pretraining_data):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    records = pretrain(run, [*llama_args(pretraining_data), "trainer.train_iters=30"])
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert losses[30] < losses[5] - 0.5, losses  # it learns the generated language
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf_model")
+    assert type(exported).__name__ == "LlamaForCausalLM"
+    c = exported.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+            c.intermediate_size) == (2, 64, 4, 2, 176)
+    assert c.tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 does not divide "
+                                      "model.num_attention_heads=4"),
+    (["model.hidden_dropout=0.1"], "a Llama-shaped model has no hidden dropout"),
+    (["model=gpt2_tiny", "model.num_key_value_heads=2"], "only a Llama-shaped model has "
+                                                         "grouped-query attention"),
+    (["precision=fp8", "memory=zero2"], "precision=fp8 with memory=zero2"),
+    (["precision=fp8", "precision.fp8_all_gather=true"], "precision.fp8_all_gather=true needs "
+                                                         "memory=fsdp"),
+    (["precision=fp16", "precision.fp8_scaling=rowwise"], "precision.fp8_scaling=rowwise has no "
+                                                         "effect with precision.dtype=fp16"),
+    (["precision=fp8", "model=megatron_gpt_tiny"], "megatron-core's float8 needs Transformer "
+                                                   "Engine"),
+    (["kernels=liger", "model=megatron_gpt_tiny"], "kernels=liger with model=megatron_gpt_tiny"),
+])
+def test_bad_decoder_settings_are_refused_before_anything_runs(tmp_path, overrides, message):
+    args = ["+recipe=llama_pretrain", "model=llama_tiny", "data.path=unused",
+            "model.tokenizer=unused", "model.merge_file=unused", *overrides]
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(args), str(tmp_path / "run"))
+    assert message in str(err.value)
+
+
+def test_float8_skips_the_head_and_small_layers_and_keeps_the_state_dict():
+    from rapidformer.accelerators.float8 import convert_to_float8, gains_from_float8
+
+    # torchao's measured sizes: a 2048 x 2048 projection gains in tensorwise scaling, not
+    # rowwise; a 512-wide key projection of a 2048 model does in neither
+    assert gains_from_float8("tensorwise", 2048, 2048)
+    assert not gains_from_float8("rowwise", 2048, 2048)
+    assert gains_from_float8("rowwise", 8192, 2048)
+    assert not gains_from_float8("tensorwise", 512, 1024)
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    convert_to_float8(model, fp8(fp8_skip_small=False, fp8_emulate=True))
+    converted = {name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    # 7 linear layers a block (q, k, v, o, gate, up, down); the output head stays
+    assert len(converted) == 14 and "lm_head" not in converted
+    after = model.state_dict()
+    assert list(after) == list(before)  # checkpoints and the export keep their keys
+    for key, value in after.items():
+        assert value.dtype == before[key].dtype and torch.equal(value, before[key]), key
+    loss = model(input_ids=torch.randint(0, 96, (2, 16)), labels=torch.randint(0, 96, (2, 16)))
+    loss.loss.backward()  # emulated float8 trains on a CPU
+    assert model.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
+def test_float8_refuses_a_model_it_would_not_change():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rapidformer.accelerators.float8 import convert_to_float8
+
+    with pytest.raises(InputError, match="transformers' Conv1D layers, as in GPT-2"):
+        convert_to_float8(GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2,
+                                                     vocab_size=96)), fp8(fp8_emulate=True))
+    with pytest.raises(InputError, match="set precision.fp8_skip_small=false"):
+        convert_to_float8(tiny_llama(), fp8(fp8_emulate=True))  # 64-wide layers gain nothing
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_float8_and_liger_refuse_a_cpu_with_the_way_out():
+    from rapidformer.accelerators.float8 import check_fp8_device
+    from rapidformer.models.kernels import check_kernels_device
+
+    with pytest.raises(ConfigError, match="precision.fp8_emulate=true to check the numerics"):
+        check_fp8_device(fp8(), torch.device("cpu"))
+    check_fp8_device(fp8(fp8_emulate=True), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="kernels=liger runs Triton kernels on CUDA GPUs"):
+        check_kernels_device(KernelsConfig(name="liger"), torch.device("cpu"))
+
+
+def _train_steps(model, steps: int, autocast: bool = True) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 96, (8, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids[:, :-1], shift_labels=ids[:, 1:]).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or
+                    torch.cuda.get_device_capability() < (8, 9), reason="needs float8 tensor cores")
+def test_float8_on_the_gpu_trains_like_bf16():
+    from rapidformer.accelerators.float8 import convert_to_float8
+
+    bf16 = _train_steps(tiny_llama(hidden_size=256, intermediate_size=512).cuda(), 20)
+    model = tiny_llama(hidden_size=256, intermediate_size=512).cuda()
+    convert_to_float8(model, fp8(fp8_skip_small=False))
+    float8 = _train_steps(model, 20)
+    assert float8[-1] < float8[0] - 1.0
+    assert float8[-1] == pytest.approx(bf16[-1], abs=0.1), (float8, bf16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_liger_kernels_train_like_the_models_own_layers():
+    pytest.importorskip("liger_kernel")
+    from rapidformer.models.kernels import apply_kernels
+
+    own = _train_steps(tiny_llama().cuda(), 20)
+    model = tiny_llama().cuda()
+    apply_kernels(model, KernelsConfig(name="liger"), torch.device("cuda"))
+    assert type(model.model.norm).__name__ == "LigerRMSNorm"
+    fused = _train_steps(model, 20)
+    assert fused == pytest.approx(own, abs=2e-2)
