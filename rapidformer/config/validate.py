@@ -502,6 +502,18 @@ def _fp8_problems(cfg: RunConfig) -> list[str]:
     if cfg.graph.name == "ort":
         p.append("precision=fp8 with graph=ort: ONNX Runtime training runs fp32 on the CPU here; "
                  "use graph=compile")
+    pad_to = cfg.data.pad_to
+    if cfg.task.name not in PRETRAINING_TASKS and (
+            pad_to == "longest" or (isinstance(pad_to, int) and pad_to % 16)
+            or (pad_to == "max" and cfg.data.max_seq_length % 16)
+            or (isinstance(pad_to, list) and any(int(b) % 16 for b in pad_to))):
+        p.append(f"data.pad_to={pad_to} with precision=fp8: float8 matmuls need the batch's "
+                 f"token count to be a multiple of 16; use multiples of 16 (or data.pad_to=auto)")
+    if cfg.task.name in PRETRAINING_TASKS and \
+            (cfg.trainer.micro_batch_size * cfg.data.max_seq_length) % 16:
+        p.append(f"precision=fp8 with trainer.micro_batch_size={cfg.trainer.micro_batch_size} x "
+                 f"data.max_seq_length={cfg.data.max_seq_length} tokens: float8 matmuls need "
+                 f"a multiple of 16 tokens a micro-batch; change either")
     if pr.fp8_all_gather and (cfg.memory.name != "fsdp" or pr.fp8_scaling != "tensorwise"):
         p.append(f"precision.fp8_all_gather=true needs memory=fsdp and "
                  f"precision.fp8_scaling=tensorwise (this run: memory={cfg.memory.name}, "

@@ -6,8 +6,8 @@ with slower kernels), and CUDA graphs record one graph per shape. Padding to a f
 lengths bounds the shapes for a few percent more padding; the share of padding is logged as
 `padding_frac` either way.
 
-`auto` is the batch's longest row in eager mode, and with graph=compile the next multiple of
-16: torch.compile's automatic dynamic shapes then cover every length with one graph after the
+`auto` is the batch's longest row in eager mode, and with graph=compile (or precision=fp8,
+whose matmuls need a multiple of 16 tokens) the next multiple of 16: torch.compile's automatic dynamic shapes then cover every length with one graph after the
 second, and no length-alignment guard of the attention kernels tells two lengths apart (on one
 H200, plain Hugging Face + torch.compile at lengths of the longest row spent 90 s of a
 3-epoch, 13-second fine-tune recompiling; docs/benchmarks.md). With

@@ -22,7 +22,9 @@ class Batching:
         self.cfg = cfg
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         self.left = getattr(tokenizer, "padding_side", "right") == "left"
-        self.compiled = cfg.graph.name == "compile"
+        # float8's weight-gradient matmul needs a token count that is a multiple of 16, which
+        # the compiled model's lengths are
+        self.compiled = cfg.graph.name == "compile" or cfg.precision.fp8_scaling is not None
         self.unpad = cfg.trainer.unpad
         self.positions = masked_lm and (cfg.task.mlm_head == "masked" or self.unpad)
         self._with_positions: list = []

@@ -54,6 +54,15 @@ def accelerators(dev: dict, versions: dict) -> list[tuple[str, str, bool, str]]:
         ("precision=bf16", "a CPU, or a GPU with bf16 (Ampere or newer)", not gpu or bf16_gpu,
          "this GPU has no bf16"),
         ("precision=fp16", "autocast + GradScaler (CPU or GPU); with ZeRO a GPU", True, ""),
+        ("precision=fp8", "torchao 0.18 and a GPU with float8 (compute capability 8.9+)",
+         versions.get("torchao") is not None and gpu
+         and torch.cuda.get_device_capability() >= (8, 9),
+         "pip install 'rapidformer[fp8]'" if versions.get("torchao") is None
+         else "no GPU with float8 tensor cores here"),
+        ("kernels=liger", "liger-kernel 0.8 and a CUDA GPU",
+         versions.get("liger-kernel") is not None and gpu,
+         "pip install 'rapidformer[liger]'" if versions.get("liger-kernel") is None
+         else "no CUDA GPU here"),
         ("memory=zero1/2/3", "deepspeed 0.19", versions.get("deepspeed") is not None,
          "pip install 'rapidformer[deepspeed]'"),
         ("memory=fsdp", "torch >= 2.6 (FSDP2)", _has("torch.distributed.fsdp"), ""),
