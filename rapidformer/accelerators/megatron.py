@@ -5,7 +5,8 @@ gradient buffers and optimizer (memory=zero1/zero2: the distributed optimizer), 
 The pieces are megatron-core's, each behind one module: `parallel` (groups, schedules, the
 layout-independent initialisation), `megatron_optimizer` (wrappers, optimizer, precision),
 `megatron_checkpoint` (sharded checkpoints that reshard across layouts); on a CPU,
-`megatron_cpu` maps its CUDA calls.
+`megatron_cpu` maps its CUDA calls. graph=compile compiles each transformer layer in place
+(regional: the identical layers share one compiled graph) before megatron-core's wrappers.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from rapidformer import checkpoint
 from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, parallel
 from rapidformer.accelerators.base import OPTIMIZER_STATE, StepResult, Strategy
+from rapidformer.accelerators.graph import compile_blocks
 from rapidformer.accelerators.precision import check_device_supports
 from rapidformer.errors import ConfigError, NotAvailableError, RapidformerError
 
@@ -29,6 +31,13 @@ class MegatronStrategy(Strategy):
 
     def __init__(self, cfg, plan, rank, world_size):
         super().__init__(cfg, plan, rank, world_size)
+        if cfg.graph.name == "compile" and self.device.type == "cpu":
+            # megatron_cpu's dispatch mode (CUDA factories made on the CPU) is one torch.compile
+            # does not trace: the layers would run eager, whatever the config says
+            raise NotAvailableError("graph=compile with a Megatron model runs on GPUs; on a CPU "
+                                    "megatron-core runs under rapidformer's CUDA-to-CPU "
+                                    "mapping, which torch.compile does not trace: use "
+                                    "graph=eager")
         self.parallel = parallel.initialize(cfg, self.device)
         check_device_supports(cfg.precision, self.device)
         # megatron-core's optimizer owns the loss scale, unscaling, inf check and clipping
@@ -56,6 +65,11 @@ class MegatronStrategy(Strategy):
             raise ConfigError(["a Megatron model trains with megatron-core's optimizer, built "
                                "from optim.* and precision.*: return None for the optimizer from "
                                "model_optimizer_lr_scheduler_provider"])
+        if self.cfg.graph.name == "compile":  # each transformer layer, in place
+            from rapidformer.models.megatron import prepare_for_compile
+
+            prepare_for_compile()
+            model = compile_blocks(model, self.cfg.graph, sharded=True)
         model = megatron_optimizer.wrap_model(model, self.cfg)
         optimizer = self.precision.optimizer = megatron_optimizer.build_optimizer(model, self.cfg)
         self.model, self.optimizer = model, optimizer

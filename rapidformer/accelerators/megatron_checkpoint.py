@@ -70,7 +70,7 @@ def _materialize_adam_state(optimizer) -> None:
             for param in group["params"]:
                 state = inner.state[param]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = _step_tensor(0.0, param, group)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
 
@@ -87,7 +87,15 @@ def _restore_adam_steps(optimizer) -> None:
                 continue
             for param in group["params"]:
                 if "step" in inner.state[param]:
-                    inner.state[param]["step"] = torch.tensor(float(group["step"]))
+                    inner.state[param]["step"] = _step_tensor(float(group["step"]), param, group)
+
+
+def _step_tensor(step: float, param, group) -> torch.Tensor:
+    """AdamW's step count as torch keeps it: on the host, or beside the parameter (float32)
+    for the fused kernel (megatron_optimizer switches GPU runs to it)."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(step, dtype=torch.float32, device=param.device)
+    return torch.tensor(step)
 
 
 def reshard_problem(saved: dict, current: dict, distributed_optimizer: bool) -> str | None:

@@ -1,7 +1,7 @@
 """Which strategy runs a config, and which one reads a checkpoint: the one table.
 
     model kind  memory            graph            strategy
-    megatron_*  none/zero1/zero2  eager            MegatronStrategy (TP/PP/DP, its optimizer)
+    megatron_*  none/zero1/zero2  eager/compile    MegatronStrategy (TP/PP/DP, its optimizer)
     HF / own    zero1/zero2/zero3 eager/compile    ZeroStrategy (DeepSpeed)
     HF / own    fsdp              eager/compile    FSDP2Strategy
     HF / own    none              ort              OrtStrategy (ORTModule inside DDP)

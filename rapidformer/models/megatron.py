@@ -3,6 +3,7 @@
 pipeline stages."""
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -78,9 +79,32 @@ def layer_spec(config, local_spec):
                                       layer_norm=SequenceParallelLayerNorm)
 
 
+def core_attention(m: ModelConfig):
+    """The local layers' core attention for model.attn_implementation: sdpa (the default) is
+    rapidformer's SDPAttention (torch's scaled_dot_product_attention: cuDNN's or
+    FlashAttention's fused kernels on a GPU, no [b, heads, s, s] score matrix); eager is
+    megatron-core's own DotProductAttention (explicit scores, softmax and dropout)."""
+    if m.attn_implementation == "eager":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return DotProductAttention
+    from rapidformer.models.megatron_attention import SDPAttention
+
+    return SDPAttention
+
+
+def with_core_attention(spec, attention):
+    """A copy of a local layer spec whose self-attention uses `attention` (the spec's other
+    modules unchanged; megatron-core's module-level specs are not touched)."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = attention
+    return spec
+
+
 def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
-    """A GPT of megatron-core's local layers (Transformer Engine's when it is installed), tied
-    input and output embeddings as GPT-2, weights the same whatever the layout."""
+    """A GPT of megatron-core's local layers with the core attention of
+    model.attn_implementation (Transformer Engine's layers when it is installed), tied input
+    and output embeddings as GPT-2, weights the same whatever the layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -89,7 +113,8 @@ def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
     config = transformer_config(cfg)
     spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
             if gpt_layer_specs.HAVE_TE
-            else layer_spec(config, gpt_layer_specs.get_gpt_layer_local_spec()))
+            else layer_spec(config, with_core_attention(
+                gpt_layer_specs.get_gpt_layer_local_spec(), core_attention(m))))
     vocab = padded_vocab_size(vocab_size, cfg.parallelism.tensor_model_parallel_size)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                      max_sequence_length=m.max_position_embeddings,
@@ -102,7 +127,8 @@ def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
 def build_megatron_bert(cfg: RunConfig, vocab_size: int):
     """megatron-core's BERT (masked LM head and the next-sentence binary head over the pooled
     first token, token-type embeddings, output layer tied to the word embedding as in
-    Megatron-LM's BERT), weights the same whatever the layout."""
+    Megatron-LM's BERT) with the core attention of model.attn_implementation, weights the same
+    whatever the layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.bert import bert_layer_specs
     from megatron.core.models.bert.bert_model import BertModel
@@ -110,10 +136,16 @@ def build_megatron_bert(cfg: RunConfig, vocab_size: int):
     m: ModelConfig = cfg.model
     config = transformer_config(cfg)
     have_te = getattr(bert_layer_specs, "HAVE_TE", False)
-    spec = (bert_layer_specs.get_bert_layer_with_transformer_engine_spec() if have_te
-            else bert_layer_specs.bert_layer_local_spec)
+    model_class = BertModel
+    if have_te:
+        spec = bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+    else:
+        spec = with_core_attention(bert_layer_specs.bert_layer_local_spec, core_attention(m))
+        if m.attn_implementation != "eager":
+            # its padding mask as [b, 1, 1, s] (a key mask), not megatron's local [b, 1, s, s]
+            from rapidformer.models.megatron_attention import SDPABertModel as model_class
     vocab = padded_vocab_size(vocab_size, cfg.parallelism.tensor_model_parallel_size)
-    model = BertModel(config=config, num_tokentypes=2, transformer_layer_spec=spec,
+    model = model_class(config=config, num_tokentypes=2, transformer_layer_spec=spec,
                       vocab_size=vocab, max_sequence_length=m.max_position_embeddings,
                       pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage(),
@@ -129,7 +161,9 @@ def _initialized(model, kind: str, m: ModelConfig, vocab: int, vocab_size: int, 
     log.info("megatron-core %s: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
              "%s layers%s; this rank: pipeline stage %d of %d, tensor shard %d of %d",
              kind, m.num_layers, m.hidden_size, m.num_attention_heads, vocab, vocab_size,
-             "Transformer Engine" if have_te else "local",
+             "Transformer Engine" if have_te else
+             "local" + (" (megatron-core's DotProductAttention)" if m.attn_implementation == "eager"
+                        else " (SDPA attention)"),
              ", sequence parallel" if model.config.sequence_parallel else "",
              ps.get_pipeline_model_parallel_rank() + 1, ps.get_pipeline_model_parallel_world_size(),
              ps.get_tensor_model_parallel_rank() + 1, ps.get_tensor_model_parallel_world_size())
@@ -166,3 +200,26 @@ def layout_independent_init(model: torch.nn.Module, std: float, num_layers: int)
             full = full.chunk(tp, dim)[tp_rank]
         with torch.no_grad():
             param.copy_(full)
+
+
+def prepare_for_compile() -> None:
+    """What torch.compile needs to capture a megatron-core TransformerLayer as one graph:
+    its row-parallel linear asks for the tensor-parallel group by passing None, and megatron-core
+    answers with a DeprecationWarning on rank 0, a Python builtin call that torch.compile
+    cannot trace (a graph break in the attention projection and in the MLP's second linear
+    of every layer, and the rest of the layer skipped). The same group, without the warning."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import layers
+
+    original = getattr(layers.get_tensor_model_parallel_group_if_none, "__wrapped__",
+                       layers.get_tensor_model_parallel_group_if_none)
+
+    def group_if_none(tp_group, is_expert=False, check_initialized=True):
+        if tp_group is None and torch.distributed.is_initialized() and ps.is_initialized():
+            return (ps.get_expert_tensor_parallel_group(check_initialized=check_initialized)
+                    if is_expert else
+                    ps.get_tensor_model_parallel_group(check_initialized=check_initialized))
+        return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+    group_if_none.__wrapped__ = original
+    layers.get_tensor_model_parallel_group_if_none = group_if_none

@@ -180,7 +180,9 @@ def _megatron_estimate(shape: ModelShape, cfg: RunConfig, mode: Mode) -> Estimat
     sbh = s * b * h
     sp = par.sequence_parallel
     layer = sbh * (34 / t if sp else 10 + 24 / t)
-    scores = 5 * a * s * s * b / t
+    # megatron-core's local DotProductAttention (attn_implementation=eager) keeps the scores,
+    # their softmax-dropout output and its mask; SDPA's GPU kernels keep none of them
+    scores = 5 * a * s * s * b / t if cfg.model.attn_implementation == "eager" else 0
     if mode.checkpoint_activations and cfg.trainer.recompute_granularity == "full":
         per_stage = (shape.layers // pp) * 2 * sbh / (t if sp else 1) + layer + scores
     elif mode.checkpoint_activations:
