@@ -135,7 +135,7 @@ def hf_child(args) -> None:
     from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
     _, cfg = resolve(compose(common(args.hf_prefix, Path(args.hf_vocab), args)), tempfile.mkdtemp())
-    tokenizer = load_pretraining_tokenizer(cfg.model)
+    tokenizer = load_pretraining_tokenizer(cfg.model, cfg.data.path)
     d = cfg.data
     train, _, _ = build_bert_datasets(d.path, tokenizer, d.split, [args.iters * args.batch, 0, 0],
                                       d.max_seq_length, d.mask_prob, d.short_seq_prob,

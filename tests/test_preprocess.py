@@ -321,6 +321,79 @@ def test_a_list_is_the_sentences_of_one_document(tmp_path, corpus, bert_vocab):
     assert _read(tmp_path / "b_text_sentence").document_indices.tolist() == [0, 2, 3, 6]
 
 
+def _megatron_core_bert_tokenizer(vocab: Path, where: Path, monkeypatch):
+    """megatron-core's own BertWordPieceLowerCase tokenizer, as Megatron-LM's
+    tools/preprocess_data.py builds it by default: MegatronHFTokenizer loads Hugging Face's
+    'bert-large-uncased' with our vocab.txt, which Hugging Face reads from a local directory of
+    that name in the working directory before the hub (here one with the hub's settings)."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    local = where / "bert-large-uncased"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (local / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
+                                                             "model_max_length": 512}))
+    (local / "vocab.txt").write_bytes(vocab.read_bytes())
+    monkeypatch.chdir(where)
+    return MegatronTokenizer.from_pretrained(
+        tokenizer_path="BertWordPieceLowerCase", metadata_path={"library": "megatron"},
+        vocab_file=str(vocab), merges_file=None, additional_special_tokens=[], use_fast=False,
+        trust_remote_code=False, include_special_tokens=False)
+
+
+@pytest.mark.parametrize("convention", ["eos", "sep"])
+def test_bert_end_of_document_is_megatrons(tmp_path, bert_vocab, monkeypatch, convention):
+    """--append-eod with a WordPiece vocab.txt of V entries writes what Megatron-LM's
+    tools/preprocess_data.py writes, byte for byte. eos (the default): its BERT tokenizer
+    (`_BertWordPieceTokenizer`, Megatron-LM up to core 0.14 and with --legacy-tokenizer in
+    0.15-0.16) adds [BOS] and [EOS] as ids V and V + 1, its eod is [EOS], its vocab_size V + 2
+    (which sets the dtype). sep: its newer tokenizer system (megatron-core's MegatronTokenizer,
+    built here) ends documents with [SEP], its eos, in a vocabulary of V."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    megatron = _megatron_core_bert_tokenizer(bert_vocab, tmp_path, monkeypatch)
+    words = [w.strip() for w in bert_vocab.read_text().splitlines()]
+    size = len(words)
+    if convention == "eos":
+        # _BertWordPieceTokenizer.add_token: the next id, len(vocab), for each token it lacks
+        eod, vocab_size = size + 1, size + 2
+        assert "[BOS]" not in words and "[EOS]" not in words
+    else:
+        eod, vocab_size = megatron.eod, megatron.vocab_size
+        assert (eod, vocab_size) == (words.index("[SEP]"), size)
+    path = tmp_path / "mixed.json"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in MIXED))
+    builder = IndexedDatasetBuilder(str(tmp_path / "megatron.bin"),
+                                    dtype=DType.optimal_dtype(vocab_size))
+    for text in MIXED:  # Megatron's Encoder.encode, without --split-sentences
+        ids, lengths = [], []
+        for sentence in text if isinstance(text, list) else [text]:
+            tokens = megatron.tokenize(sentence)
+            if tokens:
+                ids, lengths = ids + tokens, lengths + [len(tokens)]
+        if ids:
+            ids, lengths[-1] = ids + [eod], lengths[-1] + 1
+        builder.add_document(ids, lengths)
+    builder.finalize(str(tmp_path / "megatron.idx"))
+    option = ["--bert-eod", "sep"] if convention == "sep" else []
+    preprocess_main(["--input", str(path), "--output-prefix", str(tmp_path / "ours"),
+                     "--vocab-file", str(bert_vocab), "--tokenizer-type",
+                     "BertWordPieceLowerCase", "--append-eod", *option])
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours_text_document{ext}").read_bytes() == \
+            (tmp_path / f"megatron{ext}").read_bytes()
+    dataset = _read(tmp_path / "ours_text_document")
+    assert dataset[0].tolist()[-1] == eod  # the first document's end
+
+
+def test_bert_eod_is_for_wordpiece_only(tmp_path, corpus, gpt2_files, capsys):
+    vocab, merges = gpt2_files
+    with pytest.raises(SystemExit) as info:
+        preprocess_main([*_gpt2_args(corpus, tmp_path / "o", vocab, merges), "--bert-eod", "sep"])
+    assert info.value.code == 2
+    assert "--bert-eod is for the BertWordPiece tokenizer types" in capsys.readouterr().err
+
+
 def test_a_corpus_of_empty_texts_is_refused(tmp_path, bert_vocab, capsys):
     path = tmp_path / "empty.json"
     path.write_text('{"text": ""}\n{"text": []}\n')

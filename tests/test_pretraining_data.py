@@ -2,6 +2,7 @@
 keys, the checks on .bin/.idx files, the pretraining sampler, and mpu.broadcast_data."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -137,6 +138,114 @@ def test_bert_needs_sentence_level_data(pretraining_data, bert_tokenizer, tmp_pa
     with pytest.raises(InputError, match="--split-sentences"):
         build_bert_datasets(str(tmp_path / "docs_text_document"), bert_tokenizer, "98,2",
                             [100, 10, 0], 64, 0.15, 0.1, 1, path_to_cache=tmp_path)
+
+
+# --- BERT data made with Megatron-LM's [BOS]/[EOS] ---------------------------------------------
+@pytest.fixture(scope="module")
+def megatron_bert(pretraining_data, tmp_path_factory) -> str:
+    """Sentence-level BERT data whose documents end with Megatron-LM's [EOS] (id V + 1 of a
+    V-line vocab.txt), as its tools/preprocess_data.py --append-eod writes it
+    (tests/test_preprocess.py checks the bytes against Megatron's)."""
+    from rapidformer.data.preprocess_data import main as preprocess
+
+    out = tmp_path_factory.mktemp("megatron_bert")
+    preprocess(["--input", str(pretraining_data["dir"] / "corpus.json"), "--output-prefix",
+                str(out / "bert"), "--vocab-file", str(pretraining_data["vocab"]),
+                "--tokenizer-type", "BertWordPieceLowerCase", "--split-sentences",
+                "--append-eod"])
+    return str(out / "bert_text_sentence")
+
+
+def _model_config(data: dict):
+    from rapidformer.config.schema import ModelConfig
+
+    return ModelConfig(tokenizer_type="BertWordPieceLowerCase", tokenizer=str(data["vocab"]))
+
+
+def test_the_tokenizer_follows_the_data_s_end_of_document(pretraining_data, megatron_bert,
+                                                          tmp_path):
+    from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
+
+    size = len(pretraining_data["vocab"].read_text().split())
+    m = _model_config(pretraining_data)
+    # the earlier files (no end of document, or [SEP]) keep the vocab.txt's entries
+    plain = load_pretraining_tokenizer(m, pretraining_data["bert"])
+    assert (plain.vocab_size, plain.eod, plain.added) == (size, plain.sep, ())
+    assert load_pretraining_tokenizer(m) is plain
+    # Megatron's: [BOS] and [EOS] after them, [EOS] the end of document; a blend with both too
+    for path in (megatron_bert, f"1 {pretraining_data['bert']} 1 {megatron_bert}"):
+        wide = load_pretraining_tokenizer(m, path)
+        assert (wide.vocab_size, wide.eod, wide.added) == (size + 2, size + 1,
+                                                           ("[BOS]", "[EOS]"))
+        assert wide.inv_vocab[size] == "[BOS]" and wide.inv_vocab[size + 1] == "[EOS]"
+        assert len(wide.hf) == size + 2 and wide.hf.eos_token_id == size + 1
+        # the text's tokens are the vocab.txt's either way
+        assert wide.tokenize("the doctor bought a car") == plain.tokenize("the doctor bought a car")
+    # the vocabulary check still stops data past Megatron's two entries
+    with pytest.raises(InputError, match=f"holds token id {size + 1}, but the tokenizer has "
+                                         f"only {size + 1} entries"):
+        open_indexed(megatron_bert, size + 1)
+    # a pretrained BERT's embeddings end at its vocab.txt: such data cannot train it
+    from transformers import BertConfig
+
+    from rapidformer.tasks.pretraining import check_pretrained_vocabulary
+
+    BertConfig(vocab_size=size, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+               intermediate_size=8).save_pretrained(tmp_path / "pretrained")
+    pretrained = dataclasses.replace(m, source="pretrained",
+                                     name_or_path=str(tmp_path / "pretrained"))
+    with pytest.raises(InputError, match=f"has {size} embeddings, but data.path ends documents "
+                                         f"with Megatron's \\[EOS\\].*--bert-eod sep"):
+        check_pretrained_vocabulary(pretrained, wide)
+    train, _, _ = build_bert_datasets(megatron_bert, wide, "98,2", [64, 8, 0], 64, 0.15, 0.1, 1,
+                                      path_to_cache=tmp_path)
+    assert len(train) >= 64 and int(train[0]["input_ids"].max()) < size + 2
+    # the id V + 1 inside a document, or V anywhere, is no Megatron end of document but another
+    # vocabulary's token
+    from rapidformer.data.indexed_writer import IndexedWriter
+
+    for name, tokens in (("inside", [5, size + 1, 6]), ("bos", [5, 6, size])):
+        writer = IndexedWriter(str(tmp_path / f"{name}.bin"), size)
+        writer.add(np.array(tokens, np.int32), np.array([3], np.int32), np.array([1], np.int32))
+        writer.finalize(str(tmp_path / f"{name}.idx"))
+        assert load_pretraining_tokenizer(m, str(tmp_path / name)) is plain
+        with pytest.raises(InputError, match="made with another vocabulary"):
+            open_indexed(str(tmp_path / name), plain.vocab_size)
+
+
+def test_megatron_convention_bert_data_trains_and_exports(tmp_path, pretraining_data,
+                                                          megatron_bert):
+    """Two steps of a tiny BERT, in this process, on data ending documents with [EOS]: the
+    embeddings cover it, the export's tokenizer has it, and resuming the checkpoint of a run on
+    the earlier data (V embeddings) is refused with the reason, not loaded into the wrong shape."""
+    from transformers import AutoTokenizer, BertConfig
+
+    from rapidformer.config.compose import compose, resolve
+    from rapidformer.engine import RapidformerEngine
+    from rapidformer.tasks.pretraining import BertPretrainer
+
+    size = len(pretraining_data["vocab"].read_text().split())
+
+    def train(run, data, *extra):
+        overrides = ["+recipe=bert_pretrain", "model=bert_tiny", "model.num_layers=1",
+                     f"data.path={data}", f"model.tokenizer={pretraining_data['vocab']}",
+                     "data.max_seq_length=32", "data.num_workers=0", "trainer.device=cpu",
+                     "trainer.micro_batch_size=4", "trainer.global_batch_size=4",
+                     "trainer.eval_iters=1", "trainer.progress_bar=false",
+                     "trainer.tensorboard=false", "trainer.log_interval=1",
+                     f"trainer.output_dir={run}", *extra]
+        _, cfg = resolve(compose(overrides), str(run))
+        return BertPretrainer(engine=RapidformerEngine(cfg, run)).train()
+
+    run = tmp_path / "megatron"
+    assert train(run, megatron_bert, "trainer.train_iters=2").step == 2
+    assert BertConfig.from_pretrained(run / "hf_model").vocab_size == size + 2
+    exported = AutoTokenizer.from_pretrained(run / "hf_model")
+    assert len(exported) == size + 2 and exported.convert_tokens_to_ids("[EOS]") == size + 1
+    earlier = tmp_path / "earlier"
+    train(earlier, pretraining_data["bert"], "trainer.train_iters=2", "trainer.export_hf=false")
+    with pytest.raises(InputError, match="holds a model of .* parameters, this run builds"):
+        train(earlier, megatron_bert, "trainer.train_iters=4", "trainer.resume=auto")
 
 
 # --- GPT samples -------------------------------------------------------------------------------

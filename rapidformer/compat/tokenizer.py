@@ -12,4 +12,5 @@ from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
 
 def get_tokenizer() -> MegatronTokenizer:
-    return load_pretraining_tokenizer(active().cfg.model)
+    cfg = active().cfg
+    return load_pretraining_tokenizer(cfg.model, cfg.data.path)

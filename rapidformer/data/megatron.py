@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rapidformer.data.indexed_writer import INDEX_HEADER
+from rapidformer.data.indexed_writer import DTYPE_CODES, INDEX_HEADER
 from rapidformer.errors import InputError, NotAvailableError
 
 log = logging.getLogger("rapidformer")
@@ -60,6 +60,9 @@ class MegatronTokenizer:
     hf_pad: int = 0
     name: str = ""
     hf: object = field(default=None, repr=False)  # the Hugging Face tokenizer, when built from one
+    # tokens added after the vocabulary file's entries: Megatron-LM's BERT [BOS] and [EOS],
+    # when the data holds their ids (data/pretraining_tokenizer.py), else none
+    added: tuple = ()
 
     def tokenize(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
@@ -68,7 +71,7 @@ class MegatronTokenizer:
         return self.hf.decode(ids)
 
     @classmethod
-    def from_hf(cls, tokenizer, eod: int | None) -> "MegatronTokenizer":
+    def from_hf(cls, tokenizer, eod: int | None, added: tuple = ()) -> "MegatronTokenizer":
         vocab = tokenizer.get_vocab()
         digest = hashlib.sha256("\n".join(sorted(vocab)).encode()).hexdigest()[:16]
         # ordered by id: megatron-core draws BERT's random replacement tokens by position in
@@ -77,7 +80,8 @@ class MegatronTokenizer:
         return cls(vocab_size=len(tokenizer), inv_vocab=inv_vocab,
                    eod=eod, cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id,
                    mask=tokenizer.mask_token_id, hf_pad=tokenizer.pad_token_id or 0,
-                   name=f"{type(tokenizer).__name__}-{len(vocab)}-{digest}", hf=tokenizer)
+                   name=f"{type(tokenizer).__name__}-{len(vocab)}-{digest}", hf=tokenizer,
+                   added=tuple(added))
 
     @property
     def unique_identifiers(self) -> dict:
@@ -162,11 +166,72 @@ def open_indexed(prefix: str, vocab_size: int | None = None):
     return dataset
 
 
+_LARGEST: dict = {}
+
+
+def largest_token(prefix: str, dtype=None) -> int | None:
+    """The largest token id among the first VOCAB_CHECK_TOKENS of `prefix`.bin, or None for a
+    file that is missing, empty or has no readable index (the checks in open_indexed say what is
+    wrong with it). Read once per file version: the tokenizer and the vocabulary check both ask."""
+    bin_, idx = Path(prefix + ".bin"), Path(prefix + ".idx")
+    try:
+        stats = tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in (bin_.stat(), idx.stat()))
+    except OSError:
+        return None
+    key = (str(bin_.resolve()), stats)
+    if key not in _LARGEST:
+        if dtype is None:
+            dtype = _index_dtype(idx)
+        if dtype is None or stats[0][0] < np.dtype(dtype).itemsize:
+            return None
+        tokens = np.memmap(bin_, dtype=dtype, mode="r")
+        _LARGEST[key] = int(tokens[:VOCAB_CHECK_TOKENS].max())
+    return _LARGEST[key]
+
+
+def _index_dtype(idx: Path):
+    """The token dtype an .idx names (after its header and version), or None."""
+    with open(idx, "rb") as f:
+        head = f.read(len(INDEX_HEADER) + 9)
+    if len(head) < len(INDEX_HEADER) + 9 or not head.startswith(INDEX_HEADER):
+        return None
+    codes = {code: dtype for dtype, code in DTYPE_CODES.items()}
+    return codes.get(head[-1])
+
+
+def only_at_document_ends(prefix: str, token: int, below: int) -> bool:
+    """Whether, among the first VOCAB_CHECK_TOKENS of `prefix`.bin, every id of `below` or more
+    is `token` and the last token of a document (an end-of-document id after the vocabulary),
+    and there is one. False for a file whose .idx cannot be read (open_indexed says why)."""
+    idx = Path(prefix + ".idx")
+    dtype = _index_dtype(idx)
+    if dtype is None:
+        return False
+    try:
+        raw = np.memmap(idx, dtype=np.uint8, mode="r")  # a large corpus: read only what is used
+        sequences, documents = (int(n) for n in raw[18:34].view("<u8"))
+        at = 34
+        lengths = raw[at:at + 4 * sequences].view("<i4")
+        pointers = raw[at + 4 * sequences:at + 12 * sequences].view("<i8")
+        ends = raw[at + 12 * sequences:at + 12 * sequences + 8 * documents].view("<i8")
+        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")[:VOCAB_CHECK_TOKENS]
+    except (OSError, ValueError, IndexError):
+        return False
+    # each non-empty document's last sequence, and the position of its last token
+    try:
+        last = ends[1:][ends[1:] > ends[:-1]] - 1
+        document_ends = pointers[last] // np.dtype(dtype).itemsize + lengths[last] - 1
+    except IndexError:  # an index cut short
+        return False
+    where = np.flatnonzero(tokens >= below)
+    return where.size > 0 and bool(np.all(tokens[where] == token)) and \
+        bool(np.all(np.isin(where, document_ends)))
+
+
 def check_vocabulary(dataset, prefix: str, vocab_size: int) -> None:
     """Token ids beyond the tokenizer's vocabulary mean the data was made with another one."""
-    bin_ = np.memmap(prefix + ".bin", dtype=dataset.index.dtype, mode="r")
-    largest = int(bin_[:VOCAB_CHECK_TOKENS].max())
-    if largest >= vocab_size:
+    largest = largest_token(prefix, dataset.index.dtype)
+    if largest is not None and largest >= vocab_size:
         raise InputError(f"{prefix}.bin holds token id {largest}, but the tokenizer has only "
                          f"{vocab_size} entries: the data was made with another vocabulary; "
                          f"pass the vocab/merge files that rapidformer-preprocess-data used "

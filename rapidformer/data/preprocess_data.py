@@ -21,6 +21,14 @@ numbers them, one per line:
   sequences, at either level (Megatron passes the per-sentence lengths to `add_document` with
   or without `--split-sentences`); the list's items are taken as the sentences, not split again;
   `--append-eod` extends the last sentence;
+- with a BERT WordPiece tokenizer, `--append-eod` ends a document with Megatron-LM's `[EOS]`
+  (`--bert-eod eos`, the default): its BERT tokenizer (`_BertWordPieceTokenizer` in
+  megatron/training/tokenizer/tokenizer.py) adds `[BOS]` and `[EOS]` after the vocab.txt's
+  V entries (ids V and V + 1; a vocab.txt that has them keeps its own ids), its `eod` is
+  `[EOS]`, and its vocabulary, V + 2 entries, sets the token dtype; `--bert-eod sep` ends it
+  with `[SEP]` and keeps V entries, as Megatron-LM's newer tokenizer system (the default from
+  core 0.15, the only one from 0.17) and earlier versions of this script do. The files load for
+  training either way (data/pretraining_tokenizer.py reads the convention from the data);
 - an empty `text` (or one with no tokens: `""`, `[]`, `[""]`) is an empty document: an entry in
   the document index with no sequence and no EOD, even with `--append-eod` (Megatron appends
   the EOD only to a document with tokens). Megatron-LM before megatron-core dropped such
@@ -74,6 +82,10 @@ TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokeni
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'A-Z0-9])")
 # Megatron's BERT tokenizer looks each of these up in the vocabulary file
 BERT_SPECIAL_TOKENS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")
+# ...and adds these after its entries, in this order, when it lacks them; [EOS] is its eod
+MEGATRON_BERT_ADDED = ("[BOS]", "[EOS]")
+# --bert-eod: Megatron's [EOS] (the default) or [SEP]
+BERT_EODS = ("eos", "sep")
 LEVELS = ("document", "sentence")
 PROG = "rapidformer-preprocess-data"
 
@@ -128,14 +140,36 @@ def _require_file(path: str | None, flag: str, kind: str, what: str) -> None:
 
 
 def build_tokenizer(kind: str, vocab_file: str | None, merge_file: str | None,
-                    tokenizer_path: str | None):
+                    tokenizer_path: str | None, bert_eod: str = "sep"):
     """(tokenizer, eod id, vocabulary size) for one of the seed's tokenizer types; every
-    unusable file is a PreprocessError naming it and the fix."""
+    unusable file is a PreprocessError naming it and the fix. `bert_eod` (BERT WordPiece only):
+    "sep" ends documents with [SEP] in a vocabulary of the file's V entries, "eos" as
+    Megatron-LM's BERT tokenizer does, with [EOS] in V + 2 (`megatron_bert_added`); the
+    tokenizer itself is the file's either way (Megatron's never matches [BOS]/[EOS] in text)."""
     if kind.startswith("BertWordPiece"):
-        return _bert_tokenizer(kind, vocab_file)
+        tokenizer, sep, size = _bert_tokenizer(kind, vocab_file)
+        if bert_eod == "sep":
+            return tokenizer, sep, size
+        ids, size = megatron_bert_added(tokenizer.get_vocab())
+        return tokenizer, ids["[EOS]"], size
     if kind == "GPT2BPETokenizer":
         return _gpt2_tokenizer(vocab_file, merge_file)
     return _hf_tokenizer(tokenizer_path)
+
+
+def megatron_bert_added(vocab: dict) -> tuple[dict, int]:
+    """({"[BOS]": id, "[EOS]": id}, vocabulary size) as Megatron-LM's BERT tokenizer has them:
+    `_BertWordPieceTokenizer.__init__` calls `add_token("[BOS]")` then `add_token("[EOS]")`,
+    which give a token the next id (`len(vocab)`) unless the vocab.txt has it; `vocab_size` is
+    then len(vocab), and `eod` is the [EOS] id. For bert-base-uncased's 30,522 entries:
+    [BOS] 30522, [EOS] 30523, 30,524 entries."""
+    ids, size = {}, len(vocab)
+    for token in MEGATRON_BERT_ADDED:
+        if token in vocab:
+            ids[token] = vocab[token]
+        else:
+            ids[token], size = size, size + 1
+    return ids, size
 
 
 def _bert_tokenizer(kind: str, vocab_file: str | None):
@@ -347,7 +381,7 @@ class Encoder:
         else:
             a = self.args
             self.tokenizer, _, _ = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file,
-                                                   a.tokenizer_model)
+                                                   a.tokenizer_model, a.bert_eod)
 
     def encode_chunk(self, chunk: list[tuple[int, bytes]]):
         """(errors as (line, message), input bytes, documents, {key: (tokens, sequence
@@ -505,6 +539,12 @@ def parse_args(argv=None):
     parser.add_argument("--merge-file")
     parser.add_argument("--tokenizer-model", help="a local Hugging Face tokenizer directory")
     parser.add_argument("--append-eod", action="store_true")
+    parser.add_argument("--bert-eod", choices=BERT_EODS,
+                        help="BertWordPiece tokenizers: the token --append-eod ends a document "
+                             "with. eos (default): Megatron-LM's [EOS], which its BERT tokenizer "
+                             "adds after the vocab.txt's V entries with [BOS] (ids V+1 and V; "
+                             "V+2 entries); sep: [SEP], within the V entries (Megatron-LM's "
+                             "newer tokenizer system, and this script before)")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--dataset-impl", default="mmap")
     parser.add_argument("--workers", type=int, default=1)
@@ -517,6 +557,11 @@ def parse_args(argv=None):
                      f"mmap; use --dataset-impl mmap")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    bert = args.tokenizer_type.startswith("BertWordPiece")
+    if args.bert_eod is not None and not bert:
+        parser.error(f"--bert-eod is for the BertWordPiece tokenizer types, not "
+                     f"{args.tokenizer_type} (which ends documents with its own EOS token)")
+    args.bert_eod = args.bert_eod or ("eos" if bert else "sep")
     return args
 
 
@@ -531,11 +576,18 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
         raise PreprocessError(f"--input {source}: no such file")
     # built here first so that a bad vocabulary fails at once, not inside a worker
     tokenizer, eod, vocab_size = build_tokenizer(args.tokenizer_type, args.vocab_file,
-                                                 args.merge_file, args.tokenizer_model)
+                                                 args.merge_file, args.tokenizer_model,
+                                                 args.bert_eod)
     if args.append_eod and eod is None:
         raise PreprocessError(f"--append-eod: the tokenizer in {args.tokenizer_model} has neither "
                               f"an EOS nor a SEP token to end documents with; leave out "
                               f"--append-eod or use a tokenizer with an eos_token")
+    if args.append_eod and args.tokenizer_type.startswith("BertWordPiece"):
+        print(f"documents end with {'[EOS]' if args.bert_eod == 'eos' else '[SEP]'} (id {eod}; "
+              f"a vocabulary of {vocab_size} entries): "
+              + ("Megatron-LM's BERT end of document; --bert-eod sep ends them with [SEP]"
+                 if args.bert_eod == "eos" else "--bert-eod eos ends them with Megatron-LM's [EOS]"),
+              file=sys.stderr)
     level = LEVELS[1] if args.split_sentences else LEVELS[0]
     out_dir = Path(args.output_prefix).parent
     try:

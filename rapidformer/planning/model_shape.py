@@ -68,7 +68,7 @@ def vocab_size(cfg: RunConfig) -> int:
             and Path(m.tokenizer).exists():
         from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
-        return load_pretraining_tokenizer(m).vocab_size
+        return load_pretraining_tokenizer(m, cfg.data.path).vocab_size
     if cfg.task.name not in PRETRAINING_TASKS and m.source == "config":
         if m.tokenizer and Path(m.tokenizer).exists():
             from rapidformer.data.tokenizers import load_tokenizer
