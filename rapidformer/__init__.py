@@ -7,8 +7,16 @@ does not import transformers.
 from __future__ import annotations
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+# transformers imports torchao when it is installed (the fp8 extra), whatever the run's
+# precision; torchao then reports each of its CUDA extensions that cannot load here (a CPU,
+# another GPU architecture) and torch reports torchao's pytree registrations as deprecated.
+# Neither says anything about the run: only errors from them are shown.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 _EXPORTS = {
     "RapidformerEngine": "rapidformer.engine",

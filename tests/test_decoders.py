@@ -78,6 +78,8 @@ def test_llama_pretrains_on_mmap_data_and_exports_a_llama(tmp_path, pretraining_
                                                          "effect with precision.dtype=fp16"),
     (["precision=fp8", "data.max_seq_length=63", "trainer.micro_batch_size=1"],
      "float8 matmuls need a multiple of 16 tokens a micro-batch"),
+    (["precision=fp8", "model=gpt2_tiny"], "GPT-2's blocks are transformers' Conv1D layers"),
+    (["precision.fp8_emulate=true"], "precision.fp8_emulate=true without precision=fp8"),
     (["precision=fp8", "model=megatron_gpt_tiny"], "megatron-core's float8 needs Transformer "
                                                    "Engine"),
     (["kernels=liger", "model=megatron_gpt_tiny"], "kernels=liger with model=megatron_gpt_tiny"),
@@ -119,7 +121,7 @@ def test_float8_refuses_a_model_it_would_not_change():
 
     from rapidformer.accelerators.float8 import convert_to_float8
 
-    with pytest.raises(InputError, match="transformers' Conv1D layers, as in GPT-2"):
+    with pytest.raises(InputError, match="this model's blocks are transformers' Conv1D layers"):
         convert_to_float8(GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2,
                                                      vocab_size=96)), fp8(fp8_emulate=True))
     with pytest.raises(InputError, match="set precision.fp8_skip_small=false"):

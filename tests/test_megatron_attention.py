@@ -33,12 +33,14 @@ def _cfg(kind: str, overrides: list[str]):
 @pytest.fixture(scope="module")
 def one_rank():
     """megatron-core's groups for one CPU process (TP=1), as the CPU runs set them up."""
-    from rapidformer.accelerators.parallel import initialize
-
-    initialize(_cfg("gpt", []), torch.device("cpu"))
-    yield
     from megatron.core import parallel_state
 
+    from rapidformer.accelerators.parallel import initialize
+
+    # an earlier test in this process may have left groups of a process group since destroyed
+    parallel_state.destroy_model_parallel()
+    initialize(_cfg("gpt", []), torch.device("cpu"))
+    yield
     parallel_state.destroy_model_parallel()
 
 

@@ -25,6 +25,7 @@ log = logging.getLogger("rapidformer")
 # float8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 MIN_CAPABILITY = (8, 9)
 INSTALL = "pip install 'rapidformer[fp8]' (torchao)"
+SMALL = "too small to gain (precision.fp8_skip_small)"
 
 
 def check_fp8_device(p: PrecisionConfig, device: torch.device) -> None:
@@ -74,7 +75,7 @@ def float8_filter(model: nn.Module, p: PrecisionConfig):
         elif n % 16 or k % 16:
             reason = "a size not a multiple of 16"  # the float8 matmul's requirement
         elif p.fp8_skip_small and not gains_from_float8(p.fp8_scaling, n, k):
-            reason = "too small to gain (precision.fp8_skip_small)"
+            reason = SMALL
         if reason:
             left_out[reason] = left_out.get(reason, 0) + 1
         return reason is None
@@ -110,21 +111,29 @@ def convert_to_float8(model: nn.Module, p: PrecisionConfig) -> nn.Module:
         raise InputError(f"precision=fp8 needs torchao, which is not installed: {INSTALL}") \
             from exc
     keep, left_out = float8_filter(model, p)
-    conv1d = (" (this model's blocks are transformers' Conv1D layers, as in GPT-2)"
-              if any(type(m).__name__ == "Conv1D" for m in model.modules()) else "")
     convert_to_float8_training(model, config=float8_config(p), module_filter_fn=keep)
     converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     kept = ", ".join(f"{n} as {why}" for why, n in left_out.items()) or "none"
     if not converted:
-        small = (", set precision.fp8_skip_small=false to convert small layers too"
-                 if p.fp8_skip_small else "")
-        raise InputError(
-            f"precision=fp8 found no linear layer to convert in {type(model).__name__} (left in "
-            f"bf16: {kept}). Float8 converts torch.nn.Linear layers{conv1d}. Use a model with linear layers (model=llama_1b, BERT, Hugging Face "
-            f"Llama/Qwen/Mistral){small}, or use precision=bf16")
+        raise InputError(f"precision=fp8 found no linear layer to convert in "
+                         f"{type(model).__name__} (left in bf16: {kept}); "
+                         f"{_way_out(model, p, left_out)}")
     log.info("precision=fp8 (%s scaling%s): %d linear layers in float8; left in bf16: %s",
              p.fp8_scaling, ", emulated" if p.fp8_emulate else "", converted, kept)
     return model
+
+
+def _way_out(model: nn.Module, p: PrecisionConfig, left_out: dict) -> str:
+    if any(type(m).__name__ == "Conv1D" for m in model.modules()):
+        return ("float8 converts torch.nn.Linear layers and this model's blocks are transformers' "
+                "Conv1D layers (as in GPT-2): use a model with linear layers (model=llama_tiny "
+                "or llama_1b, BERT, Hugging Face Llama/Qwen/Mistral), or precision=bf16")
+    if left_out.get(SMALL):
+        return ("its layers are too small to gain from float8: set "
+                "precision.fp8_skip_small=false to convert them anyway (the way to check a tiny "
+                "model's float8 numerics, with precision.fp8_emulate=true on a CPU), or use "
+                "precision=bf16")
+    return "use precision=bf16"
 
 
 def precompute_fsdp_scales(model: nn.Module, p: PrecisionConfig) -> None:

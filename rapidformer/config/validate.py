@@ -482,14 +482,20 @@ def _fp8_problems(cfg: RunConfig) -> list[str]:
     """precision=fp8: torchao's float8 linear layers, in the torch strategies only."""
     pr, p = cfg.precision, []
     if pr.fp8_scaling is None:
-        if pr.fp8_all_gather or pr.fp8_emulate:
-            p.append("precision.fp8_all_gather / precision.fp8_emulate are set, but "
-                     "precision.fp8_scaling is null: they apply to precision=fp8 only")
+        for key in ("fp8_all_gather", "fp8_emulate"):
+            if getattr(pr, key):
+                p.append(f"precision.{key}=true without precision=fp8 (precision="
+                         f"{pr.name}): it applies to float8 training only; add precision=fp8 "
+                         f"or drop it")
         return p
     if pr.dtype != "bf16":
         p.append(f"precision.fp8_scaling={pr.fp8_scaling} with precision.dtype={pr.dtype}: float8 "
                  f"linear layers run with bf16 autocast for the rest of the model; use "
                  f"precision=fp8 (dtype bf16)")
+    if cfg.model.source == "config" and cfg.model.arch == "gpt2":
+        p.append(f"precision=fp8 with model={cfg.model.name}: float8 converts torch.nn.Linear "
+                 f"layers and GPT-2's blocks are transformers' Conv1D layers; use a Llama-shaped "
+                 f"model (model=llama_tiny, llama_1b) or precision=bf16")
     if cfg.model.arch.startswith("megatron"):
         p.append(f"precision=fp8 with model={cfg.model.name}: megatron-core's float8 needs "
                  f"Transformer Engine, which is not part of this build; use precision=bf16 with "

@@ -561,6 +561,9 @@ def parse_args(argv=None):
     if args.bert_eod is not None and not bert:
         parser.error(f"--bert-eod is for the BertWordPiece tokenizer types, not "
                      f"{args.tokenizer_type} (which ends documents with its own EOS token)")
+    if args.bert_eod is not None and not args.append_eod:
+        parser.error(f"--bert-eod {args.bert_eod} chooses the token --append-eod writes at the "
+                     f"end of each document; add --append-eod, or drop --bert-eod")
     args.bert_eod = args.bert_eod or ("eos" if bert else "sep")
     return args
 

@@ -7,8 +7,8 @@ BERT WordPiece data comes in two end-of-document conventions, and the tokenizer 
 (`data_path`, the run's data.path): Megatron-LM's BERT tokenizer adds `[BOS]` and `[EOS]` after
 the vocab.txt's V entries and ends documents with `[EOS]` (id V + 1; preprocess_data's default,
 `--bert-eod eos`), while `[SEP]` (`--bert-eod sep`, and this project's files before the option
-existed) stays within the V entries. Data that holds an id of those two (V or V + 1) gets a
-tokenizer of V + 2 entries with `[BOS]` and `[EOS]` added as Megatron has them, so the model's
+existed) stays within the V entries. Data whose ids at V or above are all V + 1, each the last
+token of a document, gets a tokenizer of V + 2 entries with `[BOS]` and `[EOS]` added as Megatron has them, so the model's
 embeddings cover them and the export's tokenizer has them; data that holds none (a `[SEP]`
 convention, or no end of document at all, as Megatron's BERT recipe makes it) keeps the V
 entries, and with them the model shape, the masking's random replacement tokens and the

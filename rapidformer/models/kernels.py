@@ -9,6 +9,7 @@ The rotary patch replaces the family module's function, process-wide, as liger-k
 """
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -19,6 +20,7 @@ from rapidformer.errors import ConfigError, InputError
 log = logging.getLogger("rapidformer")
 
 INSTALL = "pip install 'rapidformer[liger]' (liger-kernel)"
+SWITCHES = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")
 
 
 def check_kernels_device(k: KernelsConfig, device: torch.device) -> None:
@@ -43,11 +45,16 @@ def apply_kernels(model: torch.nn.Module, k: KernelsConfig, device: torch.device
         raise InputError(f"kernels=liger: liger-kernel has no kernels for model type "
                          f"'{model_type}' ({type(model).__name__}); it covers "
                          f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}. Use kernels=none")
-    _apply_liger_kernel_to_instance(model=model, rope=k.rope, rms_norm=k.rms_norm,
-                                    swiglu=k.swiglu, cross_entropy=False,
-                                    fused_linear_cross_entropy=k.fused_linear_cross_entropy)
-    log.info("kernels=liger on %s: rope=%s rms_norm=%s swiglu=%s fused_linear_cross_entropy=%s",
-             model_type, k.rope, k.rms_norm, k.swiglu, k.fused_linear_cross_entropy)
+    # liger-kernel passes on only the switches a family's patch takes (Gemma's MLP is GeGLU:
+    # no swiglu): one it does not take is not applied, which the log says, and one turned off
+    # that it would not apply anyway changes nothing
+    takes = inspect.signature(MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
+    switches = {name: getattr(k, name) for name in SWITCHES if name in takes}
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, **switches)
+    log.info("kernels=liger on %s: %s%s", model_type,
+             " ".join(f"{name}={on}" for name, on in switches.items()),
+             "".join(f"; {name}: not a {model_type} kernel" for name in SWITCHES
+                     if name not in takes))
 
 
 def fuses_the_loss(k: KernelsConfig) -> bool:

@@ -365,6 +365,11 @@ def shutdown_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+        megatron_groups = sys.modules.get("megatron.core.parallel_state")
+        if megatron_groups is not None and megatron_groups.model_parallel_is_initialized():
+            # megatron-core keeps its groups too: the next Megatron job of a sweep in this
+            # process would otherwise reuse groups of the destroyed default group
+            megatron_groups.destroy_model_parallel()
         deepspeed_comm = sys.modules.get("deepspeed.comm")
         if deepspeed_comm is not None and getattr(deepspeed_comm.comm, "cdb", None) is not None:
             # DeepSpeed keeps its own references to the groups: the next job of a sweep in
