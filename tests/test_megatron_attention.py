@@ -98,17 +98,19 @@ def _document_mask(seq: int, batch: int) -> torch.Tensor:
     return get_ltor_masks_and_position_ids(tokens, 0, True, True, False)[0]
 
 
-@pytest.mark.parametrize("mask", ["none", "plain_causal", "documents"])
+@pytest.mark.parametrize("mask", ["none", "plain_causal", "causal_per_sequence", "documents"])
 def test_causal_attention_matches_the_local_module(one_rank, mask):
     from rapidformer.models import megatron_attention
 
     local, sdpa = _attention_pair()
     qkv = _qkv()
-    given = {"none": None, "plain_causal": torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1),
+    causal = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    given = {"none": None, "plain_causal": causal,
+             "causal_per_sequence": causal.expand(BATCH, 1, SEQ, SEQ).clone(),
              "documents": _document_mask(SEQ, BATCH)}[mask]
     _assert_same(_run(local, qkv, given), _run(sdpa, qkv, given))
-    if given is not None:  # the plain causal mask runs SDPA's causal kernel, no mask built
-        assert megatron_attention._is_plain_causal(given, SEQ, SEQ) == (mask == "plain_causal")
+    if given is not None:  # a plain causal mask runs SDPA's causal kernel, no mask built
+        assert megatron_attention._is_plain_causal(given, SEQ, SEQ) == (mask != "documents")
 
 
 def test_grouped_query_attention_and_layer_scaling_match(one_rank):

@@ -151,8 +151,9 @@ def _is_plain_causal(mask: torch.Tensor, sq: int, sk: int) -> bool:
     """Whether a megatron mask is the causal one, the same for every sequence of the batch
     (what get_ltor_masks_and_position_ids gives without reset_attention_mask). Not looked at
     under torch.compile (a data-dependent answer would break the graph): the mask is used."""
+    # [1, 1, s, s], or [b, 1, s, s] (one per sequence, as a script may build it)
     if sq != sk or mask.dtype != torch.bool or mask.shape[-2:] != (sq, sk) \
-            or any(n != 1 for n in mask.shape[:-2]):
+            or any(n != 1 for n in mask.shape[1:-2]):
         return False
     if torch.compiler.is_compiling():
         return False
@@ -160,7 +161,7 @@ def _is_plain_causal(mask: torch.Tensor, sq: int, sk: int) -> bool:
     if ref is not None and ref() is mask and _CHECKED["version"] == mask._version:
         return _CHECKED["causal"]
     causal = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu_(1)
-    answer = bool(torch.equal(mask.reshape(sq, sk), causal))
+    answer = bool(torch.equal(mask, causal.expand_as(mask)))
     _CHECKED.update(ref=weakref.ref(mask), version=mask._version, causal=answer)
     return answer
 
