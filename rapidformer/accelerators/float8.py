@@ -83,21 +83,10 @@ def float8_filter(model: nn.Module, p: PrecisionConfig):
     return convert, left_out
 
 
-def _torchao_float8():
-    """torchao.float8, imported without the warnings of torchao's CUDA extensions that fail to
-    load where they are not used (a CPU, another GPU architecture)."""
-    quiet = logging.getLogger("torchao")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        import torchao.float8 as float8
-    finally:
-        quiet.setLevel(level)
-    return float8
-
-
 def float8_config(p: PrecisionConfig):
-    config = _torchao_float8().Float8LinearConfig.from_recipe_name(p.fp8_scaling)
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(p.fp8_scaling)
     return dataclasses.replace(config, emulate=p.fp8_emulate,
                                enable_fsdp_float8_all_gather=p.fp8_all_gather)
 
@@ -106,7 +95,7 @@ def convert_to_float8(model: nn.Module, p: PrecisionConfig) -> nn.Module:
     """The model with its eligible linear layers swapped for torchao's Float8Linear, in place;
     refused when none is eligible (precision=fp8 would then be bf16 under another name)."""
     try:
-        convert_to_float8_training = _torchao_float8().convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
     except ImportError as exc:
         raise InputError(f"precision=fp8 needs torchao, which is not installed: {INSTALL}") \
             from exc
@@ -136,8 +125,10 @@ def _way_out(model: nn.Module, p: PrecisionConfig, left_out: dict) -> str:
     return "use precision=bf16"
 
 
-def precompute_fsdp_scales(model: nn.Module, p: PrecisionConfig) -> None:
-    """After an optimizer step under FSDP2 with float8 all-gather: every float8 weight's scale
-    in one all-reduce, instead of one per weight in the next forward pass."""
-    if p.fp8_scaling == "tensorwise" and p.fp8_all_gather:
-        _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+def precompute_fsdp_scales(model: nn.Module) -> None:
+    """After an optimizer step under FSDP2 with float8 all-gather (tensorwise scaling, as the
+    config check requires): every float8 weight's scale in one all-reduce, instead of one per
+    weight in the next forward pass."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

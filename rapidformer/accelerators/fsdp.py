@@ -126,7 +126,7 @@ class FSDP2Strategy(DDPStrategy):
         if self.cfg.precision.fp8_all_gather:
             from rapidformer.accelerators.float8 import precompute_fsdp_scales
 
-            precompute_fsdp_scales(self.model, self.cfg.precision)
+            precompute_fsdp_scales(self.model)
         return result
 
     def save(self, directory: Path) -> dict:

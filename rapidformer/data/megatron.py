@@ -166,27 +166,36 @@ def open_indexed(prefix: str, vocab_size: int | None = None):
     return dataset
 
 
-_LARGEST: dict = {}
+# what was read of a file pair, by its version: a run's tokenizer, its vocabulary check and its
+# plan each ask, and the answers cost a pass over the data
+_READ: dict = {}
+
+
+def _file_version(prefix: str) -> tuple | None:
+    """The .bin/.idx pair's path, sizes, mtimes and inodes, or None where one is missing."""
+    files = (Path(prefix + ".bin"), Path(prefix + ".idx"))
+    try:
+        stats = tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in (f.stat() for f in files))
+    except OSError:
+        return None
+    return str(files[0].resolve()), stats
 
 
 def largest_token(prefix: str, dtype=None) -> int | None:
     """The largest token id among the first VOCAB_CHECK_TOKENS of `prefix`.bin, or None for a
     file that is missing, empty or has no readable index (the checks in open_indexed say what is
-    wrong with it). Read once per file version: the tokenizer and the vocabulary check both ask."""
-    bin_, idx = Path(prefix + ".bin"), Path(prefix + ".idx")
-    try:
-        stats = tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in (bin_.stat(), idx.stat()))
-    except OSError:
+    wrong with it). Read once per file version."""
+    version = _file_version(prefix)
+    if version is None:
         return None
-    key = (str(bin_.resolve()), stats)
-    if key not in _LARGEST:
-        if dtype is None:
-            dtype = _index_dtype(idx)
-        if dtype is None or stats[0][0] < np.dtype(dtype).itemsize:
+    key = ("largest", version)
+    if key not in _READ:
+        dtype = dtype or _index_dtype(Path(prefix + ".idx"))
+        if dtype is None or version[1][0][0] < np.dtype(dtype).itemsize:
             return None
-        tokens = np.memmap(bin_, dtype=dtype, mode="r")
-        _LARGEST[key] = int(tokens[:VOCAB_CHECK_TOKENS].max())
-    return _LARGEST[key]
+        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
+        _READ[key] = int(tokens[:VOCAB_CHECK_TOKENS].max())
+    return _READ[key]
 
 
 def _index_dtype(idx: Path):
@@ -202,7 +211,18 @@ def _index_dtype(idx: Path):
 def only_at_document_ends(prefix: str, token: int, below: int) -> bool:
     """Whether, among the first VOCAB_CHECK_TOKENS of `prefix`.bin, every id of `below` or more
     is `token` and the last token of a document (an end-of-document id after the vocabulary),
-    and there is one. False for a file whose .idx cannot be read (open_indexed says why)."""
+    and there is one. False for a file whose .idx cannot be read (open_indexed says why). Read
+    once per file version."""
+    version = _file_version(prefix)
+    if version is None:
+        return False
+    key = ("ends", version, token, below)
+    if key not in _READ:
+        _READ[key] = _only_at_document_ends(prefix, token, below)
+    return _READ[key]
+
+
+def _only_at_document_ends(prefix: str, token: int, below: int) -> bool:
     idx = Path(prefix + ".idx")
     dtype = _index_dtype(idx)
     if dtype is None:

@@ -91,22 +91,9 @@ def _megatron_ids_in(plain, data_path) -> tuple[str, int] | None:
         return None
     for prefix in data_prefixes(data_path):
         largest = largest_token(prefix)
-        if largest == eos and _ends_with(prefix, eos, size):
+        if largest == eos and only_at_document_ends(prefix, eos, size):
             return prefix, eos
     return None
-
-
-_ENDS: dict = {}
-
-
-def _ends_with(prefix: str, eos: int, size: int) -> bool:
-    """only_at_document_ends, once per file version (a run asks several times)."""
-    files = [Path(prefix + e) for e in (".bin", ".idx")]
-    key = (str(files[0].resolve()), tuple((f.stat().st_size, f.stat().st_mtime_ns)
-                                          for f in files), eos, size)
-    if key not in _ENDS:
-        _ENDS[key] = only_at_document_ends(prefix, eos, size)
-    return _ENDS[key]
 
 
 def _with_megatron_bert_tokens(hf):
