@@ -297,6 +297,9 @@ def test_the_first_failure_is_the_signalled_rank_not_the_peer_it_took_down():
     after_error = WorkerFailed(0, -15, "", marked=True)
     assert after_error.exit_code == 1
     assert str(after_error).startswith("worker rank 0 failed (its process then ended by SIGTERM)")
+    # a worker that refused its input (exit 2) and was then aborted in the interpreter's
+    # teardown: the job still exits with the code the worker chose
+    assert WorkerFailed(0, -6, "", marked=True, marked_exit=2).exit_code == 2
     assert WorkerFailed(1, 7, "").exit_code == 7
 
 
@@ -304,14 +307,19 @@ def test_an_earlier_attempts_failure_mark_does_not_name_this_ones_cause(tmp_path
     """A worker killed before it clears its old mark (at start-up) leaves an earlier attempt's
     mark: the launcher counts only marks made since it started."""
     from rapidformer.runtime.launch import first_failure
-    from rapidformer.runtime.rank_progress import failure_times, progress_dir
+    from rapidformer.runtime.rank_progress import failure_marks, failure_times, mark_failed
+    from rapidformer.runtime.rank_progress import progress_dir
 
     started_ns = time.time_ns()
     progress_dir(tmp_path).mkdir(parents=True)  # the earlier attempt's rank 0 failed a minute ago
     (progress_dir(tmp_path) / "rank_0.failed_at").write_text(f"{started_ns - 60 * 10**9}\n")
     assert failure_times(tmp_path) and failure_times(tmp_path, started_ns) == {}
+    assert failure_marks(tmp_path)[0][1] == 1  # a mark without a code: a failure, exit 1
     seen = int(time.time())
     failures = {0: SimpleNamespace(exitcode=-15, timestamp=seen),
                 1: SimpleNamespace(exitcode=-9, timestamp=seen)}
     assert first_failure(failures, failure_times(tmp_path, started_ns)) == 1
     assert first_failure(failures, failure_times(tmp_path)) == 0  # what the stale mark did
+    mark_failed(tmp_path, 1, 2)
+    at, code = failure_marks(tmp_path, started_ns)[1]
+    assert code == 2 and at >= started_ns

@@ -33,7 +33,8 @@ def worker_main(config_file: str) -> None:
         _run_worker(cfg, run_dir, resolved, rank)
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            mark_failed(run_dir, rank)  # the launcher names the rank that failed first
+            code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+            mark_failed(run_dir, rank, code)  # the launcher names the rank that failed first
         raise
     # The run is complete: files closed, process group left together. Skip the interpreter's
     # teardown, where a native thread of the collective library has been seen to abort a

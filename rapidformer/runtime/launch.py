@@ -29,7 +29,7 @@ from typing import Callable
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, RapidformerError
-from rapidformer.runtime.rank_progress import describe_laggards, failure_times
+from rapidformer.runtime.rank_progress import describe_laggards, failure_marks
 
 log = logging.getLogger("rapidformer")
 LAUNCHER_PID = "RAPIDFORMER_LAUNCHER_PID"
@@ -86,11 +86,12 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
         except ChildFailedError as exc:
             if all(f.exitcode == EXIT_PREEMPTED for f in exc.failures.values()):
                 raise _preempted(run_dir, "a signal") from exc
-            marks = failure_times(run_dir, started_ns)
-            rank = first_failure(exc.failures, marks)
+            marks = failure_marks(run_dir, started_ns)
+            rank = first_failure(exc.failures, {r: at for r, (at, _) in marks.items()})
             failure = exc.failures[rank]
             raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank),
-                               describe_laggards(run_dir), ln, marked=rank in marks) from exc
+                               describe_laggards(run_dir), ln, marked=rank in marks,
+                               marked_exit=marks.get(rank, (0, 1))[1]) from exc
 
 
 def _preempted(run_dir: Path, cause: str, exit_code: int = EXIT_PREEMPTED):
@@ -242,7 +243,7 @@ def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
     if codes and all(code == 0 for code, _ in codes.values()):
         log.info("received %s after the workers had finished", name)
         return None
-    marks = failure_times(run_dir, started_ns)
+    marks = failure_marks(run_dir, started_ns)
     # the signal itself ended a worker that was outside the training loop (starting, exporting):
     # stopped, with no checkpoint of this step
     ended = {rank for rank, (code, _) in codes.items()
@@ -252,10 +253,11 @@ def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
     if not failed:
         return _preempted(run_dir, f"{name} (it ended {len(ended)} worker(s) outside the "
                                    f"training loop)" if ended else name)
-    rank = min(failed, key=lambda r: (marks.get(r, float("inf")), r))
+    rank = min(failed, key=lambda r: (marks[r][0] if r in marks else float("inf"), r))
     code, local_rank = failed[rank]
     return WorkerFailed(rank, code, _log_tail(run_dir, local_rank or 0), "", ln,
-                        marked=rank in marks, context=f" while stopping for {name}")
+                        marked=rank in marks, marked_exit=marks.get(rank, (0, 1))[1],
+                        context=f" while stopping for {name}")
 
 
 # --- a failed worker ---------------------------------------------------------------------------
@@ -298,14 +300,15 @@ def first_failure(failures: dict, marks: dict[int, int]) -> int:
 
 class WorkerFailed(RapidformerError):
     """A worker ended the job: `exit_code` as torch elastic has it (-N: killed by signal N);
-    `marked`: its own code had failed first (a signal then only ended its process)."""
+    `marked`: its own code had failed first, choosing `marked_exit` (a signal then only ended
+    its process, and the job exits with the code the worker chose)."""
 
     def __init__(self, rank: int, exit_code: int, tail: str, laggards: str = "",
-                 launcher=None, marked: bool = False, context: str = ""):
+                 launcher=None, marked: bool = False, context: str = "", marked_exit: int = 1):
         if exit_code > 0:
             self.exit_code, how = exit_code, f"failed with exit code {exit_code}"
         elif exit_code < 0 and marked:
-            self.exit_code = 1
+            self.exit_code = marked_exit
             how = f"failed (its process then ended by {signal_name(-exit_code)})"
         elif exit_code < 0:
             name = signal_name(-exit_code)

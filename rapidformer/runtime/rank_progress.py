@@ -71,11 +71,13 @@ def _mark(run_dir: Path, rank: int, suffix: str, value) -> None:
     path.write_text(f"{value}\n")
 
 
-def mark_failed(run_dir: Path, rank: int) -> None:
-    """The moment this rank's Python code failed, in nanoseconds: torch elastic stamps a
-    failure to the second, and a peer that errors out of a collective because this rank exited
-    fails within that second too; the earlier mark is the cause."""
-    _mark(run_dir, rank, "failed_at", time.time_ns())
+def mark_failed(run_dir: Path, rank: int, exit_code: int = 1) -> None:
+    """The moment this rank's Python code failed, in nanoseconds, and the exit code it chose:
+    torch elastic stamps a failure to the second, and a peer that errors out of a collective
+    because this rank exited fails within that second too; the earlier mark is the cause. The
+    code is what the job exits with even if the interpreter's teardown then ends the process
+    by a signal (a collective library's thread has aborted exiting workers)."""
+    _mark(run_dir, rank, "failed_at", f"{time.time_ns()} {exit_code}")
 
 
 def clear_failed(run_dir: Path, rank: int) -> None:
@@ -83,19 +85,25 @@ def clear_failed(run_dir: Path, rank: int) -> None:
     (progress_dir(run_dir) / f"rank_{rank}.failed_at").unlink(missing_ok=True)
 
 
-def failure_times(run_dir: Path, since_ns: int = 0) -> dict[int, int]:
-    """rank -> the nanosecond its code failed, for the ranks of this node that marked it at
-    `since_ns` or later (a worker killed before it could clear an earlier attempt's mark
-    leaves that mark behind)."""
+def failure_marks(run_dir: Path, since_ns: int = 0) -> dict[int, tuple[int, int]]:
+    """rank -> (the nanosecond its code failed, the exit code it chose), for the ranks of this
+    node that marked it at `since_ns` or later (a worker killed before it could clear an
+    earlier attempt's mark leaves that mark behind)."""
     found = {}
     for path in progress_dir(run_dir).glob("rank_*.failed_at"):
+        fields = path.read_text().split()
         try:
-            at = int(path.read_text().strip())
-        except ValueError:  # a mark torn by a kill mid-write: no time to go by
+            at, code = int(fields[0]), int(fields[1]) if len(fields) > 1 else 1
+        except (ValueError, IndexError):  # a mark torn by a kill mid-write: no time to go by
             continue
         if at >= since_ns:
-            found[int(path.name[5:].split(".")[0])] = at
+            found[int(path.name[5:].split(".")[0])] = (at, code)
     return found
+
+
+def failure_times(run_dir: Path, since_ns: int = 0) -> dict[int, int]:
+    """rank -> the nanosecond its code failed (failure_marks without the codes)."""
+    return {rank: at for rank, (at, _) in failure_marks(run_dir, since_ns).items()}
 
 
 def describe_laggards(run_dir: Path) -> str:
