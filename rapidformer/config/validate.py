@@ -389,6 +389,11 @@ def check_values(cfg: RunConfig) -> list[str]:
                  f"model.num_attention_heads={m.num_attention_heads}: each key/value head serves "
                  f"a whole group of query heads; pick a divisor, e.g. "
                  f"model.num_key_value_heads={_divisor_below(m.num_attention_heads, kv)}")
+    if m.init_from_hf and m.arch != "megatron_gpt":
+        p.append(f"model.init_from_hf={m.init_from_hf} with model.arch={m.arch}: only "
+                 f"model=megatron_gpt starts from a Hugging Face GPT-2 checkpoint; use "
+                 f"model=megatron_gpt, or load a Hugging Face model as it is with model=hf "
+                 f"model.name_or_path={m.init_from_hf}")
     if m.source == "config" and d.max_seq_length > m.max_position_embeddings:
         p.append(f"data.max_seq_length={d.max_seq_length} is above "
                  f"model.max_position_embeddings={m.max_position_embeddings}; lower the first "

@@ -10,6 +10,7 @@ import re
 import zlib
 
 import torch
+import torch.nn.functional as F
 
 from rapidformer.config.schema import ModelConfig, RunConfig
 from rapidformer.models.dtypes import DTYPES
@@ -40,6 +41,7 @@ def transformer_config(cfg: RunConfig):
     elif cfg.trainer.checkpoint_activations:  # attention's core (scores, softmax) only
         recompute = {"recompute_granularity": "selective"}
     return TransformerConfig(
+        activation_func=gelu_tanh if mlp_activation(cfg) == "gelu_new" else F.gelu,
         num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.intermediate_size,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
@@ -50,6 +52,22 @@ def transformer_config(cfg: RunConfig):
         # what stages send each other: the weights' dtype (Float16Module casts to bf16/fp16);
         # a mismatch would make the receiving stage wait for bytes that never come
         pipeline_dtype=DTYPES[cfg.precision.dtype], use_cpu_initialization=True, **recompute)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's own GELU (Hugging Face's gelu_new): the tanh approximation, as torch computes it
+    (megatron-core's openai_gelu is the same formula under torch.compile, which compiles on the
+    first call and does not trace the CPU runs' CUDA-to-CPU mapping)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def mlp_activation(cfg: RunConfig) -> str:
+    """The MLP's GELU under GPT-2's name: exact ("gelu") for random weights; for
+    model.init_from_hf the checkpoint's, so the model computes what the checkpoint was trained
+    with ("gelu_new", the tanh approximation, for GPT-2's own checkpoints)."""
+    from rapidformer.models.megatron_import import hf_activation
+
+    return hf_activation(cfg)
 
 
 class SequenceParallelLayerNorm(torch.nn.LayerNorm):
@@ -104,24 +122,38 @@ def with_core_attention(spec, attention):
 def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
     """A GPT of megatron-core's local layers with the core attention of
     model.attn_implementation (Transformer Engine's layers when it is installed), tied input
-    and output embeddings as GPT-2, weights the same whatever the layout."""
+    and output embeddings as GPT-2, weights the same whatever the layout: random, or
+    model.init_from_hf's GPT-2 checkpoint."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     m: ModelConfig = cfg.model
     config = transformer_config(cfg)
+    vocab = padded_vocab_size(vocab_size, cfg.parallelism.tensor_model_parallel_size)
+    if m.init_from_hf:  # a checkpoint of another shape is refused before any model is built
+        from rapidformer.models.megatron_import import check_gpt2_checkpoint
+
+        check_gpt2_checkpoint(cfg, config.layernorm_epsilon, vocab_size, vocab)
     spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
             if gpt_layer_specs.HAVE_TE
             else layer_spec(config, with_core_attention(
                 gpt_layer_specs.get_gpt_layer_local_spec(), core_attention(m))))
-    vocab = padded_vocab_size(vocab_size, cfg.parallelism.tensor_model_parallel_size)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                      max_sequence_length=m.max_position_embeddings,
                      pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=True)
-    return _initialized(model, "GPT", m, vocab, vocab_size, gpt_layer_specs.HAVE_TE)
+    model = _initialized(model, "GPT", m, vocab, vocab_size, gpt_layer_specs.HAVE_TE)
+    if m.init_from_hf:
+        from rapidformer.models.megatron_import import load_gpt2_weights
+
+        loaded = load_gpt2_weights(model, cfg, vocab)
+        log.info("model.init_from_hf: weights of %s, %d values on this rank (pipeline stage %d, "
+                 "tensor shard %d), MLP activation %s", m.init_from_hf, loaded,
+                 ps.get_pipeline_model_parallel_rank() + 1,
+                 ps.get_tensor_model_parallel_rank() + 1, mlp_activation(cfg))
+    return model
 
 
 def build_megatron_bert(cfg: RunConfig, vocab_size: int):

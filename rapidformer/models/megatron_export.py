@@ -2,8 +2,9 @@
 rank gathered on rank 0, renamed, and the fused QKV projection split into GPT-2's layout.
 
 The shapes allow it because `model=megatron_gpt` builds what GPT-2 is: pre-LayerNorm blocks with
-biases, exact GELU, learned absolute positions, tied input and output embeddings. The
-vocabulary keeps its padding (rows that no token uses).
+biases, GELU (exact for random weights; a model started from a GPT-2 checkpoint keeps that
+checkpoint's, usually the tanh approximation), learned absolute positions, tied input and output
+embeddings. The vocabulary keeps its padding (rows that no token uses).
 """
 from __future__ import annotations
 
@@ -49,12 +50,14 @@ def to_hf_gpt2(full: dict, cfg: RunConfig, vocab_size: int, tokenizer_eod: int |
     """A GPT2LMHeadModel holding the gathered megatron-core weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    from rapidformer.models.megatron import mlp_activation
+
     m = cfg.model
     heads, hidden = m.num_attention_heads, m.hidden_size
     head_dim = hidden // heads
     config = GPT2Config(vocab_size=vocab_size, n_positions=m.max_position_embeddings,
                         n_embd=hidden, n_layer=m.num_layers, n_head=heads,
-                        n_inner=m.intermediate_size, activation_function="gelu",
+                        n_inner=m.intermediate_size, activation_function=mlp_activation(cfg),
                         resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
                         attn_pdrop=m.attention_dropout, layer_norm_epsilon=1e-5,
                         initializer_range=m.initializer_range, tie_word_embeddings=True,
