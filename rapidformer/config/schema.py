@@ -17,7 +17,7 @@ class TaskConfig:
     # sequence_classification: Finetuner (epochs); bert_pretraining (MLM + next-sentence
     # prediction) and causal_lm (GPT): PreTrainer (iterations) on Megatron mmap data
     name: Literal["sequence_classification", "token_classification", "question_answering",
-                  "masked_lm", "seq2seq_lm", "bert_pretraining", "causal_lm"] = \
+                  "masked_lm", "seq2seq_lm", "bert_pretraining", "causal_lm", "sft"] = \
         "sequence_classification"
     # null: the number of distinct labels in the training split
     num_labels: Optional[int] = None
@@ -42,6 +42,13 @@ class TaskConfig:
     max_target_length: int = 64
     num_beams: int = 1
     source_prefix: str = ""
+    # sft (supervised fine-tuning of a causal LM on chat or prompt/response rows): the tokens
+    # the loss is on, the assistant's (response) or every token of the conversation (all)
+    loss_on: Literal["response", "all"] = "response"
+    # sft: at each evaluation, answers generated (greedy) for the first N validation prompts,
+    # written to RUN_DIR/generations.jsonl; 0 turns it off
+    sample_generations: int = 4
+    max_new_tokens: int = 64
 
 
 @dataclass
@@ -120,6 +127,16 @@ class DataConfig:
     # seq2seq_lm: source and target texts
     document_column: str = "document"
     summary_column: str = "summary"
+    # sft: a conversation per row (a list of {role, content}), or a prompt and a response
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    response_column: str = "response"
+    # sft: the Jinja chat template (its text, or a file holding it) for a tokenizer that has
+    # none; null: the tokenizer's own (prompt/response rows without any template are joined)
+    chat_template: Optional[str] = None
+    # sft: several examples per row up to max_seq_length, each with its own positions and no
+    # attention across examples (the loss equals the unpacked run's)
+    packing: bool = False
     # at least 8 (the special tokens of a sample and some text of each part; validate.py's
     # MIN_SEQ_LENGTH), at most model.max_position_embeddings for a config-built model
     max_seq_length: int = 128
@@ -352,6 +369,25 @@ class KernelsConfig:
 
 
 @dataclass
+class PeftConfig:
+    # lora: low-rank adapters on the target modules, the base weights frozen (peft); qlora: the
+    # same over 4-bit base weights (bitsandbytes, CUDA GPUs); none: every weight trains
+    name: Literal["none", "lora", "qlora"] = "none"
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    # the Linear layers that get adapters (module-name suffixes); null: the attention and MLP
+    # projections of the model's architecture
+    target_modules: Optional[list[str]] = None
+    # modules trained in full beside the adapters (e.g. a new classifier head); null: the task
+    # head of a model peft knows the task of
+    modules_to_save: Optional[list[str]] = None
+    # qlora: the 4-bit data type of the base weights, and a second quantization of their scales
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+
+
+@dataclass
 class LoggerConfig:
     # where metrics go besides metrics.jsonl and TensorBoard (trainer.tensorboard)
     name: Literal["tensorboard", "wandb", "mlflow"] = "tensorboard"
@@ -376,6 +412,7 @@ class RunConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -388,4 +425,4 @@ class RunConfig:
 
 
 GROUPS = ("task", "model", "data", "precision", "memory", "parallelism", "graph", "kernels",
-          "optim", "scheduler", "trainer", "launcher", "logger")
+          "peft", "optim", "scheduler", "trainer", "launcher", "logger")

@@ -5,7 +5,8 @@ tasks, so each runs with no download (tests, smoke runs, `data=synthetic`).
 
 writes DIR/train.jsonl and DIR/validation.jsonl in the layout each task reads by default:
 ner (tokens, ner_tags: CoNLL-style BIO names), squad (id, question, context, answers:
-{text, answer_start}), text (text), summaries (document, summary).
+{text, answer_start}), text (text), summaries (document, summary), chat (messages: a list of
+{role, content}) and instructions (prompt, response): questions with fixed, learnable answers.
 """
 from __future__ import annotations
 
@@ -75,12 +76,46 @@ def summary_example(rng: random.Random) -> dict:
     return {"document": document, "summary": f"{subject} {verb} {obj} {place}"}
 
 
+# every person's city and employer, fixed: answers a fine-tuned model can learn
+def _facts(person: int) -> dict:
+    return {"live": " ".join(CITIES[person % len(CITIES)]),
+            "work": " ".join(COMPANIES[person % len(COMPANIES)])}
+
+
+QUESTIONS = {"live": "where does {} live ?", "work": "who does {} work for ?"}
+
+
+def _question(rng: random.Random) -> tuple[str, str]:
+    person = rng.randrange(len(PEOPLE))
+    kind = rng.choice(sorted(QUESTIONS))
+    return QUESTIONS[kind].format(" ".join(PEOPLE[person])), _facts(person)[kind]
+
+
+def chat_example(rng: random.Random) -> dict:
+    """A conversation of one or two questions about people's cities and employers (fixed
+    answers), sometimes after a system message."""
+    messages = ([{"role": "system", "content": "answer in a few words ."}]
+                if rng.random() < 0.3 else [])
+    for _ in range(1 if rng.random() < 0.7 else 2):
+        question, answer = _question(rng)
+        messages += [{"role": "user", "content": question},
+                     {"role": "assistant", "content": answer}]
+    return {"messages": messages}
+
+
+def instruction_example(rng: random.Random) -> dict:
+    question, answer = _question(rng)
+    return {"prompt": f"question : {question} answer :", "response": f" {answer}"}
+
+
 KINDS = {"ner": lambda rng, i: ner_example(rng), "squad": squad_example,
+         "chat": lambda rng, i: chat_example(rng),
+         "instructions": lambda rng, i: instruction_example(rng),
          "text": lambda rng, i: {"text": sentence(rng)},
          "summaries": lambda rng, i: summary_example(rng)}
 # task -> the kind of data it reads
 TASK_KINDS = {"token_classification": "ner", "question_answering": "squad", "masked_lm": "text",
-              "seq2seq_lm": "summaries"}
+              "seq2seq_lm": "summaries", "sft": "chat"}
 
 
 def write_task_dataset(kind: str, root: str | Path, train_size: int, eval_size: int,

@@ -84,7 +84,22 @@ def training_texts(task: str, d, train) -> Iterator[str]:
     if task == "seq2seq_lm":
         return (str(text) for column in (d.document_column, d.summary_column)
                 for text in train[column])
+    if task == "sft":
+        return _conversation_texts(d, train)
     raise ValueError(f"task={task} trains no WordPiece vocabulary")
+
+
+def _conversation_texts(d, train) -> Iterator[str]:
+    """The turns' texts, the role names, and the chat template's markup (its characters must
+    be in the vocabulary, or the rendered conversations hold unknown tokens)."""
+    from rapidformer.data.chat import chat_template_text, messages_of, row_form, ROLES
+
+    form = row_form(train.column_names, d)
+    yield " ".join(ROLES)
+    yield chat_template_text(d.chat_template) or ""
+    for index, row in enumerate(train):
+        for message in messages_of(row, form, d, f"train row {index}"):
+            yield message["content"]
 
 
 def build_tokenizer(m: ModelConfig, train_texts: Callable[[], Iterable[str]], save_dir: Path,

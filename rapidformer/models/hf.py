@@ -22,7 +22,8 @@ AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
                 "token_classification": "AutoModelForTokenClassification",
                 "question_answering": "AutoModelForQuestionAnswering",
                 "masked_lm": "AutoModelForMaskedLM",
-                "seq2seq_lm": "AutoModelForSeq2SeqLM"}
+                "seq2seq_lm": "AutoModelForSeq2SeqLM",
+                "sft": "AutoModelForCausalLM"}
 
 
 def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_names=()):
@@ -63,9 +64,17 @@ def _shape(m: ModelConfig, tokenizer) -> dict:
                 "dropout_rate": m.hidden_dropout, "initializer_factor": m.initializer_range / 0.02,
                 "pad_token_id": tokenizer.pad_token_id, "eos_token_id": eos,
                 "decoder_start_token_id": tokenizer.pad_token_id}
+    # decoders: the tokenizer's end of sequence ends what they generate
+    ends = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id}
     if m.arch in LLAMA_ARCHS:
-        return {"vocab_size": len(tokenizer), **_llama_shape(m),
-                "pad_token_id": tokenizer.pad_token_id}
+        return {"vocab_size": len(tokenizer), **_llama_shape(m), **ends}
+    if m.arch == "gpt2":
+        return {"vocab_size": len(tokenizer), "n_embd": m.hidden_size, "n_layer": m.num_layers,
+                "n_head": m.num_attention_heads, "n_inner": m.intermediate_size,
+                "n_positions": m.max_position_embeddings, "resid_pdrop": m.hidden_dropout,
+                "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
+                "initializer_range": m.initializer_range, **ends}
     return {"vocab_size": len(tokenizer), "hidden_size": m.hidden_size,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
             "intermediate_size": m.intermediate_size,

@@ -39,6 +39,7 @@ class _VocabOnly:
         self.vocab_size = size
         self.pad_token_id = self.hf_pad = 0
         self.eod = self.eos_token_id = self.sep_token_id = size - 1
+        self.bos_token_id = None
 
     def __len__(self) -> int:
         return self.vocab_size

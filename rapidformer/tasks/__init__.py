@@ -12,6 +12,7 @@ TASK_CLASSES = {
     "seq2seq_lm": ("seq2seq_lm", "Seq2SeqFinetuner"),
     "bert_pretraining": ("pretraining", "BertPretrainer"),
     "causal_lm": ("pretraining", "CausalLMPretrainer"),
+    "sft": ("sft", "SFTFinetuner"),
 }
 
 

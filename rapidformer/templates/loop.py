@@ -314,6 +314,10 @@ class _Window:
             self.samples += packed.numel() - 2
             self.slots += ids.numel()
             self.tokens = self.tokens + packed[-2]
+        elif ids is not None and "num_examples" in batch:  # data.packing: examples per row
+            self.samples += int(batch["num_examples"])
+            self.slots += ids.numel()
+            self.tokens = self.tokens + batch["token_mask"].sum()
         elif ids is not None:
             self.samples += ids.shape[0]
             self.slots += ids.numel()

@@ -9,6 +9,7 @@
     rapidformer verify RUN_DIR|CHECKPOINT       every byte of the checkpoints against their manifests
     rapidformer eval RUN_DIR [overrides]        a checkpoint's metrics on the run's or other data
     rapidformer predict RUN_DIR --input F --output F   predictions of a checkpoint, row by row
+    rapidformer generate RUN_DIR --prompt TEXT  a causal LM's answer (or --input F [--output F])
     rapidformer plot RUN_DIR [RUN_DIR ...]      PNG curves of loss, lr, throughput
     rapidformer cp RECIPE DIR                   a shipped recipe copied to edit (--config-dir DIR)
 
@@ -31,6 +32,7 @@ VERBS = {
     "cp": ("rapidformer.cli.verbs.copy", "copy a shipped recipe or option to edit as your own"),
     "eval": ("rapidformer.cli.verbs.evaluate", "a checkpoint's metrics on the run's or other data"),
     "predict": ("rapidformer.cli.verbs.predict", "a checkpoint's predictions for a jsonl/csv file"),
+    "generate": ("rapidformer.cli.verbs.generate", "a causal LM's answers to prompts or chats"),
 }
 
 

@@ -1,0 +1,243 @@
+"""Supervised fine-tuning data: conversations (a `messages` column of {role, content}) or
+prompt/response rows, rendered to text with a chat template, tokenized, and labelled so that
+the loss falls on the assistant's tokens only (task.loss_on=response) or on every token.
+
+Which tokens are the assistant's is read from the rendered text, not from the template's
+markup: the conversation up to an assistant turn, rendered with the generation prompt, is a
+prefix of the whole conversation's text, and the turn's text (its end-of-turn tokens included,
+so that the model learns to stop) runs from there to the end of the conversation rendered up to
+that turn. Every token whose characters overlap such a span is the assistant's. This holds for
+any template that renders a conversation as the concatenation of its turns, which is what chat
+templates do; a template that does not is refused with the turn where it differs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rapidformer.data.lengths import IGNORE
+from rapidformer.errors import InputError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+# --- the rows ----------------------------------------------------------------------------------
+def row_form(columns: list[str], d) -> str:
+    """'messages' or 'prompt_response': the form of the dataset's rows, by its columns."""
+    if d.messages_column in columns:
+        return "messages"
+    if d.prompt_column in columns and d.response_column in columns:
+        return "prompt_response"
+    raise InputError(f"task=sft reads a conversation column (data.messages_column="
+                     f"{d.messages_column}: a list of {{role, content}}) or prompt and response "
+                     f"columns (data.prompt_column={d.prompt_column}, data.response_column="
+                     f"{d.response_column}); the data has: {', '.join(columns)}. Set those keys "
+                     f"to its columns")
+
+
+def messages_of(row: dict, form: str, d, where: str) -> list[dict]:
+    """The row as a list of {role, content}, checked (`where` names the row in errors)."""
+    if form == "prompt_response":
+        prompt, response = row[d.prompt_column], row[d.response_column]
+        for key, value in (("prompt_column", prompt), ("response_column", response)):
+            if not isinstance(value, str):
+                raise InputError(f"{where}: data.{key} holds {type(value).__name__}, not text")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    messages = row[d.messages_column]
+    if not isinstance(messages, list) or not messages:
+        raise InputError(f"{where}: {d.messages_column} must be a non-empty list of "
+                         f"{{\"role\": ..., \"content\": ...}}, not {messages!r:.80}")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
+                or message.get("role") not in ROLES:
+            raise InputError(f"{where}: message {i} must be {{\"role\": one of {', '.join(ROLES)}"
+                             f", \"content\": text}}, not {message!r:.80}")
+        checked.append({"role": message["role"], "content": message["content"]})
+    return checked
+
+
+# --- the template ------------------------------------------------------------------------------
+def chat_template_text(value: str | None) -> str | None:
+    """data.chat_template: the template's text, or a file holding it."""
+    if value is None:
+        return None
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise InputError(f"data.chat_template={value} is neither a Jinja template (it has no "
+                         f"{{{{ or {{%) nor a file; give the template's text or its file")
+    return path.read_text(encoding="utf-8")
+
+
+class Renderer:
+    """Conversations -> text, with the tokenizer's chat template (or none: prompt/response
+    rows are then joined, prompt + response + end of sequence)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+        self.eos = tokenizer.eos_token or ""
+
+    def text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if self.templated:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        roles = [m["role"] for m in messages]
+        if roles not in (["user"], ["user", "assistant"]):
+            raise InputError("conversations need a chat template: the tokenizer has none; give "
+                             "one with data.chat_template (its text or a file), or use prompt/"
+                             "response rows")
+        # a prompt and its response, joined
+        return "".join(m["content"] for m in messages) + (self.eos if len(messages) == 2 else "")
+
+    def prompt(self, messages: list[dict]) -> tuple[str, str] | None:
+        """(the text a model answers, the reference answer) for the last assistant turn."""
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if last is None:
+            return None
+        return self.text(messages[:last], add_generation_prompt=True), messages[last]["content"]
+
+    def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple]]:
+        """(the conversation's text, the character spans of its assistant turns)."""
+        text = self.text(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.text(messages[:i], add_generation_prompt=True) if i else ""
+            through = self.text(messages[:i + 1])
+            if not (text.startswith(before) and text.startswith(through)
+                    and len(through) > len(before)):
+                raise InputError(f"{where}: the chat template renders the conversation up to "
+                                 f"message {i} as text that does not begin the whole "
+                                 f"conversation's, so the assistant's tokens cannot be told "
+                                 f"apart; use task.loss_on=all, or a template that renders "
+                                 f"turns one after another (data.chat_template)")
+            spans.append((len(before), len(through)))
+        return text, spans
+
+
+# --- tokens and labels -------------------------------------------------------------------------
+@dataclass
+class EncodeCounts:
+    examples: int = 0
+    truncated: int = 0
+    dropped: int = 0  # no token left to learn from (after truncation, or no assistant turn)
+
+
+def encode(tokenizer, text: str, spans: list[tuple], max_length: int, loss_on: str
+           ) -> tuple[list[int], list[int], bool]:
+    """(input_ids, labels, truncated): labels are the ids on the tokens the loss is on, else
+    IGNORE; the text is cut at max_length tokens, its start kept."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if loss_on == "all":
+        labels = list(ids)
+    else:
+        labels = [t if any(a < end and b > start for start, end in spans) else IGNORE
+                  for t, (a, b) in zip(ids, offsets)]
+    truncated = len(ids) > max_length
+    return ids[:max_length], labels[:max_length], truncated
+
+
+def encode_rows(dataset, tokenizer, d, loss_on: str, split: str, counts: EncodeCounts):
+    """The split as input_ids/labels/attention_mask rows; rows with no label are dropped."""
+    form = row_form(dataset.column_names, d)
+    renderer = Renderer(tokenizer)
+    if not getattr(tokenizer, "is_fast", False):
+        raise InputError(f"task=sft needs a fast (Rust) tokenizer, whose character offsets tell "
+                         f"the assistant's tokens apart; {type(tokenizer).__name__} is not one")
+    rows = {"input_ids": [], "labels": [], "attention_mask": []}
+    for index, row in enumerate(dataset):
+        where = f"{split} row {index}"
+        messages = messages_of(row, form, d, where)
+        text, spans = (renderer.assistant_spans(messages, where) if loss_on == "response"
+                       else (renderer.text(messages), []))
+        ids, labels, truncated = encode(tokenizer, text, spans, d.max_seq_length, loss_on)
+        counts.examples += 1
+        counts.truncated += truncated
+        # a label at position 0 is never a target (the model predicts token i from those
+        # before it), so a row needs one past it
+        if all(label == IGNORE for label in labels[1:]):
+            counts.dropped += 1
+            continue
+        rows["input_ids"].append(ids)
+        rows["labels"].append(labels)
+        rows["attention_mask"].append([1] * len(ids))
+    from datasets import Dataset
+
+    return Dataset.from_dict(rows)
+
+
+def generation_prompts(dataset, tokenizer, d, limit: int) -> list[dict]:
+    """[{prompt, reference}] for the first `limit` rows of a split that have an answer."""
+    if not limit:
+        return []
+    form = row_form(dataset.column_names, d)
+    renderer = Renderer(tokenizer)
+    found = []
+    for index, row in enumerate(dataset):
+        pair = renderer.prompt(messages_of(row, form, d, f"validation row {index}"))
+        if pair is not None:
+            found.append({"prompt": pair[0], "reference": pair[1]})
+        if len(found) == limit:
+            break
+    return found
+
+
+# --- packing -----------------------------------------------------------------------------------
+def pack(dataset, max_length: int):
+    """Rows of several examples each, in order, up to max_length tokens: input_ids and labels
+    concatenated, position_ids restarting at every example. Each example's first label is
+    IGNORE: in a packed row it would be the target of the previous example's last token."""
+    from datasets import Dataset
+
+    packed = {"input_ids": [], "labels": [], "position_ids": [], "num_examples": []}
+    row = None
+    for ids, labels in zip(dataset["input_ids"], dataset["labels"]):
+        if row is None or len(row["input_ids"]) + len(ids) > max_length:
+            if row is not None:
+                _append(packed, row)
+            row = {"input_ids": [], "labels": [], "position_ids": [], "num_examples": 0}
+        row["input_ids"] += ids
+        row["labels"] += [IGNORE] + labels[1:]
+        row["position_ids"] += list(range(len(ids)))
+        row["num_examples"] += 1
+    if row is not None:
+        _append(packed, row)
+    return Dataset.from_dict(packed)
+
+
+def _append(packed: dict, row: dict) -> None:
+    for key, value in row.items():
+        packed[key].append(value)
+
+
+class PackedCollate:
+    """Packed rows -> a batch without attention_mask (Hugging Face decoders then attend within
+    each example only, from the restarting position_ids), padded to the rule's length; the
+    padding is one more sequence of its own, with no label. `token_mask` and `num_examples`
+    are for the loop's counts (real tokens, samples), not for the model."""
+
+    def __init__(self, pad_id: int, rule=None):
+        self.pad_id, self.rule = pad_id, rule
+
+    def __call__(self, features):
+        import torch
+
+        from rapidformer.data.lengths import target_length
+
+        longest = max(len(f["input_ids"]) for f in features)
+        length = target_length(longest, self.rule)
+        batch = {"input_ids": [], "labels": [], "position_ids": [], "token_mask": []}
+        for f in features:
+            pad = length - len(f["input_ids"])
+            batch["input_ids"].append(list(f["input_ids"]) + [self.pad_id] * pad)
+            batch["labels"].append(list(f["labels"]) + [IGNORE] * pad)
+            batch["position_ids"].append(list(f["position_ids"]) + list(range(pad)))
+            batch["token_mask"].append([1] * len(f["input_ids"]) + [0] * pad)
+        out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out["num_examples"] = torch.tensor(sum(int(f["num_examples"]) for f in features))
+        return out

@@ -1,0 +1,139 @@
+"""Black-box supervised fine-tuning of a causal LM on chat or prompt/response rows
+(`task=sft`): the loss on the assistant's tokens (task.loss_on=response) or on all; optionally
+several examples packed per row (data.packing); every evaluation reports the loss and perplexity
+over the validation split's labelled tokens, and greedy answers to its first prompts
+(RUN_DIR/generations.jsonl, and how many equal the reference)."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+from rapidformer.data.chat import (EncodeCounts, PackedCollate, chat_template_text, encode_rows,
+                                   generation_prompts, pack)
+from rapidformer.data.lengths import IGNORE, bucket_lengths
+from rapidformer.data.tokenizers import training_texts
+from rapidformer.errors import InputError
+from rapidformer.models.hf import build_task_model
+from rapidformer.tasks.base import TaskFinetuner
+
+log = logging.getLogger("rapidformer")
+GENERATIONS_FILE = "generations.jsonl"
+
+
+class SFTFinetuner(TaskFinetuner):
+    def train_valid_test_datasets_provider(self):
+        from transformers import DataCollatorForSeq2Seq
+
+        d, t = self.cfg.data, self.cfg.task
+        splits = self.load_splits()
+        tokenizer = self.make_tokenizer(lambda: training_texts("sft", d, splits["train"]))
+        ready_for_chat(tokenizer, chat_template_text(d.chat_template))
+        encoded = {}
+        for name, ds in splits.items():
+            counts = EncodeCounts()
+            encoded[name] = encode_rows(ds, tokenizer, d, t.loss_on, name, counts)
+            log.info("task=sft, %s split: %d examples, %d cut to data.max_seq_length=%d, %d "
+                     "dropped (no %s token left to learn from)", name, counts.examples,
+                     counts.truncated, d.max_seq_length, counts.dropped,
+                     "assistant" if t.loss_on == "response" else "second")
+        if len(encoded["train"]) == 0:
+            raise InputError(f"task=sft: no training example has a token to learn from (each "
+                             f"needs an assistant turn within data.max_seq_length="
+                             f"{d.max_seq_length} tokens); raise data.max_seq_length or check "
+                             f"the data")
+        self.prompts = (generation_prompts(splits["validation"], tokenizer, d, t.sample_generations)
+                        if "validation" in splits else [])
+        collate = self.shape_batches(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE,
+                                                            return_tensors="pt"))
+        train = encoded["train"]
+        if d.packing:
+            train = pack(train, d.max_seq_length)
+            log.info("data.packing: %d training examples in %d rows of at most %d tokens",
+                     len(encoded["train"]), len(train), d.max_seq_length)
+            self.train_collate_fn = PackedCollate(
+                tokenizer.pad_token_id, bucket_lengths(d.pad_to, d.max_seq_length,
+                                                       self.batching.compiled))
+        return train, encoded.get("validation"), encoded.get("test"), collate
+
+    def model_optimizer_lr_scheduler_provider(self):
+        return build_task_model(self.cfg.model, "sft", self.tokenizer), None, None
+
+    def run_forward_step(self, batch, model):
+        # packed rows have no attention_mask: the model reads the examples from position_ids,
+        # which transformers does only without a KV cache
+        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                     position_ids=batch.get("position_ids"), labels=batch["labels"],
+                     use_cache=False).loss
+
+    def _evaluate(self, model, loaders, sink, state):
+        self.evaluation_step = state.step  # the generations' record names it
+        return super()._evaluate(model, loaders, sink, state)
+
+    def run_compute_metrics(self, model, eval_dataloader):
+        wrapped = model[0]
+        loss_sum = targets = 0.0
+        for batch in eval_dataloader:
+            # the model's loss is the mean over its shifted labels: weighted by their count, the
+            # mean over every labelled token however they fall into batches and ranks
+            count = int((batch["labels"][:, 1:] != IGNORE).sum())
+            loss = float(self.run_forward_step(batch, wrapped))  # every rank (sharded weights)
+            if count:
+                loss_sum += loss * count
+                targets += count
+        loss_sum, targets = self.sum_over_ranks(loss_sum, targets)
+        loss = loss_sum / max(targets, 1)
+        metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+        if self.prompts:
+            metrics["answer_match"] = self._sample_generations()
+        return metrics
+
+    def _sample_generations(self) -> float:
+        """Greedy answers to the validation prompts, written to RUN_DIR/generations.jsonl; the
+        share that equals the reference (both read back through the tokenizer, so that its
+        normalization does not count as a difference)."""
+        import torch
+
+        tokenizer, t = self.tokenizer, self.cfg.task
+        generator = self.engine.unwrapped_model()
+        device = self.engine.device
+        # sharded weights are gathered by every rank's forward: ranks generate in step
+        synced = self.engine.strategy.forward_is_collective
+        records, matched = [], 0
+        for item in self.prompts:
+            enc = tokenizer(item["prompt"], add_special_tokens=False, return_tensors="pt")
+            ids = enc["input_ids"].to(device)
+            with torch.no_grad():
+                out = generator.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    max_new_tokens=t.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=synced)
+            answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+            reference = tokenizer.decode(tokenizer(item["reference"], add_special_tokens=False)
+                                         ["input_ids"], skip_special_tokens=True).strip()
+            matched += answer == reference
+            records.append({"step": getattr(self, "evaluation_step", None),
+                            "prompt": item["prompt"], "reference": item["reference"],
+                            "generated": answer})
+        if self.engine.rank == 0:
+            with open(self.engine.run_dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
+                for record in records:
+                    f.write(json.dumps(record) + "\n")
+        return matched / len(self.prompts)
+
+
+def ready_for_chat(tokenizer, template: str | None) -> None:
+    """The tokenizer with what chat fine-tuning needs: an end of sequence (a trained WordPiece
+    vocabulary's [SEP]), a padding token (the end of sequence, for decoders that have none),
+    and data.chat_template when one is given."""
+    if tokenizer.eos_token is None and tokenizer.sep_token is not None:
+        tokenizer.eos_token = tokenizer.sep_token
+    if tokenizer.eos_token is None:
+        raise InputError(f"task=sft: the tokenizer ({type(tokenizer).__name__}) has no end-of-"
+                         f"sequence token to end the answers with; use a tokenizer that has one")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if template is not None:
+        if getattr(tokenizer, "chat_template", None):
+            log.info("data.chat_template replaces the tokenizer's own chat template")
+        tokenizer.chat_template = template
