@@ -18,7 +18,8 @@ REQUIRED = {("model", "hf"): ["model.name_or_path=some/local/dir"],
             ("data", "pairs_local"): ["data.path=some/dir"],
             ("data", "hub"): ["data.path=glue", "data.subset=qqp"],
             ("data", "local"): ["data.path=some/dir"],
-            ("task", "seq2seq_lm"): ["model=t5_tiny"], ("model", "t5_tiny"): ["task=seq2seq_lm"]}
+            ("task", "seq2seq_lm"): ["model=t5_tiny"], ("model", "t5_tiny"): ["task=seq2seq_lm"],
+            ("task", "sft"): ["model=llama_tiny"]}
 BERT_PRETRAINING = ["data=megatron", "data.path=corpus_text_sentence", "trainer.train_iters=10",
                     "model.tokenizer_type=BertWordPieceLowerCase", "model.tokenizer=vocab.txt"]
 GPT_PRETRAINING = ["model=gpt2_tiny", "model.tokenizer_type=GPT2BPETokenizer",

@@ -244,9 +244,29 @@ def check_generate_verb(run, tmp_path, capsys):
     assert "holds no exported model (no config.json)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model=bert_tiny"], "task=sft fine-tunes a Hugging Face causal LM; model=bert_tiny"),
+    (["model=megatron_gpt_tiny"], "task=sft fine-tunes a Hugging Face causal LM"),
+])
+def test_sft_refuses_models_that_are_not_decoders(overrides, message):
+    from rapidformer.config.compose import compose, resolve
+    from rapidformer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        resolve(compose(["+recipe=llama_sft", *overrides]), "/nonexistent")
+
+
+def test_packing_is_refused_outside_sft():
+    from rapidformer.config.compose import compose, resolve
+    from rapidformer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data.packing=true packs examples for task=sft"):
+        resolve(compose(["data.packing=true"]), "/nonexistent")
+
+
 def test_sft_refuses_trainer_unpad(tmp_path):
     from rapidformer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="trainer.unpad=true with task=sft: not yet"):
+    with pytest.raises(ConfigError, match="trainer.unpad=true with task=sft: not yet.*data.packing=true"):
         pretrain(tmp_path / "run", [*sft_args(tmp_path / "data"), "trainer.unpad=true"])
 

@@ -389,6 +389,14 @@ def check_values(cfg: RunConfig) -> list[str]:
                  f"model.num_attention_heads={m.num_attention_heads}: each key/value head serves "
                  f"a whole group of query heads; pick a divisor, e.g. "
                  f"model.num_key_value_heads={_divisor_below(m.num_attention_heads, kv)}")
+    if cfg.task.name == "sft" and (m.arch.startswith("megatron") or
+                                   (m.source == "config" and m.arch not in ("llama", "gpt2"))):
+        p.append(f"task=sft fine-tunes a Hugging Face causal LM; model={m.name} (model.arch="
+                 f"{m.arch}) is not one: use model=llama_tiny, model=gpt2_tiny, or a pretrained "
+                 f"decoder with model=hf model.name_or_path=DIR")
+    if d.packing and cfg.task.name != "sft":
+        p.append(f"data.packing=true packs examples for task=sft; task={cfg.task.name} does not "
+                 f"pack (BERT encoders train without padding with trainer.unpad=true)")
     if m.init_from_hf and m.arch != "megatron_gpt":
         p.append(f"model.init_from_hf={m.init_from_hf} with model.arch={m.arch}: only "
                  f"model=megatron_gpt starts from a Hugging Face GPT-2 checkpoint; use "
@@ -667,7 +675,8 @@ def _length_problems(cfg: RunConfig) -> list[str]:
     if cfg.task.name not in UNPADDED_TASKS:
         p.append(f"trainer.unpad=true with task={cfg.task.name}: not yet; unpadded training "
                  f"drives {', '.join(UNPADDED_TASKS)} (Hugging Face BERT models); set "
-                 f"trainer.unpad=false")
+                 f"trainer.unpad=false" + ("; decoders pack examples with data.packing=true"
+                                           if cfg.task.name == "sft" else ""))
     elif m.arch.startswith("megatron") or (m.source == "config" and m.arch != "bert"):
         p.append(f"trainer.unpad=true with model={m.name}: unpadded training drives Hugging "
                  f"Face BERT models (model=bert_tiny, bert_base, or model=hf with a BERT "
