@@ -394,6 +394,10 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"task=sft fine-tunes a Hugging Face causal LM; model={m.name} (model.arch="
                  f"{m.arch}) is not one: use model=llama_tiny, model=gpt2_tiny, or a pretrained "
                  f"decoder with model=hf model.name_or_path=DIR")
+    if cfg.peft.name != "none":
+        p.append(f"peft={cfg.peft.name}: not yet; adapters (peft's LoRA, bitsandbytes' 4-bit "
+                 f"base for QLoRA) are not wired into the strategies' checkpoints and export "
+                 f"yet; fine-tune every weight with peft=none")
     if d.packing and cfg.task.name != "sft":
         p.append(f"data.packing=true packs examples for task=sft; task={cfg.task.name} does not "
                  f"pack (BERT encoders train without padding with trainer.unpad=true)")
