@@ -20,6 +20,7 @@ from rapidformer.compat.args import active
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
 from rapidformer.observability.flops import ModelFlops, model_shape
+from rapidformer.models import adapters
 from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
 from rapidformer.optim import build_scheduler
 from rapidformer.planning.run_plan import RunPlan
@@ -79,6 +80,7 @@ class RapidformerEngine:
         self.resume_checkpoint = self.checkpoints.locate(cfg.trainer.resume)
         self.model = self.optimizer = self.lr_scheduler = self.num_parameters = None
         self._kv_cache_was_on = False  # set by compose
+        self.adapters = None  # peft=lora/qlora: what compose attached (models/adapters.py)
         ENGINES_CREATED += 1
 
     @property
@@ -105,14 +107,21 @@ class RapidformerEngine:
         scheduler is built for `total_iters` (default: trainer.train_iters).
         """
         t = self.cfg.trainer
-        model = model_obj.to(self.device)
+        model = model_obj
+        if self.cfg.peft.name != "none":
+            # before the move: qlora's 4-bit layers quantize as they go to the GPU
+            model, self.adapters = adapters.attach(
+                model, self.cfg, self.run_dir if self.is_main_process else None)
+        model = model.to(self.device)
         self._kv_cache_was_on = training_without_kv_cache(model)
         model = self.strategy.prepare(model)
         self.num_parameters = self.strategy.count_parameters(model)
         log.info("model parameters: %s (%.1fM)", f"{self.num_parameters:,}",
                  self.num_parameters / 1e6)
         layers, hidden = model_shape(model, self.cfg.model.num_layers, self.cfg.model.hidden_size)
-        self.model_flops = ModelFlops(self.num_parameters, layers, hidden, self.device,
+        flops_parameters = self.adapters.flops_parameters if self.adapters else \
+            self.num_parameters
+        self.model_flops = ModelFlops(flops_parameters, layers, hidden, self.device,
                                       self.world_size)
 
         def schedule(optimizer):
@@ -223,13 +232,29 @@ class RapidformerEngine:
         recorded = self.strategy.checkpoint_state()
         state = {**state, "world_size": self.world_size, **recorded,
                  **model_record(self.cfg.model, self.num_parameters)}
-        return self.checkpoints.save(step, state, rng, extra,
+        if self.adapters is not None:
+            state["peft"] = self.adapters.record()
+            extra = self._with_adapter_files(extra)
+        path = self.checkpoints.save(step, state, rng, extra,
                                      manifest={"strategy": recorded["strategy"],
                                                "layout": self.strategy.layout()})
+        if self.adapters is not None and self.is_main_process:
+            self.adapters.log_checkpoint()
+        return path
+
+    def _with_adapter_files(self, extra):
+        """The template's extra files, and peft's adapter config with the base's config (what
+        `rapidformer export` rebuilds the model from)."""
+        def write(directory: Path) -> None:
+            self.adapters.write(directory)
+            if extra is not None:
+                extra(directory)
+        return write
 
     def load_checkpoint(self, path: Path) -> dict:
         state = checkpoint.read_state(path)
         problem = self.strategy.resume_problem(state) or \
+            adapters.resume_problem(state, self.adapters) or \
             model_change(state, self.cfg.model, self.num_parameters)
         if problem:
             raise InputError(f"checkpoint {path} {problem}")
@@ -255,12 +280,16 @@ class RapidformerEngine:
     def export_hf(self, tokenizer=None, step: int | None = None) -> Path | None:
         """One consolidated Hugging Face `save_pretrained` directory (fp32), written atomically
         at run_dir/hf_model by rank 0. Strategies that consolidate from files (ZeRO) read the
-        checkpoint of `step`."""
+        checkpoint of `step`. With peft, the adapters merged into the base."""
         saved = self.checkpoint_root / f"step_{step:08d}" if step is not None else None
         exported = self.strategy.export_model(self.model, tokenizer, saved)  # collective
         if exported is None or not self.is_main_process:
             return None
         model, state_dict = exported
+        if self.adapters is not None:  # the base with the adapters merged in, a plain HF model
+            model, state_dict = self.adapters.merged(model, state_dict), None
+            if model is None:
+                return None
         final = self.run_dir / "hf_model"
         tmp = self.run_dir / ".tmp-hf_model"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,8 +18,11 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             continue
         skip = param.ndim < 2 or any(marker in name for marker in NO_DECAY_MARKERS)
         (no_decay if skip else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    # an empty group is left out (peft: every bias and norm is frozen), as DeepSpeed's
+    # optimizer drops it, which would leave the lr schedule a group without an optimizer's
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
 
 
 def fused_available(device: torch.device) -> bool:

@@ -99,8 +99,10 @@ def resume_from(overrides: list[str], checkpoint: str, run_dir: str) -> dict[int
     """A fresh engine (its own layout: overrides) loads checkpoint and trains to the end."""
     resumed = _engine([*overrides, f"trainer.resume={checkpoint}"], run_dir)
     fresh = _model(resumed.cfg)
-    with torch.no_grad():  # other weights than the checkpoint's: the load must replace them
-        for p in fresh.parameters():
+    # other weights than the checkpoint's: the load must replace them (with peft only the
+    # adapters, new in compose, are in the checkpoint; its base must be the one it trained on)
+    with torch.no_grad():
+        for p in fresh.parameters() if resumed.cfg.peft.name == "none" else ():
             p.add_(1.0)
     model, _, _ = resumed.compose(fresh)
     state = resumed.load_checkpoint(resumed.resume_checkpoint)
@@ -161,8 +163,10 @@ OFFLOAD_ALL = ["memory.offload_optimizer=true", "memory.offload_params=true"]
 FP8 = ["model=llama_tiny", "precision=fp8", "precision.fp8_emulate=true",
        "precision.fp8_skip_small=false"]
 # the one-process references: name -> overrides
+# LoRA without its dropout: each layout draws other masks for its micro-batches
+LORA = ["model=llama_tiny", "peft=lora", "peft.dropout=0"]
 REFERENCES = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"],
-              "llama": ["model=llama_tiny"]}
+              "llama": ["model=llama_tiny"], "lora": LORA}
 # name: (overrides, strategy, the one-process reference)
 CASES = {
     "ddp": ([], "ddp", "fp32"),
@@ -180,6 +184,10 @@ CASES = {
     "zero3_offload": (["memory=zero3", *OFFLOAD_ALL], "deepspeed", "fp32"),
     "llama_fsdp2": (["model=llama_tiny", "memory=fsdp"], "fsdp2", "llama"),
     "llama_zero3": (["model=llama_tiny", "memory=zero3"], "deepspeed", "llama"),
+    "lora_ddp": (LORA, "ddp", "lora"),
+    "lora_fsdp2": ([*LORA, "memory=fsdp"], "fsdp2", "lora"),
+    "lora_zero2": ([*LORA, "memory=zero2"], "deepspeed", "lora"),
+    "lora_zero3": ([*LORA, "memory=zero3"], "deepspeed", "lora"),
     "llama_ddp_fp8": (FP8, "ddp", "llama"),
     "llama_fsdp2_fp8_all_gather": ([*FP8, "memory=fsdp", "precision.fp8_all_gather=true"],
                                    "fsdp2", "llama"),
@@ -187,7 +195,7 @@ CASES = {
 # bf16 rounds each layout's reductions differently; fp32 agrees to the last digits. The fp8
 # cases are held to the fp32 reference within 5e-3: float8's rounding of the
 # inputs, weights and gradients of every linear layer shows in the third decimal
-TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "llama": 1e-4}
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "llama": 1e-4, "lora": 1e-4}
 CASE_TOLERANCE = {"llama_ddp_fp8": 5e-3, "llama_fsdp2_fp8_all_gather": 5e-3}
 # Adam turns rounding noise in near-zero gradients into whole lr-sized steps, which differ
 # between layouts (their reductions add in other orders); a large eps keeps such steps small

@@ -20,6 +20,7 @@ import torch
 
 from rapidformer.accelerators.recompute import enable_recompute
 from rapidformer.config.schema import RunConfig
+from rapidformer.models.adapters import check_device as check_peft_device
 from rapidformer.models.attention import use_training_sdpa
 from rapidformer.models.kernels import apply_kernels, check_kernels_device
 from rapidformer.planning.run_plan import RunPlan
@@ -58,6 +59,7 @@ class Strategy(abc.ABC):
         self.cfg, self.plan, self.rank, self.world_size = cfg, plan, rank, world_size
         self.device = plan.device
         check_kernels_device(cfg.kernels, self.device)
+        check_peft_device(cfg.peft, self.device)
         self.model = self.optimizer = self.lr_scheduler = None
         self.precision = None  # the precision seam's object, where the strategy keeps one
 
@@ -154,6 +156,12 @@ class Strategy(abc.ABC):
         return 0 if self.precision is None else self.precision.skipped_steps
 
     # --- checkpoints ------------------------------------------------------------------------
+    @property
+    def saves_adapters_only(self) -> bool:
+        """peft=lora/qlora: a checkpoint holds the trainable parameters (the adapters and the
+        modules trained in full) and their optimizer state, never the frozen base."""
+        return self.cfg.peft.name != "none"
+
     def layout(self) -> dict:
         """What a checkpoint records of the parallel layout (RNG streams restore only at the
         same one)."""

@@ -2,7 +2,8 @@
 and torch.amp precision (bf16 autocast, fp16 with a GradScaler).
 
 Every rank holds the whole model and optimizer state; a checkpoint is rank 0's copy of them
-(`model.pt`, `optimizer.pt`, `scheduler.pt`, `precision.pt`). graph=compile compiles the whole
+(`model.pt`, `optimizer.pt`, `scheduler.pt`, `precision.pt`; with peft, `model.pt` holds the
+trainable parameters only). graph=compile compiles the whole
 model around DDP (graph.scope=auto), or each transformer block inside it.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from rapidformer import checkpoint
 from rapidformer.accelerators.base import StepResult, Strategy
 from rapidformer.accelerators.graph import apply_graph, compile_blocks
 from rapidformer.accelerators.precision import MixedPrecision
+from rapidformer.models.adapters import check_loaded, trainable_state
 
 log = logging.getLogger("rapidformer")
 
@@ -115,11 +117,18 @@ class DDPStrategy(Strategy):
         self.precision.load_state_dict(checkpoint.load(directory, "precision.pt"))
 
     def save(self, directory: Path) -> dict:
-        return {"model.pt": self.unwrap(self.model).state_dict(),
-                "optimizer.pt": self.optimizer.state_dict(), **self._schedule_and_precision()}
+        model = self.unwrap(self.model)
+        state = trainable_state(model) if self.saves_adapters_only else model.state_dict()
+        return {"model.pt": state, "optimizer.pt": self.optimizer.state_dict(),
+                **self._schedule_and_precision()}
 
     def load(self, directory: Path) -> None:
-        self.unwrap(self.model).load_state_dict(checkpoint.load(directory, "model.pt"))
+        model, state = self.unwrap(self.model), checkpoint.load(directory, "model.pt")
+        if self.saves_adapters_only:
+            result = model.load_state_dict(state, strict=False)
+            check_loaded(model, result.missing_keys, result.unexpected_keys, directory)
+        else:
+            model.load_state_dict(state)
         self.optimizer.load_state_dict(checkpoint.load(directory, "optimizer.pt"))
         self._load_schedule_and_precision(directory)
 

@@ -3,7 +3,8 @@
 Parameters, gradients and optimizer state are sharded across the data-parallel ranks; the
 precision group becomes FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction and
 fp32 sharded master weights). Checkpoints are torch.distributed.checkpoint (DCP) shards, one
-set per rank; the export gathers one full fp32 state dict on rank 0.
+set per rank (with peft: of the trainable parameters only); the export gathers one full fp32
+state dict on rank 0.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rapidformer.accelerators.base import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 from rapidformer.accelerators.ddp import DDPStrategy
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError
+from rapidformer.models.adapters import check_loaded
 from rapidformer.models.blocks import transformer_blocks
 from rapidformer.runtime.distributed import join_group_of_one
 
@@ -51,24 +53,36 @@ def shard_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> nn.Mo
     return model
 
 
-def save_shards(model: nn.Module, optimizer, directory) -> None:
+def _shard_options(adapters_only: bool):
+    """peft: the frozen base is neither saved nor loaded (the load then expects those keys
+    missing, which `check_loaded` confirms are the frozen ones)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
+
+
+def save_shards(model: nn.Module, optimizer, directory, adapters_only: bool = False) -> None:
     """Every rank writes its shards of the model and optimizer state (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=_shard_options(adapters_only))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
 
 
-def load_shards(model: nn.Module, optimizer, directory) -> None:
+def load_shards(model: nn.Module, optimizer, directory, adapters_only: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = _shard_options(adapters_only)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    result = set_state_dict(model, optimizer, model_state_dict=state["model"],
+                            optim_state_dict=state["optim"], options=options)
+    if adapters_only:
+        check_loaded(model, result.missing_keys, result.unexpected_keys, directory)
 
 
 def full_state_dict(model: nn.Module) -> dict:
@@ -130,11 +144,11 @@ class FSDP2Strategy(DDPStrategy):
         return result
 
     def save(self, directory: Path) -> dict:
-        save_shards(self.model, self.optimizer, directory / DCP_DIR)
+        save_shards(self.model, self.optimizer, directory / DCP_DIR, self.saves_adapters_only)
         return self._schedule_and_precision()
 
     def load(self, directory: Path) -> None:
-        load_shards(self.model, self.optimizer, directory / DCP_DIR)
+        load_shards(self.model, self.optimizer, directory / DCP_DIR, self.saves_adapters_only)
         self._load_schedule_and_precision(directory)
 
     def export_model(self, model, tokenizer, checkpoint_dir):

@@ -68,6 +68,18 @@ def _strip(name: str) -> str:
 
 def checkpoint_weights(ckpt, saved: dict) -> dict:
     """The fp32 model weights of a checkpoint, read by the strategy that wrote it (`saved`:
-    its state.json), under the bare model's parameter names."""
+    its state.json), under the bare model's parameter names. A checkpoint of peft adapters:
+    the base model read again with its adapters merged in."""
+    state = stored_weights(ckpt, saved)
+    if "peft" in saved:
+        from rapidformer.models.adapters import merged_weights
+
+        return merged_weights(ckpt, saved, state)
+    return state
+
+
+def stored_weights(ckpt, saved: dict) -> dict:
+    """The fp32 tensors a checkpoint's model state holds (with peft: the trainable ones, under
+    the peft model's names)."""
     state = strategy_of_checkpoint(saved, ckpt).read_weights(ckpt)
     return {_strip(k): v.float() if v.is_floating_point() else v for k, v in state.items()}

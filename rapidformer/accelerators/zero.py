@@ -1,7 +1,8 @@
 """memory=zero1/zero2/zero3: DeepSpeed ZeRO stages 1-3, configured from the resolved config.
 
 DeepSpeed owns precision (bf16/fp16 weights with fp32 masters), gradient accumulation,
-clipping and the optimizer step when it is on; the strategy only forwards to it.
+clipping and the optimizer step when it is on; the strategy only forwards to it. With peft its
+checkpoints leave the frozen parameters out (`exclude_frozen_parameters`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rapidformer.accelerators.graph import compile_blocks
 from rapidformer.accelerators.precision import check_device_supports
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, NotAvailableError
+from rapidformer.models.adapters import full_precision_state
 from rapidformer.runtime.distributed import join_group_of_one
 
 log = logging.getLogger("rapidformer")
@@ -155,7 +157,8 @@ class ZeroStrategy(Strategy):
         return self._skipped
 
     def save(self, directory: Path) -> dict:
-        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG)
+        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG,
+                                exclude_frozen_parameters=self.saves_adapters_only)
         return {}
 
     def resume_problem(self, saved: dict) -> str | None:
@@ -171,7 +174,9 @@ class ZeroStrategy(Strategy):
                 f"them (model.source=pretrained model.name_or_path=EXPORT_DIR)")
 
     def load(self, directory: Path) -> None:
-        self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG)
+        # peft: the file holds no frozen weights, which the module keeps as they are
+        self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG,
+                                load_module_strict=not self.saves_adapters_only)
         self._skipped = self.ds.skipped_steps
 
     def unwrap(self, model):
@@ -179,9 +184,22 @@ class ZeroStrategy(Strategy):
 
     def export_model(self, model, tokenizer, checkpoint_dir):
         model = self.hf_model(model)
-        if model is None or self.rank != 0:
+        if model is None:
             return None
-        return model, consolidated_state_dict(str(checkpoint_dir))
+        frozen = self._frozen_base_state() if self.saves_adapters_only else {}  # collective
+        if self.rank != 0:
+            return None
+        return model, {**frozen, **consolidated_state_dict(str(checkpoint_dir))}
+
+    def _frozen_base_state(self) -> dict | None:
+        """peft: the whole module's state on rank 0, for the frozen base weights its checkpoints
+        leave out (the trainable ones come from the checkpoint's fp32 masters). ZeRO-3 gathers
+        them layer by layer (collective); below it every rank holds them whole. With bf16,
+        DeepSpeed holds the frozen base in bf16: the export merges into those values, the
+        ones the adapters were trained against."""
+        if self.stage == 3:
+            return self.ds._zero3_consolidated_16bit_state_dict()
+        return full_precision_state(self.ds.module) if self.rank == 0 else None
 
     @classmethod
     def read_weights(cls, checkpoint_dir: Path) -> dict:

@@ -400,10 +400,6 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"task=sft fine-tunes a Hugging Face causal LM; model={m.name} (model.arch="
                  f"{m.arch}) is not one: use model=llama_tiny, model=gpt2_tiny, or a pretrained "
                  f"decoder with model=hf model.name_or_path=DIR")
-    if cfg.peft.name != "none":
-        p.append(f"peft={cfg.peft.name}: not yet; adapters (peft's LoRA, bitsandbytes' 4-bit "
-                 f"base for QLoRA) are not wired into the strategies' checkpoints and export "
-                 f"yet; fine-tune every weight with peft=none")
     if d.packing and cfg.task.name != "sft":
         p.append(f"data.packing=true packs examples for task=sft; task={cfg.task.name} does not "
                  f"pack (BERT encoders train without padding with trainer.unpad=true)")
@@ -428,6 +424,7 @@ def check_values(cfg: RunConfig) -> list[str]:
     p.extend(_task_problems(cfg))
     p.extend(_length_problems(cfg))
     p.extend(_fp8_problems(cfg))
+    p.extend(_peft_problems(cfg))
     if cfg.kernels.name != "none" and (m.arch.startswith("megatron") or cfg.graph.name == "ort"):
         p.append(f"kernels={cfg.kernels.name} with "
                  f"{'model=' + m.name if m.arch.startswith('megatron') else 'graph=ort'}: its "
@@ -498,6 +495,79 @@ def check_values(cfg: RunConfig) -> list[str]:
     if cfg.memory.name == "fsdp" and (cfg.memory.offload_optimizer and not cfg.memory.offload_params):
         p.append("memory.offload_optimizer=true with memory=fsdp needs memory.offload_params=true "
                  "(FSDP offloads parameters and optimizer state together)")
+    return p
+
+
+PEFT_KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save")
+QLORA_KEYS = ("quant_type", "double_quant")
+
+
+def _peft_problems(cfg: RunConfig) -> list[str]:
+    """peft=lora/qlora: peft's adapters on Hugging Face models trained by torch, DeepSpeed or
+    FSDP2; qlora's 4-bit base on one CUDA GPU per replica."""
+    pe, m, p = cfg.peft, cfg.model, []
+    what = f"peft={pe.name}"
+    unread = [key for key in (PEFT_KEYS + QLORA_KEYS if pe.name == "none" else
+                              QLORA_KEYS if pe.name == "lora" else ())
+              if getattr(pe, key) != schema_default(f"peft.{key}")]
+    for key in unread:
+        used_by = "peft=qlora" if key in QLORA_KEYS else "peft=lora or qlora"
+        p.append(f"peft.{key}={getattr(pe, key)} has no effect with {what}; it is used by "
+                 f"{used_by}: choose it or drop the override")
+    if pe.name == "none":
+        return p
+    if pe.target_modules is not None and not pe.target_modules:
+        p.append("peft.target_modules=[] names no layer to adapt; name some (e.g. "
+                 "peft.target_modules=[q_proj,v_proj]) or set it to null for the model family's "
+                 "attention and MLP projections")
+    if m.arch.startswith("megatron"):
+        p.append(f"{what} with model={m.name}: peft's adapters wrap Hugging Face (torch.nn.Linear) "
+                 f"layers, not megatron-core's tensor-parallel ones; use model=hf "
+                 f"model.name_or_path=... (a Hugging Face checkpoint of the model), or peft=none")
+    if cfg.graph.name == "ort":
+        p.append(f"{what} with graph=ort: not combined here; onnxruntime-training runs in its own "
+                 f"torch 2.4-2.6 environment, where peft's adapters and the adapter-only "
+                 f"checkpoints are not built; use graph=eager or graph=compile with {what}")
+    if cfg.precision.fp8_scaling is not None:
+        p.append(f"{what} with precision=fp8: not combined here; torchao would convert the frozen "
+                 f"base layers that peft wraps, a pairing not built or tested; use precision=bf16 "
+                 f"with {what}")
+    if cfg.kernels.name != "none":
+        p.append(f"{what} with kernels={cfg.kernels.name}: not combined here; liger-kernel patches "
+                 f"a Hugging Face model's own modules, and peft has wrapped them by then; use "
+                 f"kernels=none with {what}")
+    if cfg.trainer.unpad:
+        p.append(f"{what} with trainer.unpad=true: not combined here; the unpadded path replaces "
+                 f"BERT's forward, which peft's task wrappers do not pass its packed inputs to; "
+                 f"set trainer.unpad=false")
+    if pe.name == "qlora":
+        p.extend(_qlora_problems(cfg))
+    return p
+
+
+def _qlora_problems(cfg: RunConfig) -> list[str]:
+    """What bitsandbytes' 4-bit base weights rule out."""
+    m, p = cfg.model, []
+    if cfg.trainer.device == "cpu":
+        p.append("peft=qlora with trainer.device=cpu: QLoRA is for CUDA GPUs, where bitsandbytes' "
+                 "4-bit kernels keep the base in a quarter of its memory; on a CPU its 4-bit "
+                 "matmul is a slow fallback computed in bf16 that saves no accelerator memory. "
+                 "Use peft=lora on a CPU, or run on a CUDA GPU")
+    if cfg.memory.name == "fsdp":
+        p.append("peft=qlora with memory=fsdp: FSDP2's fully_shard turns each weight into a "
+                 "plain sharded tensor, which drops the 4-bit quantization state "
+                 "(bitsandbytes' Params4bit) that the 4-bit matmul reads; use peft=lora with "
+                 "memory=fsdp, or peft=qlora with memory=none, zero1 or zero2")
+    if cfg.memory.name == "zero3":
+        p.append("peft=qlora with memory=zero3: ZeRO-3 partitions every weight, and bitsandbytes' "
+                 "4-bit weights partition only when transformers quantizes them while DeepSpeed "
+                 "builds the model (zero.Init inside from_pretrained), not when a built model is "
+                 "quantized as here; use peft=lora with memory=zero3, or peft=qlora with "
+                 "memory=none, zero1 or zero2")
+    if m.source == "config" and m.arch == "gpt2":
+        p.append(f"peft=qlora with model={m.name}: bitsandbytes quantizes torch.nn.Linear layers, "
+                 f"and GPT-2's blocks are transformers' Conv1D layers; use peft=lora, or a "
+                 f"Llama-shaped model (model=llama_tiny, llama_1b)")
     return p
 
 

@@ -33,7 +33,8 @@ LOCK = ".lock"
 # what a run writes (and trainer.overwrite=true removes); config.yaml and .hydra/ are
 # rewritten at every start anyway
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.csv", "tensorboard", "hf_model",
-               ".tmp-hf_model", "status.json", "tokenizer", "logs", "data_index_cache")
+               ".tmp-hf_model", "status.json", "tokenizer", "logs", "data_index_cache",
+               "generations.jsonl", "peft_base", ".tmp-peft_base")
 IGNORED = {".gitkeep", ".gitignore", ".DS_Store"}  # what an empty directory may hold
 
 _held: dict[str, int] = {}  # run directory -> the lock's file descriptor, for this process

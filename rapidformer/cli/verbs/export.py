@@ -1,5 +1,11 @@
-"""`rapidformer export RUN_DIR --to DIR [--step N]`: a Hugging Face `save_pretrained` directory
-(fp32 weights, config, tokenizer) from a run's checkpoint, whatever memory mode wrote it.
+"""`rapidformer export RUN_DIR --to DIR [--step N] [--adapter-only]`: a Hugging Face
+`save_pretrained` directory (fp32 weights, config, tokenizer) from a run's checkpoint, whatever
+memory mode wrote it.
+
+A run with peft=lora/qlora: the base model (read again from model.name_or_path) with the
+adapters merged in, a plain Hugging Face model; or, with --adapter-only, peft's adapter
+directory (adapter_config.json, adapter_model.safetensors), which
+`peft.PeftModel.from_pretrained(base, DIR)` loads.
 
 RUN_DIR is a run directory (its newest complete checkpoint, or --step N) or one
 `checkpoints/step_NNNNNNNN` directory. Runs on one CPU process: ZeRO shards are consolidated
@@ -85,7 +91,7 @@ def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
     return hf.build_task_model(cfg.model, cfg.task.name, fake)
 
 
-def export(path: Path, out: Path, step: int | None = None) -> Path:
+def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = False) -> Path:
     from transformers import AutoTokenizer
 
     from rapidformer.config.validate import build_run_config
@@ -96,10 +102,11 @@ def export(path: Path, out: Path, step: int | None = None) -> Path:
     ckpt, run_dir = locate(path, step)
     cfg = build_run_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
     saved = checkpoint.read_state(ckpt)
-    memory = saved.get("memory", "none")
-    state = weights(ckpt, saved)
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
         if (ckpt / "tokenizer").is_dir() else None
+    if adapter_only:
+        return _write(out, ckpt, saved, tokenizer, _adapter_writer(ckpt, saved))
+    state = weights(ckpt, saved)
     model = skeleton(cfg, state, tokenizer, run_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
@@ -108,14 +115,31 @@ def export(path: Path, out: Path, step: int | None = None) -> Path:
         raise InputError(f"{ckpt} does not match the run's model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     model.tie_weights()
+    return _write(out, ckpt, saved, tokenizer, lambda tmp: model.save_pretrained(str(tmp)))
+
+
+def _adapter_writer(ckpt: Path, saved: dict):
+    if "peft" not in saved:
+        raise InputError(f"--adapter-only: {ckpt} holds a whole model (its run used peft=none), "
+                         f"not adapters; export it without --adapter-only")
+    from rapidformer.accelerators.table import stored_weights
+    from rapidformer.models.adapters import write_adapter_dir
+
+    adapter_state = stored_weights(ckpt, saved)
+    return lambda tmp: write_adapter_dir(ckpt, saved, adapter_state, tmp)
+
+
+def _write(out: Path, ckpt: Path, saved: dict, tokenizer, write_model) -> Path:
+    """`write_model(tmp)`, the tokenizer and a note of the source into a new directory that
+    appears complete under `out` or not at all."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
-        model.save_pretrained(str(tmp))
+        write_model(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         (tmp / "rapidformer_export.json").write_text(json.dumps(
-            {"checkpoint": str(ckpt.absolute()), "memory": memory,
+            {"checkpoint": str(ckpt.absolute()), "memory": saved.get("memory", "none"),
              "step": saved.get("step")}, indent=1))
         honour_umask(tmp)  # mkdtemp's directory is 0700, safetensors' files 0600
         os.rename(tmp, out)
@@ -129,11 +153,15 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument("run_dir", type=Path, help="run directory or step_NNNNNNNN directory")
     parser.add_argument("--to", type=Path, required=True, help="new output directory")
     parser.add_argument("--step", type=int, help="this step's checkpoint (default: newest)")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="peft runs: peft's adapter directory instead of the merged model")
     args = parser.parse_args(argv)
     try:
-        out = export(args.run_dir, args.to, args.step)
+        out = export(args.run_dir, args.to, args.step, args.adapter_only)
     except RapidformerError as exc:
         print(f"rapidformer: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(f"exported {out} (Hugging Face save_pretrained; load it with AutoModel*.from_pretrained)")
+    print(f"exported {out} (" + ("peft's adapter directory; load it with "
+          "peft.PeftModel.from_pretrained(BASE_MODEL, DIR)" if args.adapter_only else
+          "Hugging Face save_pretrained; load it with AutoModel*.from_pretrained") + ")")
     return 0
