@@ -31,6 +31,26 @@ def finish(path, result: dict) -> None:
         sys.exit(1)
 
 
+def run_cli(row: str, command: list[str], work: Path):
+    """One row's rapidformer command run: (the row's record so far, the finished process, its
+    metrics.jsonl log windows: those with tokens_per_s). The record carries the error instead
+    when the command failed (the windows are then None)."""
+    import subprocess
+    import time
+
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True)
+    keep_log(row, result)
+    base = {"row": row, "process_wall_s": round(time.perf_counter() - started, 1),
+            "command": portable_command(" ".join(command[1:]), {str(work): "WORK"})}
+    if result.returncode != 0:
+        return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}, \
+            result, None
+    out = Path(next(a for a in command if a.startswith("trainer.output_dir=")).split("=", 1)[1])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return base, result, [r for r in records if "tokens_per_s" in r]
+
+
 def keep_log(name: str, result, lines: int = 60) -> None:
     """A run's last log lines appended to $BENCH_LOG, when set (to read why a row was slow)."""
     path = os.environ.get("BENCH_LOG")

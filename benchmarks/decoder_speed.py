@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import re
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 from _data import gpt_mmap_data
-from _report import finish, keep_log, portable_command
+from _report import finish, keep_log, portable_command, run_cli
 
 RF_ROWS = {"rf-bf16": [],
            "rf-fp8": ["precision=fp8"],
@@ -55,18 +54,11 @@ def common(data: dict, args) -> list[str]:
 
 
 def rapidformer_row(row: str, data: dict, args, work: Path) -> dict:
-    out = work / row
     command = [sys.executable, "-m", "rapidformer", *common(data, args), *RF_ROWS[row],
-               f"trainer.output_dir={out}"]
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    keep_log(row, result)
-    base = {"row": row, "process_wall_s": round(time.perf_counter() - started, 1),
-            "command": portable_command(" ".join(command[1:]), {str(work): "WORK"})}
-    if result.returncode != 0:
-        return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    windows = [r for r in records if "tokens_per_s" in r]
+               f"trainer.output_dir={work / row}"]
+    base, result, windows = run_cli(row, command, work)
+    if windows is None:
+        return base
     later = [r for r in windows if r["step"] > SKIP] or windows
     mean = lambda key: sum(r.get(key) or 0 for r in later) / len(later)
     first = re.search(r"first step compiled and ran in ([\d.]+) s", result.stderr + result.stdout)

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import finish, keep_log, portable_command
+from _report import finish, keep_log, portable_command, run_cli
 
 RF_ROWS = {"rf-lora": [], "rf-lora-packed": ["data.packing=true"],
            "rf-qlora-packed": ["peft=qlora", "data.packing=true"]}
@@ -53,15 +53,9 @@ def rapidformer_row(row: str, args, work: Path) -> dict:
     out = work / row
     command = [sys.executable, "-m", "rapidformer", *common(args, work), *RF_ROWS[row],
                f"trainer.output_dir={out}"]
-    started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
-    keep_log(row, result)
-    base = {"row": row, "process_wall_s": round(time.perf_counter() - started, 1),
-            "command": portable_command(" ".join(command[1:]), {str(work): "WORK"})}
-    if result.returncode != 0:
-        return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    windows = [r for r in records if "tokens_per_s" in r]
+    base, _, windows = run_cli(row, command, work)
+    if windows is None:
+        return base
     later = [r for r in windows if r["step"] > SKIP] or windows
     mean = lambda key: sum(r.get(key) or 0 for r in later) / len(later)
     return {**base, "tokens_per_s": round(mean("tokens_per_s")),
