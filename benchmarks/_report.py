@@ -31,6 +31,25 @@ def finish(path, result: dict) -> None:
         sys.exit(1)
 
 
+def finish_speed_rows(args, rows: list[dict], baseline: str) -> None:
+    """Each row's tokens/s as a ratio to the baseline row's (`vs_BASELINE`), then the report
+    with the device, torch and the run's shape (args: model, seq, batch, iters, out)."""
+    import datetime
+
+    import torch
+
+    base = next((r["tokens_per_s"] for r in rows if r["row"] == baseline and "error" not in r),
+                None)
+    for r in rows:
+        if base and "tokens_per_s" in r:
+            r[f"vs_{baseline.replace('-', '_')}"] = round(r["tokens_per_s"] / base, 3)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    finish(args.out, {"date": datetime.date.today().isoformat(), "device": device,
+                      "torch": torch.__version__, "model": args.model, "seq": args.seq,
+                      "micro_batch": args.batch, "iterations": args.iters,
+                      "command": portable_command(" ".join(sys.argv)), "rows": rows})
+
+
 def run_cli(row: str, command: list[str], work: Path):
     """One row's rapidformer command run: (the row's record so far, the finished process, its
     metrics.jsonl log windows: those with tokens_per_s). The record carries the error instead

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import re
 import subprocess
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 from _data import gpt_mmap_data
-from _report import finish, keep_log, portable_command, run_cli
+from _report import finish_speed_rows, keep_log, run_cli
 
 RF_ROWS = {"rf-bf16": [],
            "rf-fp8": ["precision=fp8"],
@@ -192,18 +191,7 @@ def main() -> None:
             runner = hf_row if row in HF_ROWS else rapidformer_row
             rows.append(runner(row, data, args, work))
             print(json.dumps(rows[-1]), flush=True)
-    import torch
-
-    base = next((r["tokens_per_s"] for r in rows if r["row"] == "hf-compile" and "error" not in r),
-                None)
-    for r in rows:
-        if base and "tokens_per_s" in r:
-            r["vs_hf_compile"] = round(r["tokens_per_s"] / base, 3)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    finish(args.out, {"date": datetime.date.today().isoformat(), "device": device,
-                      "torch": torch.__version__, "model": args.model, "seq": args.seq,
-                      "micro_batch": args.batch, "iterations": args.iters,
-                      "command": portable_command(" ".join(sys.argv)), "rows": rows})
+    finish_speed_rows(args, rows, "hf-compile")
 
 
 if __name__ == "__main__":

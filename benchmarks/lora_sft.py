@@ -20,7 +20,6 @@ the padding fraction and the loss at the end. Writes docs/benchmarks/lora_sft.js
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _report import finish, keep_log, portable_command, run_cli
+from _report import finish_speed_rows, keep_log, run_cli
 
 RF_ROWS = {"rf-lora": [], "rf-lora-packed": ["data.packing=true"],
            "rf-qlora-packed": ["peft=qlora", "data.packing=true"]}
@@ -206,20 +205,9 @@ def main() -> None:
             else:
                 rows.append(rapidformer_row(row, args, work))
             print(json.dumps(rows[-1]), flush=True)
-    import torch
-
     for r in rows:
         r.pop("tokenizer", None)
-    base = next((r["tokens_per_s"] for r in rows if r["row"] == "hf-peft" and "error" not in r),
-                None)
-    for r in rows:
-        if base and "tokens_per_s" in r:
-            r["vs_hf_peft"] = round(r["tokens_per_s"] / base, 3)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    finish(args.out, {"date": datetime.date.today().isoformat(), "device": device,
-                      "torch": torch.__version__, "model": args.model, "seq": args.seq,
-                      "micro_batch": args.batch, "iterations": args.iters,
-                      "command": portable_command(" ".join(sys.argv)), "rows": rows})
+    finish_speed_rows(args, rows, "hf-peft")
 
 
 if __name__ == "__main__":
