@@ -13,7 +13,7 @@ import torch
 from rapidformer.config.compose import compose, resolve
 from rapidformer.errors import ConfigError, InputError
 from tests.test_decoders import pretrain, tiny_llama
-from tests.test_sft import sft_args
+from tests.test_sft import answer, prompt_ids, sft_args
 
 pytest.importorskip("peft")
 
@@ -208,12 +208,8 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
     # the run's export: a plain Llama (no peft to load it) with the adapters merged in
     tokenizer = AutoTokenizer.from_pretrained(run / "hf_model")
     merged = AutoModelForCausalLM.from_pretrained(run / "hf_model")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "where does anna live ?"}],
-                                           tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = merged.generate(ids, max_new_tokens=6, do_sample=False,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == "paris"
+    assert answer(merged, tokenizer, "where does anna live ?") == "paris"
+    ids = prompt_ids(tokenizer, "who does ben work for ?")
 
     # rapidformer export: the merged model from the checkpoint, and peft's adapter directory
     import yaml

@@ -205,14 +205,23 @@ def test_llama_sft_learns_its_answers_and_exports_a_chat_model(tmp_path, packing
     tokenizer = AutoTokenizer.from_pretrained(run / "hf_model")
     assert tokenizer.chat_template and tokenizer.eos_token == "[SEP]"
     model = AutoModelForCausalLM.from_pretrained(run / "hf_model")
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "where does anna live ?"}],
-                                           tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=6, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == "paris"
+    assert answer(model, tokenizer, "where does anna live ?") == "paris"
     if not packing:
         check_generate_verb(run, tmp_path, capsys)
+
+
+def prompt_ids(tokenizer, question: str):
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                           tokenize=False, add_generation_prompt=True)
+    return tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
+def answer(model, tokenizer, question: str) -> str:
+    """A chat model's greedy answer to one user turn."""
+    ids = prompt_ids(tokenizer, question)
+    out = model.generate(ids, max_new_tokens=6, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
 def check_generate_verb(run, tmp_path, capsys):
