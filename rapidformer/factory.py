@@ -46,6 +46,9 @@ def check_available(cfg: RunConfig) -> None:
     check_local_shape(cfg.model)
     check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
     check_fsdp_precision(cfg)
+    from rapidformer.models.adapters import check_available as check_peft_available
+
+    check_peft_available(cfg.peft, on_gpu)
     if cfg.task.name in PRETRAINING_TASKS and not cfg.user_script:
         from rapidformer.data.megatron import require_megatron_core
 

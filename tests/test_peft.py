@@ -242,3 +242,16 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
             pretrain(tmp_path / "again", [*lora_args(data), f"trainer.resume={ckpt}",
                                           *overrides])
     assert checkpoint.is_complete(ckpt)  # the refused resumes left it as it was
+
+
+def test_a_missing_peft_is_refused_before_any_work_with_its_install_line(monkeypatch):
+    import sys
+
+    from rapidformer.config.schema import PeftConfig
+    from rapidformer.errors import NotAvailableError
+    from rapidformer.models.adapters import check_available
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # what an environment without it imports
+    with pytest.raises(NotAvailableError, match=r"pip install 'rapidformer\[peft\]'"):
+        check_available(PeftConfig(name="lora"), on_gpu=False)
+    check_available(PeftConfig(name="none"), on_gpu=False)

@@ -67,6 +67,15 @@ def import_peft():
     return peft
 
 
+def check_available(p: PeftConfig, on_gpu: bool) -> None:
+    """Before any work (the factory's check): peft installed, and qlora's device and
+    bitsandbytes."""
+    if p.name == "none":
+        return
+    import_peft()
+    check_device(p, torch.device("cuda" if on_gpu else "cpu"))
+
+
 def check_device(p: PeftConfig, device: torch.device) -> None:
     """qlora is for CUDA GPUs (bitsandbytes' 4-bit kernels): refused elsewhere, before any
     work (trainer.device=auto on a machine without one)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGES = ("rapidformer", "torch", "transformers", "datasets", "tokenizers", "accelerate",
             "hydra-core", "omegaconf", "deepspeed", "megatron-core", "onnxruntime-training",
-            "torchao", "liger-kernel", "numpy")
+            "torchao", "liger-kernel", "peft", "bitsandbytes", "numpy")
 
 
 def package_versions() -> dict:

@@ -63,6 +63,12 @@ def accelerators(dev: dict, versions: dict) -> list[tuple[str, str, bool, str]]:
          versions.get("liger-kernel") is not None and gpu,
          "pip install 'rapidformer[liger]'" if versions.get("liger-kernel") is None
          else "no CUDA GPU here"),
+        ("peft=lora", "peft 0.21", versions.get("peft") is not None,
+         "pip install 'rapidformer[peft]'"),
+        ("peft=qlora", "peft 0.21, bitsandbytes and a CUDA GPU",
+         versions.get("peft") is not None and versions.get("bitsandbytes") is not None and gpu,
+         "pip install 'rapidformer[qlora]'" if versions.get("bitsandbytes") is None
+         or versions.get("peft") is None else "no CUDA GPU here"),
         ("memory=zero1/2/3", "deepspeed 0.19", versions.get("deepspeed") is not None,
          "pip install 'rapidformer[deepspeed]'"),
         ("memory=fsdp", "torch >= 2.6 (FSDP2)", _has("torch.distributed.fsdp"), ""),
