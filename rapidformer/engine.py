@@ -234,22 +234,13 @@ class RapidformerEngine:
                  **model_record(self.cfg.model, self.num_parameters)}
         if self.adapters is not None:
             state["peft"] = self.adapters.record()
-            extra = self._with_adapter_files(extra)
+            extra = self.adapters.files_with(extra)
         path = self.checkpoints.save(step, state, rng, extra,
                                      manifest={"strategy": recorded["strategy"],
                                                "layout": self.strategy.layout()})
         if self.adapters is not None and self.is_main_process:
             self.adapters.log_checkpoint()
         return path
-
-    def _with_adapter_files(self, extra):
-        """The template's extra files, and peft's adapter config with the base's config (what
-        `rapidformer export` rebuilds the model from)."""
-        def write(directory: Path) -> None:
-            self.adapters.write(directory)
-            if extra is not None:
-                extra(directory)
-        return write
 
     def load_checkpoint(self, path: Path) -> dict:
         state = checkpoint.read_state(path)

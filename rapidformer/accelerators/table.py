@@ -20,6 +20,7 @@ from rapidformer.accelerators.ort import OrtStrategy
 from rapidformer.accelerators.zero import ZERO_STAGES, ZeroStrategy
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import InputError
+from rapidformer.models.wrapped_names import bare_name
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (DDPStrategy, OrtStrategy, ZeroStrategy, FSDP2Strategy,
@@ -56,16 +57,6 @@ def strategy_of_checkpoint(state: dict, where) -> type[Strategy]:
     return STRATEGIES[name]
 
 
-# what wrappers put before a parameter's name (DDP, torch.compile, FSDP1-style)
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def _strip(name: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def checkpoint_weights(ckpt, saved: dict) -> dict:
     """The fp32 model weights of a checkpoint, read by the strategy that wrote it (`saved`:
     its state.json), under the bare model's parameter names. A checkpoint of peft adapters:
@@ -82,4 +73,4 @@ def stored_weights(ckpt, saved: dict) -> dict:
     """The fp32 tensors a checkpoint's model state holds (with peft: the trainable ones, under
     the peft model's names)."""
     state = strategy_of_checkpoint(saved, ckpt).read_weights(ckpt)
-    return {_strip(k): v.float() if v.is_floating_point() else v for k, v in state.items()}
+    return {bare_name(k): v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -32,6 +32,7 @@ from torch import nn
 from rapidformer.config.schema import PeftConfig, RunConfig
 from rapidformer.errors import ConfigError, InputError, NotAvailableError
 from rapidformer.models.blocks import transformer_blocks
+from rapidformer.models.wrapped_names import bare_name
 
 log = logging.getLogger("rapidformer")
 
@@ -278,6 +279,15 @@ class Adapters:
         if self.base_config is not None:  # a Hugging Face model's (what exports rebuild)
             self.base_config.to_json_file(str(folder / BASE_CONFIG))
 
+    def files_with(self, extra):
+        """A checkpoint's extra-files writer: the template's (`extra`, or None) and `write`'s
+        (what `rapidformer export` rebuilds the model from)."""
+        def write(directory: Path) -> None:
+            self.write(directory)
+            if extra is not None:
+                extra(directory)
+        return write
+
     def log_checkpoint(self) -> None:
         log.info("checkpoint model state: %s (%s trainable parameters: the adapters and the "
                  "modules trained in full); the frozen base's %s is not saved",
@@ -455,7 +465,7 @@ def merge(base_class: type, base_config, lora: object, state: dict, buffers: dic
         base = base_class(copy.deepcopy(base_config))
     skeleton = peft.get_peft_model(base, _fresh(lora))
     result = skeleton.load_state_dict(state, assign=True, strict=False)
-    live = {_unwrapped(name): b for name, b in buffers.items()}
+    live = {bare_name(name): b for name, b in buffers.items()}
     for name, buffer in list(skeleton.named_buffers()):
         if buffer.is_meta and name in live:
             owner, _, leaf = name.rpartition(".")
@@ -468,14 +478,6 @@ def merge(base_class: type, base_config, lora: object, state: dict, buffers: dic
                          f"{unfilled[:5]}, unexpected {result.unexpected_keys[:5]}")
     skeleton.get_base_model().tie_weights()  # tied embeddings were loaded as two tensors
     return skeleton.merge_and_unload()
-
-
-def _unwrapped(name: str) -> str:
-    from rapidformer.accelerators.table import WRAPPER_PREFIXES
-
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def _fresh(lora):
