@@ -109,6 +109,27 @@ def test_the_merged_model_gives_the_adapter_models_logits(build):
                                   build()(input_ids=ids).logits, atol=1e-3)
 
 
+def test_an_output_layer_trained_in_full_is_exported_untied_from_the_embeddings():
+    """GPT-2 ties its output layer to the token embeddings; trained in full beside the adapters
+    it is a copy of its own, which the merged model keeps (its config no longer ties them)."""
+    model, adapters = _attach(_tiny_gpt2(), "peft.dropout=0", "peft.modules_to_save=[lm_head]")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        merged = adapters.merged(model, None)
+        assert merged.config.tie_word_embeddings is False
+        torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    frozen, frozen_adapters = _attach(_tiny_gpt2(), "peft.dropout=0")  # a frozen head: tied
+    merged = frozen_adapters.merged(frozen, None)
+    assert merged.config.tie_word_embeddings is True
+    assert merged.lm_head.weight.data_ptr() == merged.transformer.wte.weight.data_ptr()
+
+
 def test_target_names_that_match_no_layer_are_refused_with_the_layer_names():
     with pytest.raises(ConfigError, match=r"peft.target_modules: qkv matches no module of "
                                           r"LlamaForCausalLM; its linear layers are named "
@@ -242,6 +263,11 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
             pretrain(tmp_path / "again", [*lora_args(data), f"trainer.resume={ckpt}",
                                           *overrides])
     assert checkpoint.is_complete(ckpt)  # the refused resumes left it as it was
+    # in its own run directory too: the base copy its checkpoints export from stays
+    with pytest.raises(InputError, match="trained on another base model"):
+        pretrain(run, [*lora_args(data), f"trainer.resume={ckpt}", "model.initializer_range=0.05"])
+    mark = run / "peft_base" / "rapidformer_fingerprint.txt"
+    assert mark.read_text() == record["base_fingerprint"]
 
 
 def test_a_missing_peft_is_refused_before_any_work_with_its_install_line(monkeypatch):

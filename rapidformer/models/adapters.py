@@ -318,18 +318,18 @@ def _mib(n: int) -> str:
 
 
 def keep_base(model: nn.Module, fingerprint: str, run_dir: Path) -> None:
-    """The frozen base's weights into RUN_DIR/peft_base (written whole or not at all; kept when
-    it holds this base already)."""
+    """The frozen base's weights into RUN_DIR/peft_base, written whole or not at all, once: a
+    copy there is this base's, or the one of the checkpoints a resume reads (trainer.overwrite
+    removes it). Another base's copy stays as it is: the resume's fingerprint check refuses the
+    run next, and those checkpoints export from it."""
     import shutil
 
     final, tmp = run_dir / BASE_COPY, run_dir / f".tmp-{BASE_COPY}"
-    mark = final / BASE_COPY_FINGERPRINT
-    if mark.is_file() and mark.read_text() == fingerprint:
+    if (final / BASE_COPY_FINGERPRINT).is_file():
         return
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
     (tmp / BASE_COPY_FINGERPRINT).write_text(fingerprint)
-    shutil.rmtree(final, ignore_errors=True)  # another base's: a run trainer.overwrite cleared
     tmp.rename(final)
     log.info("peft: the base model is built from its config (no file holds its weights): "
              "written once to %s, for exports of the adapter checkpoints", final)
@@ -476,8 +476,23 @@ def merge(base_class: type, base_config, lora: object, state: dict, buffers: dic
     if unfilled or result.unexpected_keys:
         raise InputError(f"the adapters' state does not fit {base_class.__name__}: missing "
                          f"{unfilled[:5]}, unexpected {result.unexpected_keys[:5]}")
-    skeleton.get_base_model().tie_weights()  # tied embeddings were loaded as two tensors
-    return skeleton.merge_and_unload()
+    return tied_as_trained(skeleton.merge_and_unload(), base_config)
+
+
+def tied_as_trained(model: nn.Module, base_config) -> nn.Module:
+    """A merged model of a base that ties its input and output embeddings (peft's unload
+    unties them in the config when they are two tensors): tied again where they are equal;
+    left untied where the output layer trained in full (peft.modules_to_save), which peft
+    trains as a copy of its own."""
+    if not getattr(base_config, "tie_word_embeddings", False):
+        return model
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or torch.equal(head.weight, embedding.weight):
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    else:
+        model.config.tie_word_embeddings = False
+    return model
 
 
 def _fresh(lora):
@@ -553,7 +568,8 @@ def merged_weights(ckpt: Path, saved: dict, adapter_state: dict) -> dict:
     """The whole model's fp32 weights of an adapter checkpoint: its base, read again, with the
     adapters merged in (what `rapidformer export`, eval and predict load)."""
     model = with_adapters(pretrained_base(ckpt, saved), ckpt, saved, adapter_state)
-    merged = model.merge_and_unload()
+    base_config = copy.deepcopy(model.get_base_model().config)  # before the unload unties it
+    merged = tied_as_trained(model.merge_and_unload(), base_config)
     return {k: v.float() if v.is_floating_point() else v for k, v in merged.state_dict().items()}
 
 
