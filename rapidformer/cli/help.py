@@ -3,15 +3,15 @@ tables themselves so that it cannot drift from them. Hydra's own help (the confi
 their options) stays at `rapidformer --hydra-help` and `python -m rapidformer --help`."""
 from __future__ import annotations
 
+from rapidformer.cli.seed_flags import SWITCHES, VALUE_FLAGS
+from rapidformer.cli.verbs import VERBS
+
 # seed flags shown as examples, each with the override it becomes (from the flag tables)
 EXAMPLE_VALUE_FLAGS = {"--micro-batch-size": "16", "--lr": "1e-4", "--epochs": "3", "--save": "DIR"}
 EXAMPLE_SWITCHES = ("--mixed-precision", "--zero-1-memory-optimization")
 
 
 def help_text() -> str:
-    from rapidformer.cli.console import SWITCHES, VALUE_FLAGS
-    from rapidformer.cli.verbs import VERBS
-
     width = max(len(v) for v in VERBS) + 2
     verbs = "\n".join(f"  {name:<{width}}{line}" for name, (_, line) in VERBS.items())
     values = "\n".join(f"  {flag + ' ' + value:<34}-> {VALUE_FLAGS[flag]}={value}"

@@ -15,34 +15,11 @@ import hydra
 import yaml
 from omegaconf import DictConfig
 
+from rapidformer.cli.hydra_args import split_argv
 from rapidformer.errors import (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, Preempted, RapidformerError,
                                 debug_enabled)
 
 log = logging.getLogger("rapidformer")
-
-# Hydra flags that take a value in the next argument
-HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name",
-                     "-cn", "--config-dir", "-cd", "--experimental-rerun"}
-_INFO_CHOICES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
-
-
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(Hydra flags, overrides)."""
-    flags, overrides = [], []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("-"):
-            flags.append(arg)
-            takes_value = arg in HYDRA_FLAGS_WITH_VALUE or (
-                arg in ("--info", "-i") and i + 1 < len(argv) and argv[i + 1] in _INFO_CHOICES)
-            if takes_value and i + 1 < len(argv):
-                flags.append(argv[i + 1])
-                i += 1
-        else:
-            overrides.append(arg)
-        i += 1
-    return flags, overrides
 
 
 def report(error: BaseException) -> None:

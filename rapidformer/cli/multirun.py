@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from rapidformer.observability.format import format_value
-from rapidformer.observability.metrics import read_metrics
+from rapidformer.observability.records import read_metrics
 
 STATUS_FILE = "status.json"
 EXIT_SWEEP_FAILED = 1

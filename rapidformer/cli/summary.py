@@ -25,7 +25,7 @@ import yaml
 from rapidformer import checkpoint
 from rapidformer.config.compose import override_key
 from rapidformer.observability.format import format_value
-from rapidformer.observability.metrics import read_metrics
+from rapidformer.observability.records import read_metrics
 from rapidformer.templates.best import inferred_mode
 
 # overrides the resume command sets itself: the same directory, resumed

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import re
 import zlib
 
@@ -14,19 +13,9 @@ import torch.nn.functional as F
 
 from rapidformer.config.schema import ModelConfig, RunConfig
 from rapidformer.models.dtypes import DTYPES
+from rapidformer.models.megatron_vocab import padded_vocab_size
 
 log = logging.getLogger("rapidformer")
-# the embedding table is padded so that it splits evenly over tensor-parallel ranks and keeps
-# GEMMs aligned (Megatron's --make-vocab-size-divisible-by); the padded ids never occur in data
-VOCAB_MULTIPLE = 128
-
-
-def padded_vocab_size(vocab_size: int, tensor_parallel: int) -> int:
-    """A multiple of 128 and of the tensor-parallel size. Megatron pads to 128 x TP, so its
-    vocabulary (and its losses) change with the layout; this size is the same for any TP that
-    divides 128, so a layout reproduces another."""
-    step = math.lcm(VOCAB_MULTIPLE, tensor_parallel)
-    return -(-vocab_size // step) * step
 
 
 def transformer_config(cfg: RunConfig):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
-from rapidformer.models.megatron import VOCAB_MULTIPLE
+from rapidformer.models.megatron_vocab import VOCAB_MULTIPLE
 
 # GPT-2 configs' activation_function -> the name megatron_gpt computes it under: exact GELU, or
 # the tanh approximation (OpenAI's GPT-2; gelu_pytorch_tanh is torch's kernel of the same formula)

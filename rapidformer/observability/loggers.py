@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rapidformer.config.schema import LoggerConfig
 from rapidformer.errors import NotAvailableError
-from rapidformer.observability.metrics import scalars
+from rapidformer.observability.records import scalars
 
 # logger option -> what it needs installed (its module has the option's name)
 TRACKER_PACKAGES = {"wandb": "Weights & Biases", "mlflow": "MLflow"}

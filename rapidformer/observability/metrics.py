@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 from rapidformer.errors import CheckpointWriteError
+from rapidformer.observability.loggers import make_loggers
+from rapidformer.observability.records import drop_torn_record, scalars
 
 
 def get_logger() -> logging.Logger:
@@ -59,35 +61,6 @@ def get_timers() -> Timers:
     return _TIMERS
 
 
-def drop_torn_record(path: Path) -> None:
-    """A run killed mid-write leaves a last line without its newline; a resumed run appending
-    to it would merge two records into one unreadable line. Cut it off."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """A run's metrics.jsonl records ([] when it has none), without a torn last line of a
-    killed run."""
-    path = Path(run_dir) / "metrics.jsonl"
-    records = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
-
-
-def scalars(record: dict) -> dict:
-    return {k: v for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
 class MetricsSink:
     """Appends one json object per record to metrics.jsonl and one `step,name,value` row per
     scalar to metrics.csv, and mirrors scalars to TensorBoard and to the tracker the `logger`
@@ -116,8 +89,6 @@ class MetricsSink:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-            from rapidformer.observability.loggers import make_loggers
-
             self._trackers = make_loggers(logger, run_dir, config or {})
 
     def write(self, step: int, record: dict) -> None:

@@ -6,6 +6,7 @@ import sys
 
 import yaml
 
+from rapidformer.cli.hydra_args import split_argv
 from rapidformer.config.compose import (OPTION_GROUPS, check_overrides, compose, group_options,
                                         option_text, resolve, with_default_recipe)
 from rapidformer.config.search import take_config_dirs
@@ -65,8 +66,6 @@ def redact(tree):
 
 
 def _resolved(argv: list[str]):
-    from rapidformer.cli.hydra_main import split_argv
-
     from rapidformer.factory import settle
 
     _, overrides = take_config_dirs(*split_argv(argv))
@@ -77,8 +76,6 @@ def _resolved(argv: list[str]):
 def _resolved_reporting_all(argv: list[str]):
     """As `_resolved`, but the overrides with unknown keys or options are left out and their
     problems joined with those of the rest, so that one run reports everything."""
-    from rapidformer.cli.hydra_main import split_argv
-
     _, overrides = take_config_dirs(*split_argv(argv))
     good, problems = [], []
     for override in with_default_recipe(overrides):

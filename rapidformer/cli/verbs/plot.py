@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from rapidformer.errors import InputError, RapidformerError
-from rapidformer.observability.metrics import read_metrics
+from rapidformer.observability.records import read_metrics
 
 # file name -> (metric keys in order of preference, what the metric is); each run draws the
 # first key it logged, and the axis and title name the keys drawn

@@ -1,0 +1,36 @@
+"""A run's metrics records (metrics.jsonl, one json object a line): their scalars, reading
+them back, and cutting off the torn last line of a killed run. The sink writes them, the
+trackers and the CLI's summaries and plots read them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def drop_torn_record(path: Path) -> None:
+    """A run killed mid-write leaves a last line without its newline; a resumed run appending
+    to it would merge two records into one unreadable line. Cut it off."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl records ([] when it has none), without a torn last line of a
+    killed run."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
+
+
+def scalars(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
