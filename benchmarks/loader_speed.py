@@ -29,7 +29,7 @@ from rapidformer.data.corpus import (VOCAB_SAMPLE_DOCS, iter_documents, write_co
                                      write_gpt2_bpe, write_wordpiece_vocab)
 from rapidformer.data.megatron import MegatronTokenizer, build_bert_datasets, build_gpt_datasets
 from rapidformer.data.sampler import PretrainingBatchSampler
-from rapidformer.data.preprocess_data import build_tokenizer
+from rapidformer.data.preprocess_tokenizers import build_tokenizer
 from rapidformer.data.preprocess_data import main as preprocess
 
 

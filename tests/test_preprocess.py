@@ -307,7 +307,7 @@ def test_list_and_empty_texts_match_megatron_byte_for_byte(tmp_path, gpt2_files)
 
 def test_a_list_is_the_sentences_of_one_document(tmp_path, corpus, bert_vocab):
     """Megatron's sentence-split form gives the same files as splitting the text here."""
-    from rapidformer.data.preprocess_data import split_sentences
+    from rapidformer.data.preprocess_encode import split_sentences
 
     split = tmp_path / "split.json"
     split.write_text("".join(json.dumps({"text": split_sentences(t)}) + "\n" for t in TEXTS))
@@ -526,7 +526,7 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path, corpus, bert_vo
 
 def test_chunks_and_workers_write_the_same_bytes_and_skip_the_same_lines(tmp_path, gpt2_files,
                                                                          capsys):
-    from rapidformer.data.preprocess_data import CHUNK_LINES
+    from rapidformer.data.preprocess_encode import CHUNK_LINES
 
     vocab, merges = gpt2_files
     lines = [json.dumps({"text": MIXED[i % len(MIXED)]}) for i in range(2 * CHUNK_LINES + 7)]
@@ -552,7 +552,9 @@ def test_a_worker_imports_neither_torch_nor_transformers(tmp_path, gpt2_files):
     """The worker's tokenizer is the main process's Rust tokenizer, sent serialized."""
     import pickle
 
-    from rapidformer.data.preprocess_data import Encoder, build_tokenizer, parse_args
+    from rapidformer.data.preprocess_data import parse_args
+    from rapidformer.data.preprocess_encode import Encoder
+    from rapidformer.data.preprocess_tokenizers import build_tokenizer
 
     vocab, merges = gpt2_files
     args = parse_args(_gpt2_args(tmp_path / "in.json", tmp_path / "out", vocab, merges)
@@ -561,7 +563,7 @@ def test_a_worker_imports_neither_torch_nor_transformers(tmp_path, gpt2_files):
     pickled = tmp_path / "encoder.pkl"
     pickled.write_bytes(pickle.dumps(Encoder(args, tokenizer, eod)))
     probe = ("import pickle, sys\n"
-             "from rapidformer.data.preprocess_data import _encode_in_worker, _start_worker\n"
+             "from rapidformer.data.preprocess_encode import _encode_in_worker, _start_worker\n"
              f"_start_worker(pickle.loads(open({str(pickled)!r}, 'rb').read()))\n"
              "errors, nbytes, docs, arrays = _encode_in_worker([(1, b'{\"text\": \"The kid.\"}')])\n"
              "print(arrays['text'][0].tolist(), 'torch' in sys.modules, "

@@ -14,7 +14,7 @@ from rapidformer.data.megatron import (MegatronTokenizer, build_bert_datasets,
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.data.splits import split_boundaries, split_ranges
 from rapidformer.errors import ConfigError, InputError
-from rapidformer.data.preprocess_data import build_tokenizer
+from rapidformer.data.preprocess_tokenizers import build_tokenizer
 from rapidformer.templates.pretrainer import megatron_num_samples
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 from rapidformer.config.schema import ModelConfig
 from rapidformer.data.megatron import (MegatronTokenizer, largest_token,
                                        only_at_document_ends)
-from rapidformer.data.preprocess_data import (MEGATRON_BERT_ADDED, PreprocessError,
-                                              build_tokenizer, megatron_bert_added)
+from rapidformer.data.preprocess_errors import PreprocessError
+from rapidformer.data.preprocess_tokenizers import (MEGATRON_BERT_ADDED, build_tokenizer,
+                                                    megatron_bert_added)
 from rapidformer.errors import InputError
 
 log = logging.getLogger("rapidformer")
