@@ -13,22 +13,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rapidformer import checkpoint
 from rapidformer.accelerators.base import StepResult
 from rapidformer.accelerators.table import select
 from rapidformer.compat.args import active
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import ConfigError, InputError
+from rapidformer.errors import ConfigError
 from rapidformer.observability.flops import ModelFlops, model_shape
-from rapidformer.models import adapters
 from rapidformer.models.hf import kv_cache_as_configured, training_without_kv_cache
 from rapidformer.optim import build_scheduler
 from rapidformer.planning.run_plan import RunPlan
-from rapidformer.runtime.checkpointing import CheckpointProtocol, model_change, model_record
+from rapidformer.checkpoint import store
+from rapidformer.checkpoint.protocol import CheckpointProtocol
+from rapidformer.checkpoint.resume import ThisRun, resume_plan
+from rapidformer.checkpoint.state import CheckpointState, model_record, read_state
 from rapidformer.runtime.rank_progress import RankProgress
 from rapidformer.runtime.distributed import init_distributed
 from rapidformer.file_modes import honour_umask
 from rapidformer.runtime.rng import rng_state, seed_everything, set_rng_state
+from rapidformer.transforms import ApplyContext, Transforms, rounds_lengths
 
 log = logging.getLogger("rapidformer")
 # the user-script runner checks that a script built an engine and trained with it (its
@@ -73,14 +75,16 @@ class RapidformerEngine:
         seed_everything(cfg.trainer.seed, cfg.trainer.deterministic)
         if self.device.type == "cuda":
             apply_gpu_math_settings(cfg)
-        self.strategy = select(cfg)(cfg, self.plan, self.rank, self.world_size)
+        # the model transforms the config turns on (rapidformer/transforms/), applied in compose
+        self.transforms = Transforms(cfg)
+        self.strategy = select(cfg)(cfg, self.plan, self.rank, self.world_size,
+                                    self.transforms.state_filter())
         self.checkpoints = CheckpointProtocol(self.checkpoint_root, self.rank, self.world_size,
                                               self.strategy, cfg.trainer.keep_last)
         # located and verified now, a point every rank passes together (a collective)
         self.resume_checkpoint = self.checkpoints.locate(cfg.trainer.resume)
         self.model = self.optimizer = self.lr_scheduler = self.num_parameters = None
         self._kv_cache_was_on = False  # set by compose
-        self.adapters = None  # peft=lora/qlora: what compose attached (models/adapters.py)
         ENGINES_CREATED += 1
 
     @property
@@ -107,20 +111,19 @@ class RapidformerEngine:
         scheduler is built for `total_iters` (default: trainer.train_iters).
         """
         t = self.cfg.trainer
-        model = model_obj
-        if self.cfg.peft.name != "none":
-            # before the move: qlora's 4-bit layers quantize as they go to the GPU
-            model, self.adapters = adapters.attach(
-                model, self.cfg, self.run_dir if self.is_main_process else None)
+        context = ApplyContext(self.device, self.run_dir if self.is_main_process else None,
+                               rounds_lengths(self.cfg))
+        model = self.transforms.apply(model_obj, context, before_move=True)
         model = model.to(self.device)
         self._kv_cache_was_on = training_without_kv_cache(model)
+        model = self.transforms.apply(model, context, before_move=False)
         model = self.strategy.prepare(model)
         self.num_parameters = self.strategy.count_parameters(model)
         log.info("model parameters: %s (%.1fM)", f"{self.num_parameters:,}",
                  self.num_parameters / 1e6)
         layers, hidden = model_shape(model, self.cfg.model.num_layers, self.cfg.model.hidden_size)
-        flops_parameters = self.adapters.flops_parameters if self.adapters else \
-            self.num_parameters
+        flops_parameters = self.transforms.flops_parameters(
+            self.num_parameters, sum(p.numel() for p in model.parameters()))
         self.model_flops = ModelFlops(flops_parameters, layers, hidden, self.device,
                                       self.world_size)
 
@@ -167,7 +170,9 @@ class RapidformerEngine:
         gradient norm is a tensor: read it only when logging (no host sync here)."""
         global TRAINING_CALLS
         TRAINING_CALLS += 1
-        return self.strategy.step()
+        result = self.strategy.step()
+        self.transforms.after_step(self.model)
+        return result
 
     @contextlib.contextmanager
     def main_process_first(self):
@@ -226,41 +231,60 @@ class RapidformerEngine:
         return {**rng_state(), **self.strategy.rng_state()}
 
     def save_checkpoint(self, step: int, state: dict, extra=None) -> Path:
-        """Every rank writes its shards, rank 0 adds the replicated states and every rank's
-        RNG, and seals it (collective; rapidformer/runtime/checkpointing.py)."""
+        """Every rank writes its shards, rank 0 adds the replicated states, every rank's RNG,
+        the transforms' files and `extra(directory)`, and seals it (collective;
+        rapidformer/checkpoint/protocol.py). `state`: the template's or own loop's dict (its
+        "train_state" and any keys of its own), recorded with the run's (checkpoint/state.py)."""
         rng = self.checkpoints.gather_objects(self._rng_state())
-        recorded = self.strategy.checkpoint_state()
-        state = {**state, "world_size": self.world_size, **recorded,
-                 **model_record(self.cfg.model, self.num_parameters)}
-        if self.adapters is not None:
-            state["peft"] = self.adapters.record()
-            extra = self.adapters.files_with(extra)
-        path = self.checkpoints.save(step, state, rng, extra,
-                                     manifest={"strategy": recorded["strategy"],
-                                               "layout": self.strategy.layout()})
-        if self.adapters is not None and self.is_main_process:
-            self.adapters.log_checkpoint()
+        record = CheckpointState(
+            step=step, train_state=dict(state.get("train_state") or {}),
+            world_size=self.world_size, strategy=self.strategy.name,
+            memory=self.cfg.memory.name, layout=self.strategy.layout(),
+            model=model_record(self.cfg.model, self.num_parameters),
+            transforms=self.transforms.records(),
+            extra={k: v for k, v in state.items() if k not in ("step", "train_state")})
+
+        def files(directory: Path) -> None:
+            self.transforms.write_files(directory)
+            if extra is not None:
+                extra(directory)
+        path = self.checkpoints.save(step, record.to_json(), rng, files,
+                                     manifest={"strategy": record.strategy,
+                                               "layout": record.layout})
+        if self.is_main_process:
+            self.transforms.checkpoint_written()
         return path
 
+    def resume_state(self) -> CheckpointState | None:
+        """What the checkpoint this run resumes from records (None: a fresh run); read, not
+        loaded: a template plans its data position from it before compose."""
+        if self.resume_checkpoint is None:
+            return None
+        return read_state(self.resume_checkpoint)
+
     def load_checkpoint(self, path: Path) -> dict:
-        state = checkpoint.read_state(path)
-        problem = self.strategy.resume_problem(state) or \
-            adapters.resume_problem(state, self.adapters) or \
-            model_change(state, self.cfg.model, self.num_parameters)
-        if problem:
-            raise InputError(f"checkpoint {path} {problem}")
-        layout = self.strategy.layout()
+        """Load checkpoint `path` into the composed model, optimizer and schedule (collective),
+        or raise naming every change this run cannot resume from (checkpoint/resume.py); the
+        dict the template or own loop saved."""
+        saved = read_state(path)
+        plan = resume_plan(saved, ThisRun(self.strategy, self.transforms, self.cfg.model,
+                                          self.num_parameters, self.world_size), path)
         self.strategy.load(path)
-        ranks = checkpoint.load(path, "rng.pt")["ranks"]
-        if len(ranks) == self.world_size and all(state.get(k) == v for k, v in layout.items()):
+        ranks = store.load(path, "rng.pt")["ranks"]
+        if plan.restores_rng and len(ranks) == self.world_size:
             set_rng_state(ranks[self.rank])
             self.strategy.set_rng_state(ranks[self.rank])
         else:
             log.warning("checkpoint %s was written by %d processes (%s), this run has %d (%s): "
                         "random streams (dropout) restart from the seed", path, len(ranks),
-                        {k: state.get(k) for k in layout}, self.world_size, layout)
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return state
+                        saved.layout, self.world_size, self.strategy.layout())
+        log.info("resumed from %s (step %d)", path, saved.step)
+        return saved.user_view()
+
+    def load_weights(self, path: Path) -> None:
+        """Training is over: the model (and optimizer) take checkpoint `path`'s states, e.g.
+        the best evaluation's before the export (collective)."""
+        self.strategy.load(path)
 
     # --- export -------------------------------------------------------------------------------
     def unwrapped_model(self) -> torch.nn.Module:
@@ -271,16 +295,15 @@ class RapidformerEngine:
     def export_hf(self, tokenizer=None, step: int | None = None) -> Path | None:
         """One consolidated Hugging Face `save_pretrained` directory (fp32), written atomically
         at run_dir/hf_model by rank 0. Strategies that consolidate from files (ZeRO) read the
-        checkpoint of `step`. With peft, the adapters merged into the base."""
+        checkpoint of `step`; the transforms then make it a plain model (LoRA: merged)."""
         saved = self.checkpoint_root / f"step_{step:08d}" if step is not None else None
         exported = self.strategy.export_model(self.model, tokenizer, saved)  # collective
         if exported is None or not self.is_main_process:
             return None
+        exported = self.transforms.export(*exported)  # e.g. adapters merged into the base
+        if exported is None:
+            return None
         model, state_dict = exported
-        if self.adapters is not None:  # the base with the adapters merged in, a plain HF model
-            model, state_dict = self.adapters.merged(model, state_dict), None
-            if model is None:
-                return None
         final = self.run_dir / "hf_model"
         tmp = self.run_dir / ".tmp-hf_model"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 # exit codes: 2 for bad input (config, data, paths), 3 for a feature not available here,
 # 4 for a run whose loss stopped being finite, 74 (EX_IOERR) for a run that could not write its
@@ -42,6 +43,36 @@ class NotAvailableError(RapidformerError):
     """A valid setting whose feature is not built yet or not installed on this machine."""
 
     exit_code = EXIT_NOT_AVAILABLE
+
+
+class Problem(NamedTuple):
+    """One reason a run cannot start: its sentence (what, where, the fix) and the exit code it
+    earns on its own (bad input, or a feature not available here)."""
+    text: str
+    exit_code: int = EXIT_BAD_INPUT
+
+
+def caught(check, *args) -> list[Problem]:
+    """The problems a raising check reports (none when it returns)."""
+    try:
+        check(*args)
+    except ConfigError as exc:
+        return [Problem(text) for text in exc.problems]
+    except RapidformerError as exc:
+        return [Problem(str(exc), exc.exit_code)]
+    return []
+
+
+def refusal(problems: list[Problem]) -> RapidformerError:
+    """The one error for every problem a check found: ConfigError (exit 2) when any is bad
+    input, NotAvailableError (exit 3) when all are what this machine lacks."""
+    texts = list(dict.fromkeys(p.text for p in problems))
+    if any(p.exit_code == EXIT_BAD_INPUT for p in problems):
+        return ConfigError(texts)
+    if len(texts) == 1:
+        return NotAvailableError(texts[0])
+    lines = "\n".join(f"  - {t}" for t in texts)
+    return NotAvailableError(f"not available here ({len(texts)} problems):\n{lines}")
 
 
 def debug_enabled() -> bool:

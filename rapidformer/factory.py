@@ -1,5 +1,6 @@
-"""Resolved config -> the run: the planning step (memory=auto decided), then the template that
-runs it (a black-box task, or the user's script) with an engine built on the run's plan."""
+"""A settled config (rapidformer/preflight.py) -> the run: the template that runs it (a
+black-box task, or the user's script) with an engine built on the run's plan, in this process
+or in one worker per device."""
 from __future__ import annotations
 
 import logging
@@ -11,59 +12,14 @@ from rapidformer import engine as engine_module
 from rapidformer.templates import loop as loop_module
 from rapidformer.compat.args import activate
 from rapidformer.config.schema import RunConfig
-from rapidformer.config.validate import PRETRAINING_TASKS
-from rapidformer.errors import InputError, NotAvailableError, debug_enabled
-from rapidformer.observability.loggers import check_tracker_installed
-from rapidformer.planning.memory_plan import resolve_auto
+from rapidformer.errors import InputError, debug_enabled
 
 log = logging.getLogger("rapidformer")
 
 
-def check_available(cfg: RunConfig) -> None:
-    """Refuse, before any work, what is not built yet or cannot run on this machine."""
-    import torch
-
-    from rapidformer.accelerators.fsdp import check_fsdp_precision
-    from rapidformer.accelerators.zero import check_zero_precision
-
-    on_gpu = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto"
-                                               and torch.cuda.is_available())
-    if cfg.graph.name == "ort":
-        from rapidformer.accelerators import ort
-
-        ort.check_available()
-        if on_gpu:
-            raise NotAvailableError(
-                "graph=ort on a GPU is not built: onnxruntime-training 1.19.2 was checked here "
-                "on the CPU only (fp32); set trainer.device=cpu, or use graph=compile on the GPU")
-    if cfg.graph.name == "compile" and cfg.graph.options:
-        from rapidformer.accelerators.graph import check_inductor_options
-
-        check_inductor_options(cfg.graph.options)  # before the run directory is made
-    check_tracker_installed(cfg.logger.name)
-    from rapidformer.models.pretrained_shape import check_local_shape
-
-    check_local_shape(cfg.model)
-    check_zero_precision(cfg, "cuda" if on_gpu else "cpu")
-    check_fsdp_precision(cfg)
-    from rapidformer.models.adapters import check_available as check_peft_available
-
-    check_peft_available(cfg.peft, on_gpu)
-    if cfg.task.name in PRETRAINING_TASKS and not cfg.user_script:
-        from rapidformer.data.megatron import require_megatron_core
-
-        require_megatron_core()
-
-
-def settle(resolved: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
-    """The planning step between the resolved config and the run: memory=auto becomes the
-    memory mode (and recompute) the memory plan picks, so the recorded config.yaml says what
-    ran."""
-    return resolve_auto(resolved, cfg)
-
-
 def run(cfg: RunConfig, run_dir: str, resolved: dict):
-    check_available(cfg)
+    """Run a settled config (rapidformer/preflight.py has refused what cannot run here): in
+    this process, or in one worker per device."""
     from rapidformer.runtime.launch import launch_workers, needs_workers, shutdown_process_group
 
     if needs_workers(cfg):

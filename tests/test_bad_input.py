@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 import torch
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
 from tests.conftest import FAST, assert_ok, run_cli
 
 QUIET = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
@@ -159,7 +159,7 @@ def held_by_another_run(tmp: Path) -> dict:
     """A run directory whose lock another live run holds (an open flock, as a run keeps)."""
     import fcntl
 
-    from rapidformer.runtime.run_dir import LOCK, RUN_MARKER
+    from rapidformer.checkpoint.run_dir import LOCK, RUN_MARKER
 
     folder = tmp / "busy"
     folder.mkdir()

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidformer import checkpoint
-from rapidformer.config.compose import compose, resolve
+from rapidformer.checkpoint import store as checkpoint
+from rapidformer.checkpoint.state import read_state
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.errors import ConfigError
 from rapidformer.tasks.sequence_classification import SequenceClassificationFinetuner
 from rapidformer.templates.best import BestTracker, inferred_mode
@@ -40,7 +42,7 @@ class ScriptedFinetuner(SequenceClassificationFinetuner):
 def finetune(run: Path, *overrides: str, trainer=ScriptedFinetuner):
     from rapidformer.engine import RapidformerEngine
 
-    _, cfg = resolve(compose([*TINY, f"trainer.output_dir={run}", *overrides]), str(run))
+    _, cfg = settle(compose([*TINY, f"trainer.output_dir={run}", *overrides]), str(run))
     return trainer(engine=RapidformerEngine(cfg, run)).train()
 
 
@@ -68,7 +70,7 @@ def test_the_best_checkpoint_is_kept_beside_the_last_exported_and_resumed(tmp_pa
     common = ["trainer.train_iters=6", "trainer.keep_last=1",
               "trainer.best_metric=validation/accuracy"]
     finetune(run, *common, "trainer.exit_interval=3", "trainer.export_hf=false")
-    saved = checkpoint.read_state(run / "checkpoints" / "step_00000003")["train_state"]["best"]
+    saved = read_state(run / "checkpoints" / "step_00000003").train_state["best"]
     assert (saved["step"], saved["value"], saved["evaluated_at"]) == (2, 0.8, 3)
     with caplog.at_level("INFO", logger="rapidformer"):
         state = finetune(run, *common, "trainer.resume=auto")
@@ -148,7 +150,7 @@ def test_a_metric_no_evaluation_produces_names_the_available_ones(tmp_path):
 ])
 def test_bad_settings_are_refused_up_front(overrides, messages):
     with pytest.raises(ConfigError) as err:
-        resolve(compose(overrides), output_dir="out")
+        settle(compose(overrides), output_dir="out")
     problems = err.value.problems  # all at once
     assert len(problems) == len(messages)
     for message in messages:
@@ -227,7 +229,7 @@ def test_the_pretrainer_keeps_the_lowest_loss_and_stops_early(tmp_path, caplog):
                  "trainer.keep_last=1", "trainer.best_metric=validation/loss",
                  "trainer.early_stopping_patience=2", f"trainer.output_dir={run}",
                  f"user_script={__file__}"]  # a white-box PreTrainer (this module's)
-    _, cfg = resolve(compose(overrides), str(run))
+    _, cfg = settle(compose(overrides), str(run))
     with caplog.at_level("INFO", logger="rapidformer"):
         state = ScriptedPretrainer(engine=RapidformerEngine(cfg, run)).train()
     assert state.step == 8 and state.best["step"] == 4 and state.best["mode"] == "min"

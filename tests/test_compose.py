@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from rapidformer.config.compose import compose, group_options, option_folder, resolve
+from rapidformer.preflight import settle
 from rapidformer.config.schema import GROUPS, RunConfig
 from rapidformer.errors import ConfigError
-from rapidformer.factory import settle
 
 # options that need a value the user must give (??? in their file)
 REQUIRED = {("model", "hf"): ["model.name_or_path=some/local/dir"],
@@ -66,10 +66,9 @@ def test_the_tests_below_cover_every_file_of_conf_and_recipes():
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in group_options(g)])
 def test_every_group_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}", *REQUIRED.get((group, option), [])]
-    plain, cfg = resolve(compose(overrides), output_dir="out")
     if (group, option) == ("memory", "auto"):  # config is data: the planning step decides
-        assert cfg.memory.name == "auto"
-        plain, cfg = settle(plain, cfg)
+        assert resolve(compose(overrides), output_dir="out")[1].memory.name == "auto"
+    plain, cfg = settle(compose(overrides), output_dir="out")
     section = getattr(cfg, group)
     if (group, option) == ("memory", "auto"):  # resolved to the mode it picks
         assert section.name in ("none", "zero1", "zero2", "zero3", "fsdp")
@@ -80,9 +79,10 @@ def test_every_group_option_composes_and_validates(group, option):
 
 @pytest.mark.parametrize("recipe", group_options("recipe"))
 def test_every_recipe_composes_and_validates(recipe):
-    _, cfg = resolve(compose([f"+recipe={recipe}", *RECIPE_REQUIRED.get(recipe, [])]), "out")
+    _, cfg = settle(compose([f"+recipe={recipe}", *RECIPE_REQUIRED.get(recipe, [])]), "out")
     assert cfg.recipe == recipe
-    from rapidformer.config.validate import USED_ONLY_WITH, schema_default, value_at
+    from rapidformer.config.bounds import schema_default, value_at
+    from rapidformer.config.read_keys import USED_ONLY_WITH
 
     # what the recipe sets is read by the options it picks (a recipe's keys are never refused,
     # so nothing else would notice one that is dropped)
@@ -95,7 +95,7 @@ def test_every_recipe_composes_and_validates(recipe):
 
 
 def test_bert_pretrain_mirrors_the_seed_example():
-    _, cfg = resolve(compose(["+recipe=bert_pretrain", *RECIPE_REQUIRED["bert_pretrain"]]), "out")
+    _, cfg = settle(compose(["+recipe=bert_pretrain", *RECIPE_REQUIRED["bert_pretrain"]]), "out")
     t, s, d, m = cfg.trainer, cfg.scheduler, cfg.data, cfg.model
     assert cfg.task.name == "bert_pretraining" and t.train_iters == 100
     assert (m.hidden_size, m.num_layers, m.num_attention_heads, m.max_position_embeddings) == \
@@ -109,7 +109,7 @@ def test_bert_pretrain_mirrors_the_seed_example():
 
 def test_pretraining_recipes_name_what_the_user_must_give():
     with pytest.raises(ConfigError) as info:
-        resolve(compose(["+recipe=gpt_pretrain"]), "out")
+        settle(compose(["+recipe=gpt_pretrain"]), "out")
     text = str(info.value)
     assert "data.path is empty" in text and "model.tokenizer is empty" in text
     assert "model.merge_file" in text
@@ -117,21 +117,21 @@ def test_pretraining_recipes_name_what_the_user_must_give():
 
 def test_megatron_split_needs_no_quoting():
     # Hydra reads a bare comma as a sweep; a split is one value
-    _, cfg = resolve(compose(["+recipe=bert_pretrain", *RECIPE_REQUIRED["bert_pretrain"],
+    _, cfg = settle(compose(["+recipe=bert_pretrain", *RECIPE_REQUIRED["bert_pretrain"],
                               "data.split=969,30,1"]), "out")
     assert cfg.data.split == "969,30,1"
 
 
 def test_no_arguments_means_the_quickstart_recipe():
-    _, default = resolve(compose([]), output_dir="out")
-    _, explicit = resolve(compose(["+recipe=quickstart"]), output_dir="out")
+    _, default = settle(compose([]), output_dir="out")
+    _, explicit = settle(compose(["+recipe=quickstart"]), output_dir="out")
     assert default == explicit
     assert default.recipe == "quickstart"
     assert default.model.source == "config" and default.data.source == "synthetic"
 
 
 def test_bert_mrpc_mirrors_the_seed_example():
-    _, cfg = resolve(compose(["+recipe=bert_mrpc"]), output_dir="out")
+    _, cfg = settle(compose(["+recipe=bert_mrpc"]), output_dir="out")
     t = cfg.trainer
     assert (t.epochs, t.micro_batch_size, t.global_batch_size, t.lr) == (3, 16, 64, 2e-5)
     assert (t.weight_decay, t.clip_grad, t.seed) == (0.01, 1.0, 42)
@@ -141,14 +141,14 @@ def test_bert_mrpc_mirrors_the_seed_example():
 
 
 def test_design_card_command_composes():
-    _, cfg = resolve(compose(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3"]), "out")
+    _, cfg = settle(compose(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3"]), "out")
     assert cfg.precision.dtype == "fp16" and cfg.memory.name == "zero3"
 
 
 def test_launcher_defaults_follow_the_seed_environment(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     monkeypatch.setenv("MASTER_PORT", "7001")
-    _, cfg = resolve(compose([]), output_dir="out")
+    _, cfg = settle(compose([]), output_dir="out")
     assert cfg.launcher.master_addr == "10.1.2.3" and cfg.launcher.master_port == 7001
 
 
@@ -159,7 +159,7 @@ def test_a_task_recipe_on_generated_data_keeps_no_hub_path(recipe):
     extra = {"t5_summarize": ["model=t5_tiny"],
              "bert_squad": ["model=bert_tiny", "data.max_seq_length=64", "task.doc_stride=16"]
              }.get(recipe, ["model=bert_tiny"])
-    _, cfg = resolve(compose([f"+recipe={recipe}", *extra, "data=synthetic"]), "out")
+    _, cfg = settle(compose([f"+recipe={recipe}", *extra, "data=synthetic"]), "out")
     assert (cfg.data.source, cfg.data.path, cfg.data.subset) == ("synthetic", None, None)
 
 
@@ -184,7 +184,7 @@ def documented_offline_commands():
 @pytest.mark.parametrize("args", list(documented_offline_commands()))
 def test_documented_offline_commands_validate(args, tmp_path):
     (tmp_path / "train.jsonl").write_text("")
-    _, cfg = resolve(compose([a.replace("DIR", str(tmp_path)) for a in args]), "out")
+    _, cfg = settle(compose([a.replace("DIR", str(tmp_path)) for a in args]), "out")
     assert cfg.recipe and cfg.data.source in ("synthetic", "local")
 
 
@@ -254,7 +254,7 @@ def test_overrides_the_picked_options_read_or_that_keep_the_default_pass(overrid
 
 
 def test_the_option_keys_table_names_schema_keys_and_real_choices():
-    from rapidformer.config.validate import USED_ONLY_WITH
+    from rapidformer.config.read_keys import USED_ONLY_WITH
 
     for key, (selector, values) in USED_ONLY_WITH.items():
         group, name = key.split(".")
@@ -268,7 +268,8 @@ def test_the_option_keys_table_names_schema_keys_and_real_choices():
 @pytest.mark.parametrize("group", GROUPS)
 def test_no_option_file_sets_a_key_its_own_option_does_not_read(group):
     """An option file's keys are the option's own and never refused: they must be read."""
-    from rapidformer.config.validate import USED_ONLY_WITH, schema_default
+    from rapidformer.config.bounds import schema_default
+    from rapidformer.config.read_keys import USED_ONLY_WITH
 
     for option in group_options(group):
         text = yaml.safe_load(option_folder(group).joinpath(f"{option}.yaml").read_text()) or {}
@@ -295,5 +296,5 @@ def test_a_plus_on_an_existing_key_says_to_drop_the_plus():
 
 
 def test_plus_plus_sets_and_plus_adds_a_key_the_files_leave_out():
-    _, cfg = resolve(compose(["++trainer.lr=1e-4", "+trainer.max_nonfinite_steps=3"]), "out")
+    _, cfg = settle(compose(["++trainer.lr=1e-4", "+trainer.max_nonfinite_steps=3"]), "out")
     assert cfg.trainer.lr == 1e-4 and cfg.trainer.max_nonfinite_steps == 3

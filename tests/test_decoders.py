@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidformer.config.compose import compose, resolve
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.config.schema import KernelsConfig, PrecisionConfig
 from rapidformer.errors import ConfigError, InputError
 
@@ -31,7 +32,7 @@ def pretrain(run: Path, overrides: list[str]) -> list[dict]:
     from rapidformer.engine import RapidformerEngine
     from rapidformer.tasks import task_class
 
-    _, cfg = resolve(compose([*overrides, f"trainer.output_dir={run}"]), str(run))
+    _, cfg = settle(compose([*overrides, f"trainer.output_dir={run}"]), str(run))
     task_class(cfg.task.name)(engine=RapidformerEngine(cfg, run)).train()
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -88,12 +89,12 @@ def test_bad_decoder_settings_are_refused_before_anything_runs(tmp_path, overrid
     args = ["+recipe=llama_pretrain", "model=llama_tiny", "data.path=unused",
             "model.tokenizer=unused", "model.merge_file=unused", *overrides]
     with pytest.raises(ConfigError) as err:
-        resolve(compose(args), str(tmp_path / "run"))
+        settle(compose(args), str(tmp_path / "run"))
     assert message in str(err.value)
 
 
 def test_float8_skips_the_head_and_small_layers_and_keeps_the_state_dict():
-    from rapidformer.accelerators.float8 import convert_to_float8, gains_from_float8
+    from rapidformer.transforms.float8 import convert_to_float8, gains_from_float8
 
     # torchao's measured sizes: a 2048 x 2048 projection gains in tensorwise scaling, not
     # rowwise; a 512-wide key projection of a 2048 model does in neither
@@ -119,7 +120,7 @@ def test_float8_skips_the_head_and_small_layers_and_keeps_the_state_dict():
 def test_float8_refuses_a_model_it_would_not_change():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from rapidformer.accelerators.float8 import convert_to_float8
+    from rapidformer.transforms.float8 import convert_to_float8
 
     with pytest.raises(InputError, match="this model's blocks are transformers' Conv1D layers"):
         convert_to_float8(GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2,
@@ -130,14 +131,18 @@ def test_float8_refuses_a_model_it_would_not_change():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
 def test_float8_and_liger_refuse_a_cpu_with_the_way_out():
-    from rapidformer.accelerators.float8 import check_fp8_device
-    from rapidformer.models.kernels import check_kernels_device
+    from rapidformer.config.schema import RunConfig
+    from rapidformer.errors import refusal
+    from rapidformer.transforms.float8 import Float8
+    from rapidformer.transforms.liger import LigerKernels
 
+    cpu = torch.device("cpu")  # what the refusal pass asks about a run on this machine
     with pytest.raises(ConfigError, match="precision.fp8_emulate=true to check the numerics"):
-        check_fp8_device(fp8(), torch.device("cpu"))
-    check_fp8_device(fp8(fp8_emulate=True), torch.device("cpu"))
+        raise refusal(Float8.environment_problems(RunConfig(precision=fp8()), cpu))
+    assert Float8.environment_problems(RunConfig(precision=fp8(fp8_emulate=True)), cpu) == []
     with pytest.raises(ConfigError, match="kernels=liger runs Triton kernels on CUDA GPUs"):
-        check_kernels_device(KernelsConfig(name="liger"), torch.device("cpu"))
+        raise refusal(LigerKernels.environment_problems(
+            RunConfig(kernels=KernelsConfig(name="liger")), cpu))
 
 
 def _train_steps(model, steps: int, fused_loss: bool = False) -> list[float]:
@@ -167,7 +172,7 @@ def _train_steps(model, steps: int, fused_loss: bool = False) -> list[float]:
 @pytest.mark.skipif(not torch.cuda.is_available() or
                     torch.cuda.get_device_capability() < (8, 9), reason="needs float8 tensor cores")
 def test_float8_on_the_gpu_trains_like_bf16():
-    from rapidformer.accelerators.float8 import convert_to_float8
+    from rapidformer.transforms.float8 import convert_to_float8
 
     bf16 = _train_steps(tiny_llama(hidden_size=256, intermediate_size=512).cuda(), 20)
     model = tiny_llama(hidden_size=256, intermediate_size=512).cuda()
@@ -181,11 +186,11 @@ def test_float8_on_the_gpu_trains_like_bf16():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_liger_kernels_train_like_the_models_own_layers():
     pytest.importorskip("liger_kernel")
-    from rapidformer.models.kernels import apply_kernels
+    from rapidformer.transforms.liger import apply_kernels
 
     own = _train_steps(tiny_llama().cuda(), 20)
     model = tiny_llama().cuda()
-    apply_kernels(model, KernelsConfig(name="liger"), torch.device("cuda"))
+    apply_kernels(model, KernelsConfig(name="liger"))
     assert model.model.norm._get_name() == "LigerRMSNorm"  # patched in place, named anew
     fused = _train_steps(model, 20, fused_loss=True)
     assert fused == pytest.approx(own, abs=2e-2)

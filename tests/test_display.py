@@ -32,10 +32,10 @@ def _mode(path: Path) -> int:
 
 
 def _cfg(*overrides: str):
-    from rapidformer.config.compose import compose, resolve
-    from rapidformer.factory import settle
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
 
-    return settle(*resolve(compose(list(overrides))))[1]
+    return settle(compose(list(overrides)))[1]
 
 
 # --- one real run: the summary, the modes of what it wrote, its parameter count ----------------
@@ -105,8 +105,9 @@ def _summary(stderr: str, run_dir: Path) -> dict[str, str]:
 
 
 def test_the_summary_names_the_checkpoints_and_a_resume_command_that_composes(finished_run):
-    from rapidformer import checkpoint
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.checkpoint import store as checkpoint
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
 
     run_dir, stderr, _ = finished_run
     rows = _summary(stderr, run_dir)
@@ -132,7 +133,7 @@ def test_the_summary_names_the_checkpoints_and_a_resume_command_that_composes(fi
     assert command[-2:] == [f"trainer.output_dir={run_dir}", "trainer.resume=auto"]
     overrides = command[3:]
     assert not any("output_dir" in o for o in overrides[:-2])  # the run's own one replaced
-    resolved, _ = resolve(compose(overrides, default_recipe=False), str(run_dir))
+    resolved, _ = settle(compose(overrides, default_recipe=False), str(run_dir))
     ran = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["trainer"]["resume"] == "auto"
     assert resolved["trainer"]["output_dir"] == str(run_dir)
@@ -179,7 +180,7 @@ def test_export_verb_writes_0644_files_under_umask_022(finished_run, tmp_path, u
 def test_a_checkpoint_of_private_temp_files_is_sealed_with_the_umask_modes(tmp_path):
     from safetensors.torch import save_file
 
-    from rapidformer import checkpoint
+    from rapidformer.checkpoint import store as checkpoint
 
     def extra(directory: Path) -> None:
         save_file({"w": torch.zeros(2)}, str(directory / "adapter.safetensors"))
@@ -225,11 +226,14 @@ def test_the_umask_is_read_without_being_changed():
 
 def _built_like_training(cfg, run_dir: Path) -> torch.nn.Module:
     """The model a run of `cfg` builds: the task's own providers, on an engine's attributes."""
-    from rapidformer.config.validate import PRETRAINING_TASKS
+    from rapidformer.config.schema import PRETRAINING_TASKS
     from rapidformer.tasks import task_class
 
+    from rapidformer.transforms import Transforms
+
     engine = SimpleNamespace(cfg=cfg, run_dir=run_dir, resume_checkpoint=None, rank=0,
-                             world_size=1, device=torch.device("cpu"), is_main_process=True)
+                             world_size=1, device=torch.device("cpu"), is_main_process=True,
+                             transforms=Transforms(cfg))
     task = task_class(cfg.task.name)(engine=engine)
     if cfg.task.name not in PRETRAINING_TASKS:  # a fine-tuning task's vocabulary: its texts
         task.train_valid_test_datasets_provider()

@@ -4,7 +4,7 @@ else it needs. Each `python -m rapidformer ...` and `rapidformer ...` line of a 
 
 - a command that fails to compose must be shown failing (its block prints `rapidformer: error`);
 - one that needs the Hugging Face hub (a pretrained name, a hub dataset), a GPU or an extra
-  (check_available refuses it here) must say so: in its own comment, the comment lines above it
+  (the refusal pass refuses it here) must say so: in its own comment, the comment lines above it
   in the block, or the sentence before the block;
 - a relative path it reads must exist in the repository or be made by an earlier command on
   the same page (a README step that no step before it prepares is how a new user gets stuck).
@@ -148,9 +148,9 @@ def test_documented_command(command, comment, context, block, earlier, copies, t
     import torch
 
     from rapidformer.config import search
-    from rapidformer.config.compose import compose, resolve, with_default_recipe
-    from rapidformer.errors import NotAvailableError, RapidformerError
-    from rapidformer.factory import check_available, settle
+    from rapidformer.config.compose import compose, with_default_recipe
+    from rapidformer.errors import RapidformerError
+    from rapidformer.preflight import check_environment, settle
     from rapidformer.runtime import hub
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a CPU machine
@@ -167,8 +167,8 @@ def test_documented_command(command, comment, context, block, earlier, copies, t
             return
         shown_failing = "rapidformer: error" in block or "rapidformer validate" in command
         try:
-            plain, cfg = settle(*resolve(compose(with_default_recipe(overrides),
-                                                 default_recipe=False), str(tmp_path)))
+            plain, cfg = settle(compose(with_default_recipe(overrides), default_recipe=False),
+                                str(tmp_path))
         except RapidformerError as exc:
             assert shown_failing, f"`{command}` fails as written: {exc}"
             return
@@ -177,9 +177,9 @@ def test_documented_command(command, comment, context, block, earlier, copies, t
         says = NEEDS_WORDS.search(f"{comment} {context}")
         if hub.needs_hub(cfg):
             assert says, f"`{command}` needs the Hugging Face hub (or its cache): say so"
-        try:
-            check_available(cfg)
-        except NotAvailableError as exc:
+        try:  # the run's refusal pass, this machine's part (rapidformer/preflight.py)
+            check_environment(cfg)
+        except RapidformerError as exc:
             assert says, f"`{command}` cannot run on a CPU here ({exc}): say what it needs"
         for key in PATH_KEYS:
             value = plain

@@ -223,11 +223,12 @@ def test_a_damaged_checkpoint_is_refused(cls_run, tmp_path, capsys):
 
 
 def test_predict_says_which_tasks_it_does_not_cover(cls_run, tmp_path, capsys):
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
 
     run = tmp_path / "run"
     run.mkdir()
-    config, _ = resolve(compose(["+recipe=gpt_pretrain", "data.path=corpus",
+    config, _ = settle(compose(["+recipe=gpt_pretrain", "data.path=corpus",
                                  "model.tokenizer=vocab.json", "model.merge_file=merges.txt"]),
                         str(run))
     (run / "config.yaml").write_text(yaml.safe_dump(config))

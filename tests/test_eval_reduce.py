@@ -42,11 +42,12 @@ def checksum(model) -> float:
 def evaluate_task(name: str, overrides: list[str], run_dir: Path) -> tuple[dict, float]:
     """The task's validation metrics, and a checksum of the weights they were computed with
     (made from a fixed seed: one process and the ranks run at the same time)."""
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.engine import RapidformerEngine
     from rapidformer.tasks import task_class
 
-    _, cfg = resolve(compose([*COMMON, *overrides]), str(run_dir))
+    _, cfg = settle(compose([*COMMON, *overrides]), str(run_dir))
     engine = RapidformerEngine(cfg, run_dir)
     trainer = task_class(name)(engine=engine)
     with engine.main_process_first():  # rank 0 writes the generated data and tokenizer
@@ -61,7 +62,8 @@ def evaluate_task(name: str, overrides: list[str], run_dir: Path) -> tuple[dict,
 def evaluate_pretrainer(run_dir: Path, world: int) -> tuple[dict, float]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.engine import RapidformerEngine
     from rapidformer.templates.pretrainer import PretrainState, PreTrainer
 
@@ -75,7 +77,7 @@ def evaluate_pretrainer(run_dir: Path, world: int) -> tuple[dict, float]:
             return model(input_ids=ids, labels=ids).loss
 
     # 4 micro-batches of 2 per evaluation: 4 on one rank, 2 on each of two
-    _, cfg = resolve(compose(["trainer.device=cpu", "trainer.train_iters=1", "trainer.eval_iters=1",
+    _, cfg = settle(compose(["trainer.device=cpu", "trainer.train_iters=1", "trainer.eval_iters=1",
                               "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
                               f"launcher.nproc_per_node={world}", f"user_script={__file__}"]),
                      str(run_dir))

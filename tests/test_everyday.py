@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rapidformer.config import search, sizes
-from rapidformer.config.compose import compose, recipe_line, resolve, with_default_recipe
+from rapidformer.config.compose import compose, recipe_line, with_default_recipe
+from rapidformer.preflight import settle
 from rapidformer.errors import ConfigError, InputError
 
 from tests.test_bad_input import call
@@ -22,7 +23,7 @@ def _no_user_folders():
 
 
 def resolved(overrides):
-    return resolve(compose(overrides), "run")
+    return settle(compose(overrides), "run")
 
 
 # --- sizes ---------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ def test_cp_then_config_dir(capsys, tmp_path):
     flags, overrides = search.take_config_dirs(["--config-dir", str(tmp_path / "mine")],
                                                ["+recipe=my_quickstart"])
     assert flags == [] and overrides[0].startswith("hydra.searchpath=")
-    _, cfg = resolve(compose(overrides), "run")
+    _, cfg = settle(compose(overrides), "run")
     assert (cfg.recipe, cfg.trainer.epochs) == ("my_quickstart", 7)
     # never over a file, never a shipped name
     code, err = call("cli", ["cp", "quickstart", str(tmp_path / "mine")], capsys)
@@ -180,7 +181,7 @@ def test_refused_run_leaves_no_directory(capsys, tmp_path):
 
 
 def test_a_run_that_trained_keeps_its_directory(tmp_path):
-    from rapidformer.runtime.run_dir import missing_ancestors, remove_if_unstarted
+    from rapidformer.checkpoint.run_dir import missing_ancestors, remove_if_unstarted
 
     run_dir = tmp_path / "x" / "y"
     created = missing_ancestors(run_dir)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
 from tests.conftest import FAST, assert_ok, run_cli, train_losses
 
 # timing-sensitive (deadlines, kills at moments): run alone, after the parallel tests

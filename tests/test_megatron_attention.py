@@ -22,11 +22,12 @@ VOCAB, SEQ, BATCH = 300, 32, 3
 
 
 def _cfg(kind: str, overrides: list[str]):
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
 
     base = (["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "model.merge_file=m"]
             if kind == "gpt" else ["+recipe=bert_pretrain", "model=megatron_bert_tiny"])
-    return resolve(compose([*base, "data.path=x", "model.tokenizer=v", "data.max_seq_length=64",
+    return settle(compose([*base, "data.path=x", "model.tokenizer=v", "data.max_seq_length=64",
                             *overrides]), "unused")[1]
 
 

@@ -26,9 +26,10 @@ GPT2_SHAPE = dict(n_layer=4, n_embd=64, n_head=4, n_positions=256, vocab_size=VO
 
 
 def _cfg(overrides: list[str]):
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
 
-    return resolve(compose(["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=x",
+    return settle(compose(["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=x",
                             "model.tokenizer=v", "model.merge_file=m", "data.max_seq_length=64",
                             *overrides]), "unused")[1]
 
@@ -231,12 +232,13 @@ def test_a_tensor_left_over_or_missing_is_an_error(one_rank, gpt2_dir):
 
 @pytest.mark.parametrize("model", ["gpt2_tiny", "megatron_bert_tiny"])
 def test_init_from_hf_needs_megatron_gpt(model):
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.errors import ConfigError
 
     arch = {"gpt2_tiny": "gpt2", "megatron_bert_tiny": "megatron_bert"}[model]
     with pytest.raises(ConfigError) as info:
-        resolve(compose(["+recipe=gpt_pretrain", f"model={model}", "data.path=x",
+        settle(compose(["+recipe=gpt_pretrain", f"model={model}", "data.path=x",
                          "model.tokenizer=v", "model.merge_file=m", "model.init_from_hf=ckpt"]),
                 "unused")
     assert (f"model.init_from_hf=ckpt with model.arch={arch}: only model=megatron_gpt starts "

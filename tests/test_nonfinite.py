@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
 from rapidformer.errors import EXIT_DIVERGED
 from tests.conftest import FAST, run_cli, train_losses
 

@@ -29,12 +29,13 @@ sys.path.append(sys.argv[2])  # the dependencies, without their .pth files
 editable = [f for f in sys.meta_path if getattr(f, "__module__", "").startswith("__editable__")]
 sys.meta_path[:0] = editable  # ahead of a rapidformer that the dependencies' folder may hold
 import rapidformer.conf, rapidformer.recipes
-from rapidformer.config.compose import compose, group_options, resolve
+from rapidformer.config.compose import compose, group_options
+from rapidformer.preflight import settle
 print(rapidformer.conf.__file__)
 print(rapidformer.recipes.__file__)
 print(" ".join(group_options("recipe")))
 print(" ".join(group_options("model")))
-_, cfg = resolve(compose(["+recipe=bert_mrpc"]), "out")
+_, cfg = settle(compose(["+recipe=bert_mrpc"]), "out")
 print(cfg.recipe, cfg.model.name)
 """
 

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rapidformer.config.compose import compose, resolve
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.data.lengths import PadTo, bucket_lengths, expected_recompiles, target_length
 from rapidformer.data.lengths import token_multiple
 from rapidformer.errors import ConfigError
@@ -35,7 +36,7 @@ def train(run: Path, *overrides: str) -> list[dict]:
     from rapidformer.engine import RapidformerEngine
     from rapidformer.tasks import task_class
 
-    _, cfg = resolve(compose([*TINY, f"trainer.output_dir={run}", *overrides]), str(run))
+    _, cfg = settle(compose([*TINY, f"trainer.output_dir={run}", *overrides]), str(run))
     task_class(cfg.task.name)(engine=RapidformerEngine(cfg, run)).train()
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r and "samples_per_s" in r]
@@ -125,7 +126,7 @@ def test_bucket_lengths_and_the_padding_collate():
 ])
 def test_bad_shape_options_are_refused_with_the_fix(overrides, message, tmp_path):
     with pytest.raises(ConfigError) as error:
-        resolve(compose([*TINY, *overrides]), str(tmp_path))
+        settle(compose([*TINY, *overrides]), str(tmp_path))
     assert message in str(error.value)
 
 

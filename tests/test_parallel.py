@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rapidformer.config.compose import compose, resolve
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.errors import ConfigError
 from tests.conftest import assert_ok, run_cli, train_losses
 
@@ -55,11 +56,12 @@ EXPORT_CHECK = """
 import torch, torch.distributed as dist
 from rapidformer.accelerators import megatron_cpu
 from rapidformer.accelerators.parallel import initialize
-from rapidformer.config.compose import compose, resolve
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.models.megatron import build_megatron_gpt
 from rapidformer.models.megatron_export import gather_full_state, to_hf_gpt2
 
-_, cfg = resolve(compose(["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=x",
+_, cfg = settle(compose(["+recipe=gpt_pretrain", "model=megatron_gpt_tiny", "data.path=x",
                           "model.tokenizer=v", "model.merge_file=m", "data.max_seq_length=64"]), "o")
 initialize(cfg, torch.device("cpu"))
 model = build_megatron_gpt(cfg, 300).eval()
@@ -140,7 +142,7 @@ def test_megatron_settings_refused_before_work(overrides, message):
             "model.tokenizer=vocab.json", "model.merge_file=merges.txt", "trainer.export_hf=false",
             "launcher.nproc_per_node=2"]
     with pytest.raises(ConfigError) as info:
-        resolve(compose([*base, *overrides]), "out")
+        settle(compose([*base, *overrides]), "out")
     assert message in str(info.value)
 
 

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from rapidformer.config.compose import compose, resolve
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.errors import ConfigError, InputError
 from tests.test_decoders import pretrain, tiny_llama
 from tests.test_sft import answer, prompt_ids, sft_args
@@ -19,11 +20,11 @@ pytest.importorskip("peft")
 
 
 def _cfg(*overrides: str):
-    return resolve(compose(["peft=lora", "trainer.device=cpu", *overrides]), "out")[1]
+    return settle(compose(["peft=lora", "trainer.device=cpu", *overrides]), "out")[1]
 
 
 def _attach(model, *overrides: str):
-    from rapidformer.models.adapters import attach
+    from rapidformer.transforms.lora import attach
 
     return attach(model, _cfg(*overrides))
 
@@ -153,16 +154,18 @@ def test_target_names_that_match_no_layer_are_refused_with_the_layer_names():
 ])
 def test_combinations_peft_does_not_take_are_refused_before_a_run(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        resolve(compose(["peft=lora", "trainer.device=cpu", *overrides]), "out")
+        settle(compose(["peft=lora", "trainer.device=cpu", *overrides]), "out")
 
 
 def test_qlora_is_refused_on_a_cpu_device_before_any_work():
-    from rapidformer.config.schema import PeftConfig
-    from rapidformer.models.adapters import check_device
+    from rapidformer.config.schema import PeftConfig, RunConfig
+    from rapidformer.errors import refusal
+    from rapidformer.transforms.lora import LoRA
 
+    cpu = torch.device("cpu")  # what the refusal pass asks about a run on this machine
     with pytest.raises(ConfigError, match="peft=qlora keeps the base weights in 4 bits"):
-        check_device(PeftConfig(name="qlora"), torch.device("cpu"))
-    check_device(PeftConfig(name="lora"), torch.device("cpu"))
+        raise refusal(LoRA.environment_problems(RunConfig(peft=PeftConfig(name="qlora")), cpu))
+    assert LoRA.environment_problems(RunConfig(peft=PeftConfig(name="lora")), cpu) == []
 
 
 def test_qlora_quantizes_the_blocks_trains_the_adapters_and_merges_into_the_dequantized_base():
@@ -207,7 +210,8 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rapidformer import checkpoint
+    from rapidformer.checkpoint import store as checkpoint
+    from rapidformer.checkpoint.state import read_state
     from rapidformer.cli.verbs import run_verb
 
     run = tmp_path / "run"
@@ -216,8 +220,7 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
     assert matches[-1] >= 0.9 > matches[0], matches
 
     ckpt = run / "checkpoints" / "step_00000080"
-    saved = checkpoint.read_state(ckpt)
-    record = saved["peft"]
+    record = read_state(ckpt).transforms["lora"]
     assert record["method"] == "lora" and record["r"] == 16 and record["base_copy"] == "peft_base"
     stored = torch.load(ckpt / "model.pt", weights_only=True)
     assert all("lora_" in k or "modules_to_save" in k for k in stored), list(stored)[:5]
@@ -235,7 +238,7 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
     # rapidformer export: the merged model from the checkpoint, and peft's adapter directory
     import yaml
 
-    resolved, _ = resolve(compose([*lora_args(tmp_path / "data"), f"trainer.output_dir={run}"]),
+    resolved, _ = settle(compose([*lora_args(tmp_path / "data"), f"trainer.output_dir={run}"]),
                           str(run))
     (run / "config.yaml").write_text(yaml.safe_dump(resolved))  # what the CLI writes first
     assert run_verb("export", [str(run), "--to", str(tmp_path / "merged")]) == 0
@@ -273,11 +276,10 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
 def test_a_missing_peft_is_refused_before_any_work_with_its_install_line(monkeypatch):
     import sys
 
-    from rapidformer.config.schema import PeftConfig
     from rapidformer.errors import NotAvailableError
-    from rapidformer.models.adapters import check_available
+    from rapidformer.preflight import check_environment
 
     monkeypatch.setitem(sys.modules, "peft", None)  # what an environment without it imports
     with pytest.raises(NotAvailableError, match=r"pip install 'rapidformer\[peft\]'"):
-        check_available(PeftConfig(name="lora"), on_gpu=False)
-    check_available(PeftConfig(name="none"), on_gpu=False)
+        check_environment(_cfg())  # the run's refusal pass, this machine's part
+    check_environment(settle(compose(["trainer.device=cpu"]), "out")[1])

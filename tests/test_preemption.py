@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
 from rapidformer.errors import EXIT_PREEMPTED
 from rapidformer.runtime.preemption import StopSignals
 from tests.conftest import FAST, OFFLINE_ENV, assert_ok, run_cli, train_losses

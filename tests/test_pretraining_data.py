@@ -15,7 +15,7 @@ from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.data.splits import split_boundaries, split_ranges
 from rapidformer.errors import ConfigError, InputError
 from rapidformer.data.preprocess_tokenizers import build_tokenizer
-from rapidformer.templates.pretrainer import megatron_num_samples
+from rapidformer.templates.pretrainer import train_valid_test_num_samples
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,8 @@ def test_megatron_convention_bert_data_trains_and_exports(tmp_path, pretraining_
     the earlier data (V embeddings) is refused with the reason, not loaded into the wrong shape."""
     from transformers import AutoTokenizer, BertConfig
 
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.engine import RapidformerEngine
     from rapidformer.tasks.pretraining import BertPretrainer
 
@@ -234,7 +235,7 @@ def test_megatron_convention_bert_data_trains_and_exports(tmp_path, pretraining_
                      "trainer.eval_iters=1", "trainer.progress_bar=false",
                      "trainer.tensorboard=false", "trainer.log_interval=1",
                      f"trainer.output_dir={run}", *extra]
-        _, cfg = resolve(compose(overrides), str(run))
+        _, cfg = settle(compose(overrides), str(run))
         return BertPretrainer(engine=RapidformerEngine(cfg, run)).train()
 
     run = tmp_path / "megatron"
@@ -330,8 +331,8 @@ def test_pretraining_sampler_layout_and_resume():
 def test_megatron_sample_counts():
     # Megatron: train iters x global batch; (iters // eval interval + 1) evaluations of eval_iters
     # batches; eval_iters batches of test
-    assert megatron_num_samples(100, 10, 5, 8) == [800, 11 * 5 * 8, 40]
-    assert megatron_num_samples(100, None, 5, 8) == [800, 2 * 5 * 8, 40]
+    assert train_valid_test_num_samples(100, 10, 5, 8) == [800, 11 * 5 * 8, 40]
+    assert train_valid_test_num_samples(100, None, 5, 8) == [800, 2 * 5 * 8, 40]
 
 
 # --- mpu ---------------------------------------------------------------------------------------

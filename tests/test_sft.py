@@ -10,6 +10,7 @@ import torch
 from rapidformer.config.schema import DataConfig
 from rapidformer.data.chat import (EncodeCounts, PackedCollate, encode_rows, generation_prompts,
                                    pack)
+from rapidformer.data.counts import take_counts
 from rapidformer.data.lengths import IGNORE
 from rapidformer.errors import InputError
 from tests.test_decoders import QUIET, pretrain, tiny_llama
@@ -161,8 +162,10 @@ def test_packed_rows_give_the_unpacked_batch_loss(tokenizer):
     packed_ds = pack(ds, sum(lengths[:3]))
     assert list(packed_ds["num_examples"]) == [3, 1]
     packed = PackedCollate(tokenizer.pad_token_id)(list(packed_ds))
-    assert int(packed["num_examples"]) == 4
-    assert int(packed["token_mask"].sum()) == int(padded["attention_mask"].sum())
+    counts = take_counts(packed)  # what the metrics window reads, not the model
+    assert counts.samples == 4
+    assert counts.tokens == int(padded["attention_mask"].sum())
+    assert counts.slots == packed["input_ids"].numel()
 
     def loss(batch):
         return float(model(input_ids=batch["input_ids"], labels=batch["labels"],
@@ -230,9 +233,10 @@ def check_generate_verb(run, tmp_path, capsys):
     import yaml
 
     from rapidformer.cli.verbs import run_verb
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
 
-    resolved, _ = resolve(compose([*sft_args(tmp_path / "data"), f"trainer.output_dir={run}"]),
+    resolved, _ = settle(compose([*sft_args(tmp_path / "data"), f"trainer.output_dir={run}"]),
                           str(run))
     (run / "config.yaml").write_text(yaml.safe_dump(resolved))  # what the CLI writes first
     capsys.readouterr()
@@ -258,19 +262,21 @@ def check_generate_verb(run, tmp_path, capsys):
     (["model=megatron_gpt_tiny"], "task=sft fine-tunes a Hugging Face causal LM"),
 ])
 def test_sft_refuses_models_that_are_not_decoders(overrides, message):
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        resolve(compose(["+recipe=llama_sft", *overrides]), "/nonexistent")
+        settle(compose(["+recipe=llama_sft", *overrides]), "/nonexistent")
 
 
 def test_packing_is_refused_outside_sft():
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="data.packing=true packs examples for task=sft"):
-        resolve(compose(["data.packing=true"]), "/nonexistent")
+        settle(compose(["data.packing=true"]), "/nonexistent")
 
 
 def test_sft_refuses_trainer_unpad(tmp_path):

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
 from rapidformer.errors import EXIT_PREEMPTED
 from tests.conftest import FAST, OFFLINE_ENV, run_cli, train_losses
 

@@ -88,10 +88,11 @@ def _train(engine, model, first_step: int) -> dict[int, float]:
 
 
 def _engine(overrides: list[str], run_dir: str):
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.engine import RapidformerEngine
 
-    _, cfg = resolve(compose([*BASE, *overrides]), run_dir)
+    _, cfg = settle(compose([*BASE, *overrides]), run_dir)
     return RapidformerEngine(cfg=cfg, run_dir=run_dir)
 
 
@@ -350,13 +351,14 @@ def _assert_export_matches_offline(exported: Path) -> None:
     tensor for tensor, and name the strategy in the manifest."""
     from safetensors.torch import load_file
 
-    from rapidformer import checkpoint
+    from rapidformer.checkpoint import store as checkpoint
+    from rapidformer.checkpoint.state import read_state
     from rapidformer.cli.verbs.export import weights
 
     ckpt = exported.parent / "checkpoints" / f"step_{STEPS:08d}"
     manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())
-    state = checkpoint.read_state(ckpt)
-    assert manifest["strategy"] == state["strategy"]
+    state = read_state(ckpt)
+    assert manifest["strategy"] == state.strategy
     live = load_file(exported / "model.safetensors")
     offline = weights(ckpt, state)
     assert set(live) <= set(offline)

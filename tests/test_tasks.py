@@ -148,13 +148,14 @@ def test_task_on_two_processes(task, memory, tmp_path):
 
 
 def test_task_settings_are_checked():
-    from rapidformer.config.compose import compose, resolve
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
     from rapidformer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="task=seq2seq_lm needs an encoder-decoder model"):
-        resolve(compose(["+recipe=t5_summarize", "model=bert_tiny", "data=synthetic"]))
+        settle(compose(["+recipe=t5_summarize", "model=bert_tiny", "data=synthetic"]))
     with pytest.raises(ConfigError, match="task.doc_stride=64 must be positive and below"):
-        resolve(compose(["+recipe=bert_squad", "model=bert_tiny", "data=synthetic",
+        settle(compose(["+recipe=bert_squad", "model=bert_tiny", "data=synthetic",
                          "data.max_seq_length=64", "task.doc_stride=64"]))
 
 

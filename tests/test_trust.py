@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
+from rapidformer.checkpoint.state import read_state
 from rapidformer.cli.verbs.verify import verify_command
 from rapidformer.templates.finetuner import TrainState, continue_epoch
 from tests.conftest import FAST, OFFLINE_ENV, train_losses
@@ -64,14 +65,14 @@ def test_resume_with_fewer_steps_per_epoch_finishes(tmp_path, capsys, deadline):
                                      f"data.path={tmp_path}/data640",
                                      "trainer.exit_interval=10"], capsys)
     assert code == 0, err[-2000:]
-    assert checkpoint.read_state(run / "checkpoints" / "step_00000010")["train_state"][
+    assert read_state(run / "checkpoints" / "step_00000010").train_state[
         "step_in_epoch"] == 10
     code, err = call("rapidformer", [*first, "data.synthetic_train_size=320",
                                      f"data.path={tmp_path}/data320", "trainer.resume=auto"],
                      capsys)
     assert code == 0, err[-2000:]
     assert max(train_losses(run)) == 16
-    saved = checkpoint.read_state(run / "checkpoints" / "step_00000016")["train_state"]
+    saved = read_state(run / "checkpoints" / "step_00000016").train_state
     assert (saved["epoch"], saved["step_in_epoch"], saved["steps_per_epoch"]) == (1, 6, 10)
 
 

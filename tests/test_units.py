@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
 from rapidformer.config.args import Args
-from rapidformer.config.compose import compose, resolve
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.config.schema import SchedulerConfig
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.optim import lr_multiplier, parameter_groups
@@ -116,7 +117,7 @@ def test_classification_metrics_by_hand():
 
 
 def test_get_args_uses_the_seed_names():
-    _, cfg = resolve(compose(["+recipe=bert_mrpc", "precision=fp16"]), output_dir="run")
+    _, cfg = settle(compose(["+recipe=bert_mrpc", "precision=fp16"]), output_dir="run")
     args = Args(cfg, "run")
     assert args.pretrained_model_name_or_path == "bert-base-cased"
     assert (args.data_path, args.dataset_path, args.data_name, args.dataset_name) == \
@@ -259,7 +260,7 @@ def test_length_grouped_sampler_pads_less_and_resumes():
 def test_gpu_math_settings_follow_precision_and_determinism(overrides, expected):
     from rapidformer.engine import gpu_math_settings
 
-    _, cfg = resolve(compose(overrides), "out")
+    _, cfg = settle(compose(overrides), "out")
     assert gpu_math_settings(cfg) == expected
 
 
@@ -270,7 +271,7 @@ def test_training_runs_without_the_kv_cache_and_the_export_keeps_it(tmp_path):
 
     from rapidformer.engine import RapidformerEngine
 
-    _, cfg = resolve(compose(["model=bert_tiny", "trainer.train_iters=2", "trainer.device=cpu",
+    _, cfg = settle(compose(["model=bert_tiny", "trainer.train_iters=2", "trainer.device=cpu",
                               "trainer.export_hf=true"]), str(tmp_path))
     model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50))
     ids = torch.randint(0, 50, (2, 8))
@@ -303,7 +304,7 @@ def test_gradient_norm_spikes_are_logged_against_the_recent_median(caplog):
 
 def test_the_log_window_keeps_the_largest_gradient_norm_on_the_device():
     from rapidformer.accelerators.base import StepResult
-    from rapidformer.templates.finetuner import _Window
+    from rapidformer.templates.loop import _Window
 
     window = _Window()
     for norm in (1.0, float("nan"), 3.0, 2.0):
@@ -371,7 +372,7 @@ def test_clipping_folded_into_the_fused_optimizer_matches_clip_grad_norm(tmp_pat
     from rapidformer.engine import RapidformerEngine
     from rapidformer.optim import build_optimizer
 
-    _, cfg = resolve(compose(["model=bert_tiny", "trainer.train_iters=4", "trainer.device=cpu",
+    _, cfg = settle(compose(["model=bert_tiny", "trainer.train_iters=4", "trainer.device=cpu",
                               f"trainer.clip_grad={clip}", "trainer.lr=1e-2",
                               "scheduler=constant", "optim.eps=1e-3"]), str(tmp_path))
     torch.manual_seed(0)
@@ -405,10 +406,10 @@ def test_inductor_options_reach_torch_compile_and_a_misspelt_one_is_refused(tmp_
     from rapidformer.accelerators.graph import _compile_kwargs
     from rapidformer.engine import RapidformerEngine
 
-    _, cfg = resolve(compose(["graph=compile", "graph.options.coordinate_descent_tuning=true",
+    _, cfg = settle(compose(["graph=compile", "graph.options.coordinate_descent_tuning=true",
                               "trainer.device=cpu"]), str(tmp_path))
     assert _compile_kwargs(cfg.graph)["options"] == {"coordinate_descent_tuning": True}
-    _, cfg = resolve(compose(["graph=compile", "graph.options.coordinate_descent_tunin=true",
+    _, cfg = settle(compose(["graph=compile", "graph.options.coordinate_descent_tunin=true",
                               "trainer.device=cpu", "trainer.train_iters=1"]), str(tmp_path))
     engine = RapidformerEngine(cfg=cfg, run_dir=tmp_path)
     with pytest.raises(ConfigError) as info:  # at compose, not at the first compiled step

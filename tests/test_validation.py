@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from rapidformer.config.compose import compose, resolve
+from rapidformer.config.compose import compose
+from rapidformer.preflight import settle
 from rapidformer.errors import ConfigError
 from tests.conftest import run_cli
 
@@ -42,7 +43,7 @@ BAD = [
 @pytest.mark.parametrize("overrides,expected", BAD, ids=[" ".join(o) for o, _ in BAD])
 def test_bad_config_is_refused_with_a_fix(overrides, expected):
     with pytest.raises(ConfigError) as info:
-        resolve(compose(overrides), output_dir="out")
+        settle(compose(overrides), output_dir="out")
     for text in expected:
         assert text in str(info.value)
 
@@ -56,7 +57,7 @@ def test_all_problems_are_reported_at_once():
 
 def test_value_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        resolve(compose(["trainer.lr=-1", "trainer.micro_batch_size=0", "model.hidden_size=65"]),
+        settle(compose(["trainer.lr=-1", "trainer.micro_batch_size=0", "model.hidden_size=65"]),
                 output_dir="out")
     assert len(info.value.problems) == 3
 
@@ -80,7 +81,7 @@ def test_cli_refuses_a_type_error_found_after_composition(tmp_path):
 
 def test_out_of_range_numbers_are_all_reported_with_range_and_fix():
     with pytest.raises(ConfigError) as info:
-        resolve(compose(["optim.beta1=1.5", "optim.eps=-1", "model.initializer_range=-1"]),
+        settle(compose(["optim.beta1=1.5", "optim.eps=-1", "model.initializer_range=-1"]),
                 output_dir="out")
     assert sorted(info.value.problems) == [
         "model.initializer_range=-1.0 must be positive (the standard deviation of the initial "
@@ -107,7 +108,7 @@ def _numeric_keys() -> list[str]:
 
 
 def test_every_number_of_the_schema_has_its_range_checked():
-    from rapidformer.config.validate import BOUNDS
+    from rapidformer.config.bounds import BOUNDS
 
     # checked against other keys: the shortest sample and the positions (max_seq_length), the
     # nodes (node_rank); any integer seeds Python's random (synthetic_seed)
@@ -129,9 +130,10 @@ def test_each_bound_refuses_the_values_beyond_its_ends_and_suggests_a_value_insi
     import dataclasses
     import typing
 
-    from rapidformer.config.validate import BOUNDS, check_values
+    from rapidformer.config.bounds import BOUNDS
+    from rapidformer.config.validate import check_values
 
-    _, good = resolve(compose([]), output_dir="out")
+    _, good = settle(compose([]), output_dir="out")
     assert check_values(good) == []
     for key, bound in BOUNDS.items():
         group, name = key.split(".")
@@ -149,14 +151,14 @@ def test_each_bound_refuses_the_values_beyond_its_ends_and_suggests_a_value_insi
 
 def test_ranges_that_allow_null_say_what_null_does():
     with pytest.raises(ConfigError) as info:
-        resolve(compose(["memory=auto", "memory.device_memory_gb=0", "trainer.keep_last=-1"]),
+        settle(compose(["memory=auto", "memory.device_memory_gb=0", "trainer.keep_last=-1"]),
                 output_dir="out")
     assert sorted(info.value.problems) == [
         "memory.device_memory_gb=0.0 must be positive or null (the detected GPU's memory); set "
         "e.g. memory.device_memory_gb=80",
         "trainer.keep_last=-1 must not be negative (0 keeps every checkpoint); set e.g. "
         "trainer.keep_last=2"]
-    _, cfg = resolve(compose(["trainer.keep_last=0"]), output_dir="out")  # 0: keep them all
+    _, cfg = settle(compose(["trainer.keep_last=0"]), output_dir="out")  # 0: keep them all
     assert cfg.trainer.keep_last == 0
 
 
@@ -165,10 +167,10 @@ def test_an_unknown_compile_mode_is_refused_with_the_modes_torch_has(monkeypatch
 
     # the installed torch's list (its import takes seconds): one with a mode of a newer torch
     monkeypatch.setattr(validate, "compile_modes", lambda: [*validate.COMPILE_MODES, "lite"])
-    _, cfg = resolve(compose(["graph=compile", "graph.mode=lite"]), output_dir="out")
+    _, cfg = settle(compose(["graph=compile", "graph.mode=lite"]), output_dir="out")
     assert cfg.graph.mode == "lite"
     with pytest.raises(ConfigError) as info:
-        resolve(compose(["graph=compile", "graph.mode=max-autotun"]), output_dir="out")
+        settle(compose(["graph=compile", "graph.mode=max-autotun"]), output_dir="out")
     text = str(info.value)
     assert "graph.mode=max-autotun is not a torch.compile mode; did you mean " \
            "graph.mode=max-autotune" in text
@@ -182,22 +184,22 @@ def test_a_sequence_too_short_for_the_special_tokens_is_refused(length):
     """The tokenizer does not cut a pair to 1 or 2 tokens: it leaves it whole (27 tokens a
     sample), and longer texts then overflow the position embeddings."""
     with pytest.raises(ConfigError) as info:
-        resolve(compose([f"data.max_seq_length={length}"]), output_dir="out")
+        settle(compose([f"data.max_seq_length={length}"]), output_dir="out")
     assert info.value.problems == [
         f"data.max_seq_length={length} must be at least 8: a task=sequence_classification "
         f"sample is [CLS] text_a [SEP] text_b [SEP], and a limit with no room for its special "
         f"tokens and some text of each part is not applied (the tokenizer leaves the text whole, "
         f"longer than the limit); set e.g. data.max_seq_length=128"]
-    _, cfg = resolve(compose(["data.max_seq_length=8"]), output_dir="out")
+    _, cfg = settle(compose(["data.max_seq_length=8"]), output_dir="out")
     assert cfg.data.max_seq_length == 8
 
 
 def test_a_question_answering_window_keeps_room_for_question_and_new_context():
     squad = ["+recipe=bert_squad", "model=bert_tiny", "data=synthetic", "data.max_seq_length=64"]
     with pytest.raises(ConfigError) as info:
-        resolve(compose([*squad, "task.doc_stride=60"]), output_dir="out")
+        settle(compose([*squad, "task.doc_stride=60"]), output_dir="out")
     assert "task.doc_stride=60 must be positive and below data.max_seq_length=64 - 4 = 60" \
         in str(info.value)
     assert "set e.g. task.doc_stride=16" in str(info.value)
-    _, cfg = resolve(compose([*squad, "task.doc_stride=59"]), output_dir="out")
+    _, cfg = settle(compose([*squad, "task.doc_stride=59"]), output_dir="out")
     assert cfg.task.doc_stride == 59

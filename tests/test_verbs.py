@@ -84,10 +84,10 @@ def test_env_names_versions_devices_and_what_each_accelerator_needs(capsys):
 # --- the memory plan ------------------------------------------------------------------------
 
 def _cfg(*overrides: str):
-    from rapidformer.config.compose import compose, resolve
-    from rapidformer.factory import settle
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
 
-    return settle(*resolve(compose(list(overrides))))[1]
+    return settle(compose(list(overrides)))[1]
 
 
 def test_the_plan_counts_the_parameters_of_the_model_the_run_builds():

@@ -18,12 +18,14 @@ from typing import Callable, ClassVar
 
 import torch
 
+from rapidformer.accelerators.precision import precision_problems
 from rapidformer.accelerators.recompute import enable_recompute
+from rapidformer.checkpoint.state import CheckpointState
 from rapidformer.config.schema import RunConfig
-from rapidformer.models.adapters import check_device as check_peft_device
+from rapidformer.errors import Problem
 from rapidformer.models.attention import use_training_sdpa
-from rapidformer.models.kernels import apply_kernels, check_kernels_device
 from rapidformer.planning.run_plan import RunPlan
+from rapidformer.transforms.base import WHOLE_MODEL, StateFilter
 
 log = logging.getLogger("rapidformer")
 
@@ -55,11 +57,26 @@ class Strategy(abc.ABC):
     training_sdpa: ClassVar[bool] = True
     hf_recompute: ClassVar[bool] = True
 
-    def __init__(self, cfg: RunConfig, plan: RunPlan, rank: int, world_size: int):
+    # --- before any work (the one refusal pass, rapidformer/preflight.py) --------------------
+    @classmethod
+    def config_problems(cls, cfg: RunConfig) -> list[str]:
+        """What this backend refuses in a config that selects it, each a sentence naming the
+        keys and the fix."""
+        return []
+
+    @classmethod
+    def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
+        """What this machine lacks for the backend: by default, what the device lacks for the
+        compute precision (strategies whose library owns the precision check it the same)."""
+        return [Problem(text) for text in precision_problems(cfg.precision, device)]
+
+    def __init__(self, cfg: RunConfig, plan: RunPlan, rank: int, world_size: int,
+                 state_filter: StateFilter = WHOLE_MODEL):
         self.cfg, self.plan, self.rank, self.world_size = cfg, plan, rank, world_size
         self.device = plan.device
-        check_kernels_device(cfg.kernels, self.device)
-        check_peft_device(cfg.peft, self.device)
+        # which tensors checkpoints hold: the whole model, or what a transform says (the
+        # parameters that train, with LoRA)
+        self.state_filter = state_filter
         self.model = self.optimizer = self.lr_scheduler = None
         self.precision = None  # the precision seam's object, where the strategy keeps one
 
@@ -82,15 +99,8 @@ class Strategy(abc.ABC):
 
     # --- building ---------------------------------------------------------------------------
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model on its device, before any wrapper: fused kernels (kernels=liger), float8
-        linear layers (precision=fp8), the training attention path and, when asked for, Hugging
-        Face's per-layer activation recompute."""
-        # kernels first: liger's SwiGLU module keeps linear layers that float8 then converts
-        apply_kernels(model, self.cfg.kernels, self.device)
-        if self.cfg.precision.fp8_scaling:
-            from rapidformer.accelerators.float8 import convert_to_float8
-
-            convert_to_float8(model, self.cfg.precision)
+        """The model on its device, transformed, before any wrapper: the training attention
+        path and, when asked for, Hugging Face's per-layer activation recompute."""
         if self.training_sdpa:
             use_training_sdpa(model)
         if self.hf_recompute and self.cfg.trainer.checkpoint_activations:
@@ -156,19 +166,10 @@ class Strategy(abc.ABC):
         return 0 if self.precision is None else self.precision.skipped_steps
 
     # --- checkpoints ------------------------------------------------------------------------
-    @property
-    def saves_adapters_only(self) -> bool:
-        """peft=lora/qlora: a checkpoint holds the trainable parameters (the adapters and the
-        modules trained in full) and their optimizer state, never the frozen base."""
-        return self.cfg.peft.name != "none"
-
     def layout(self) -> dict:
         """What a checkpoint records of the parallel layout (RNG streams restore only at the
         same one)."""
         return {}
-
-    def checkpoint_state(self) -> dict:
-        return {"strategy": self.name, "memory": self.cfg.memory.name, **self.layout()}
 
     @abc.abstractmethod
     def save(self, directory: Path) -> dict:
@@ -179,10 +180,10 @@ class Strategy(abc.ABC):
     def load(self, directory: Path) -> None:
         """Collective: the model, optimizer, schedule and precision states of `directory`."""
 
-    def resume_problem(self, saved: dict) -> str | None:
-        """Why a checkpoint with state.json `saved` cannot be resumed by this run (a phrase
+    def resume_problem(self, saved: CheckpointState) -> str | None:
+        """Why a checkpoint that recorded `saved` cannot be resumed by this run (a phrase
         after "checkpoint PATH "), or None."""
-        saved_memory = saved.get("memory", "none")
+        saved_memory = saved.memory
         if saved_memory != self.cfg.memory.name:
             return (f"was written with memory={saved_memory}, this run has "
                     f"memory={self.cfg.memory.name}; resume with the same memory mode (export it "

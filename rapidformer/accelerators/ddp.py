@@ -2,9 +2,10 @@
 and torch.amp precision (bf16 autocast, fp16 with a GradScaler).
 
 Every rank holds the whole model and optimizer state; a checkpoint is rank 0's copy of them
-(`model.pt`, `optimizer.pt`, `scheduler.pt`, `precision.pt`; with peft, `model.pt` holds the
-trainable parameters only). graph=compile compiles the whole
-model around DDP (graph.scope=auto), or each transformer block inside it.
+(`model.pt`, `optimizer.pt`, `scheduler.pt`, `precision.pt`; `model.pt` holds what the state
+filter says: the whole model, or the parameters that train where a transform freezes a base).
+graph=compile compiles the whole model around DDP (graph.scope=auto), or each transformer
+block inside it.
 """
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from rapidformer import checkpoint
 from rapidformer.accelerators.base import StepResult, Strategy
+from rapidformer.transforms.base import WHOLE_MODEL
 from rapidformer.accelerators.graph import apply_graph, compile_blocks
 from rapidformer.accelerators.precision import MixedPrecision
-from rapidformer.models.adapters import check_loaded, trainable_state
+from rapidformer.checkpoint import store
 
 log = logging.getLogger("rapidformer")
 
@@ -26,8 +27,8 @@ log = logging.getLogger("rapidformer")
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, cfg, plan, rank, world_size):
-        super().__init__(cfg, plan, rank, world_size)
+    def __init__(self, cfg, plan, rank, world_size, state_filter=WHOLE_MODEL):
+        super().__init__(cfg, plan, rank, world_size, state_filter)
         self.precision = MixedPrecision(cfg.precision, self.device)
         self.ddp = None
 
@@ -113,26 +114,25 @@ class DDPStrategy(Strategy):
 
     def _load_schedule_and_precision(self, directory: Path) -> None:
         if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(checkpoint.load(directory, "scheduler.pt"))
-        self.precision.load_state_dict(checkpoint.load(directory, "precision.pt"))
+            self.lr_scheduler.load_state_dict(store.load(directory, "scheduler.pt"))
+        self.precision.load_state_dict(store.load(directory, "precision.pt"))
 
     def save(self, directory: Path) -> dict:
         model = self.unwrap(self.model)
-        state = trainable_state(model) if self.saves_adapters_only else model.state_dict()
-        return {"model.pt": state, "optimizer.pt": self.optimizer.state_dict(),
-                **self._schedule_and_precision()}
+        return {"model.pt": self.state_filter.state_dict(model),
+                "optimizer.pt": self.optimizer.state_dict(), **self._schedule_and_precision()}
 
     def load(self, directory: Path) -> None:
-        model, state = self.unwrap(self.model), checkpoint.load(directory, "model.pt")
-        if self.saves_adapters_only:
-            result = model.load_state_dict(state, strict=False)
-            check_loaded(model, result.missing_keys, result.unexpected_keys, directory)
-        else:
-            model.load_state_dict(state)
-        self.optimizer.load_state_dict(checkpoint.load(directory, "optimizer.pt"))
+        model, state = self.unwrap(self.model), store.load(directory, "model.pt")
+        whole = self.state_filter.saves_frozen
+        result = model.load_state_dict(state, strict=whole)
+        if not whole:
+            self.state_filter.loaded(model, result.missing_keys, result.unexpected_keys,
+                                     directory)
+        self.optimizer.load_state_dict(store.load(directory, "optimizer.pt"))
         self._load_schedule_and_precision(directory)
 
     @classmethod
     def read_weights(cls, checkpoint_dir: Path) -> dict:
-        return checkpoint.load(checkpoint_dir, "model.pt")
+        return store.load(checkpoint_dir, "model.pt")
 

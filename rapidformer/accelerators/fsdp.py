@@ -3,8 +3,8 @@
 Parameters, gradients and optimizer state are sharded across the data-parallel ranks; the
 precision group becomes FSDP's MixedPrecisionPolicy (bf16 compute, fp32 gradient reduction and
 fp32 sharded master weights). Checkpoints are torch.distributed.checkpoint (DCP) shards, one
-set per rank (with peft: of the trainable parameters only); the export gathers one full fp32
-state dict on rank 0.
+set per rank (of what the state filter keeps); the export gathers one full fp32 state dict on
+rank 0.
 """
 from __future__ import annotations
 
@@ -17,29 +17,28 @@ from torch import nn
 
 from rapidformer.accelerators.base import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 from rapidformer.accelerators.ddp import DDPStrategy
+from rapidformer.accelerators.graph import blocks_only_problems
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError
-from rapidformer.models.adapters import check_loaded
 from rapidformer.models.blocks import transformer_blocks
 from rapidformer.runtime.distributed import join_group_of_one
+from rapidformer.transforms.base import WHOLE_MODEL, StateFilter
 
 log = logging.getLogger("rapidformer")
 
 DCP_DIR = "dcp"
 
 
-def check_fsdp_precision(cfg: RunConfig) -> None:
-    if cfg.memory.name == "fsdp" and cfg.precision.dtype == "fp16":
-        raise ConfigError(["precision=fp16 with memory=fsdp is not supported yet (loss scaling of "
-                           "sharded gradients); use precision=bf16 with FSDP, or fp16 with "
-                           "memory=zero2/zero3"])
+FP16_REFUSED = ("precision=fp16 with memory=fsdp is not supported yet (loss scaling of sharded "
+                "gradients); use precision=bf16 with FSDP, or fp16 with memory=zero2/zero3")
 
 
 def shard_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
     from torch.distributed.fsdp import fully_shard
 
-    check_fsdp_precision(cfg)
+    if cfg.precision.dtype == "fp16":
+        raise ConfigError([FP16_REFUSED])
     param_dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else None
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype,
                                                 reduce_dtype=torch.float32),
@@ -53,36 +52,39 @@ def shard_model(model: nn.Module, cfg: RunConfig, device: torch.device) -> nn.Mo
     return model
 
 
-def _shard_options(adapters_only: bool):
-    """peft: the frozen base is neither saved nor loaded (the load then expects those keys
-    missing, which `check_loaded` confirms are the frozen ones)."""
+def _shard_options(state_filter: StateFilter):
+    """A filter that leaves the frozen parameters out: they are neither saved nor loaded (the
+    load then expects those keys missing, which the filter confirms are the frozen ones)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=adapters_only, strict=not adapters_only)
+    frozen_left_out = not state_filter.saves_frozen
+    return StateDictOptions(ignore_frozen_params=frozen_left_out, strict=not frozen_left_out)
 
 
-def save_shards(model: nn.Module, optimizer, directory, adapters_only: bool = False) -> None:
+def save_shards(model: nn.Module, optimizer, directory,
+                state_filter: StateFilter = WHOLE_MODEL) -> None:
     """Every rank writes its shards of the model and optimizer state (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer,
-                                              options=_shard_options(adapters_only))
+                                              options=_shard_options(state_filter))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
 
 
-def load_shards(model: nn.Module, optimizer, directory, adapters_only: bool = False) -> None:
+def load_shards(model: nn.Module, optimizer, directory,
+                state_filter: StateFilter = WHOLE_MODEL) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    options = _shard_options(adapters_only)
+    options = _shard_options(state_filter)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory))
     result = set_state_dict(model, optimizer, model_state_dict=state["model"],
                             optim_state_dict=state["optim"], options=options)
-    if adapters_only:
-        check_loaded(model, result.missing_keys, result.unexpected_keys, directory)
+    if not state_filter.saves_frozen:
+        state_filter.loaded(model, result.missing_keys, result.unexpected_keys, directory)
 
 
 def full_state_dict(model: nn.Module) -> dict:
@@ -111,6 +113,17 @@ class FSDP2Strategy(DDPStrategy):
     shards = frozenset({OPTIMIZER_STATE, GRADIENTS, PARAMETERS})
     compiles_blocks = True
 
+    @classmethod
+    def config_problems(cls, cfg: RunConfig) -> list[str]:
+        m, p = cfg.memory, []
+        if cfg.precision.dtype == "fp16":
+            p.append(FP16_REFUSED)
+        if m.offload_optimizer and not m.offload_params:
+            p.append("memory.offload_optimizer=true with memory=fsdp needs "
+                     "memory.offload_params=true (FSDP offloads parameters and optimizer state "
+                     "together)")
+        return p + blocks_only_problems(cfg, "FSDP2")
+
     def wrap(self, model, optimizer, build_scheduler):
         model = self.inner_graph(model)
         if optimizer is not None:
@@ -135,20 +148,12 @@ class FSDP2Strategy(DDPStrategy):
     def clips_in_optimizer(self) -> bool:
         return False  # the fused kernel's divisor would have to be a DTensor
 
-    def step(self):
-        result = super().step()
-        if self.cfg.precision.fp8_all_gather:
-            from rapidformer.accelerators.float8 import precompute_fsdp_scales
-
-            precompute_fsdp_scales(self.model)
-        return result
-
     def save(self, directory: Path) -> dict:
-        save_shards(self.model, self.optimizer, directory / DCP_DIR, self.saves_adapters_only)
+        save_shards(self.model, self.optimizer, directory / DCP_DIR, self.state_filter)
         return self._schedule_and_precision()
 
     def load(self, directory: Path) -> None:
-        load_shards(self.model, self.optimizer, directory / DCP_DIR, self.saves_adapters_only)
+        load_shards(self.model, self.optimizer, directory / DCP_DIR, self.state_filter)
         self._load_schedule_and_precision(directory)
 
     def export_model(self, model, tokenizer, checkpoint_dir):

@@ -34,7 +34,7 @@ def check_inductor_options(options: dict) -> None:
     """Unknown names fail here, before the model is built, not at the first compiled step."""
     from torch._inductor import config as inductor_config
 
-    from rapidformer.config.validate import closest
+    from rapidformer.config.typed import closest
 
     valid = set(inductor_config.get_config_copy())
     problems = []
@@ -85,3 +85,13 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
     model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def blocks_only_problems(cfg, sharder: str) -> list[str]:
+    """A strategy that shards each transformer block compiles block by block: the whole-model
+    scope would wrap what it shards."""
+    if cfg.graph.name == "compile" and cfg.graph.scope == "model":
+        return [f"graph.scope=model with memory={cfg.memory.name}: the whole-model compile wraps "
+                f"what {sharder} shards; use graph.scope=blocks (or auto, the default), which "
+                f"compiles each transformer block"]
+    return []

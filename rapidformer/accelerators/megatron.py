@@ -15,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from rapidformer import checkpoint
 from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, parallel
 from rapidformer.accelerators.base import OPTIMIZER_STATE, StepResult, Strategy
 from rapidformer.accelerators.graph import compile_blocks
-from rapidformer.accelerators.precision import check_device_supports
-from rapidformer.errors import ConfigError, NotAvailableError, RapidformerError
+from rapidformer.checkpoint import store
+from rapidformer.config.sizes import launched_world_size
+from rapidformer.transforms.base import WHOLE_MODEL
+from rapidformer.errors import (EXIT_NOT_AVAILABLE, ConfigError, NotAvailableError, Problem,
+                                RapidformerError, refusal)
 
 log = logging.getLogger("rapidformer")
 
@@ -29,17 +31,74 @@ class MegatronStrategy(Strategy):
     name = "megatron"
     hf_recompute = False  # activation recompute is in the model's own (megatron-core) config
 
-    def __init__(self, cfg, plan, rank, world_size):
-        super().__init__(cfg, plan, rank, world_size)
-        if cfg.graph.name == "compile" and self.device.type == "cpu":
-            # megatron_cpu's dispatch mode (CUDA factories made on the CPU) is one torch.compile
-            # does not trace: the layers would run eager, whatever the config says
-            raise NotAvailableError("graph=compile with a Megatron model runs on GPUs; on a CPU "
+    @classmethod
+    def config_problems(cls, cfg) -> list[str]:
+        """megatron-core models: what their layout needs, and what is not built for them."""
+        m, par, p = cfg.model, cfg.parallelism, []
+        tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+        tasks = {"megatron_gpt": ("causal_lm", "a GPT", "gpt_pretrain"),
+                 "megatron_bert": ("bert_pretraining", "a BERT", "bert_pretrain")}
+        if m.arch not in tasks:
+            p.append(f"model.arch={m.arch}: the Megatron models are {' and '.join(tasks)}")
+        elif cfg.task.name != tasks[m.arch][0] and not cfg.user_script:
+            task, what, recipe = tasks[m.arch]
+            p.append(f"model={m.name} is {what}: use task={task} (or +recipe={recipe})")
+        if m.arch == "megatron_bert" and par.sequence_parallel:
+            p.append("parallelism.sequence_parallel=true is built for model=megatron_gpt; "
+                     "megatron_bert runs without it")
+        if par.sequence_parallel and tp < 2:
+            p.append(f"parallelism.sequence_parallel=true splits the sequence over "
+                     f"tensor-parallel ranks: it needs a Megatron model with "
+                     f"parallelism.tensor_model_parallel_size >= 2 (this run: model={m.name}, "
+                     f"{tp})")
+        world = launched_world_size(cfg)
+        if tp >= 1 and pp >= 1 and world % (tp * pp):
+            p.append(f"the world size ({world}) is not divisible by tensor x pipeline parallel "
+                     f"size ({tp * pp})")
+        if tp >= 1 and m.num_attention_heads is not None and m.num_attention_heads % tp:
+            p.append(f"model.num_attention_heads={m.num_attention_heads} does not divide by "
+                     f"parallelism.tensor_model_parallel_size={tp}")
+        if pp >= 1 and m.num_layers is not None and m.num_layers % pp:
+            p.append(f"model.num_layers={m.num_layers} does not divide by "
+                     f"parallelism.pipeline_model_parallel_size={pp}")
+        if cfg.memory.name not in ("none", "zero1", "zero2", "auto"):
+            p.append(f"memory={cfg.memory.name} with a Megatron model is not supported: tensor "
+                     f"and pipeline parallelism shard the weights already, and megatron-core's "
+                     f"own FSDP is not wired here; use memory=zero1 or zero2 (megatron-core's "
+                     f"distributed optimizer) or memory=none")
+        if cfg.memory.offload_optimizer or cfg.memory.offload_params:
+            p.append("memory.offload_optimizer/offload_params with a Megatron model is not built "
+                     "yet; set them to false")
+        if cfg.graph.name == "ort" or (cfg.graph.name == "compile" and cfg.graph.scope == "model"):
+            scope = " graph.scope=model" if cfg.graph.name == "compile" else ""
+            p.append(f"graph={cfg.graph.name}{scope} with a Megatron model is not built; use "
+                     f"graph=compile (each transformer layer compiled) or graph=eager")
+        return p
+
+    @classmethod
+    def environment_problems(cls, cfg, device: torch.device) -> list[Problem]:
+        import importlib.util
+
+        if importlib.util.find_spec("megatron") is None or \
+                importlib.util.find_spec("megatron.core") is None:
+            return [Problem(f"model={cfg.model.name} needs megatron-core, which is not "
+                            f"installed: pip install -e '.[megatron]' (or "
+                            f"'megatron-core>=0.16,<0.17')", EXIT_NOT_AVAILABLE)]
+        problems = super().environment_problems(cfg, device)
+        if cfg.graph.name == "compile" and device.type == "cpu":
+            # megatron_cpu's dispatch mode (CUDA factories made on the CPU) is one
+            # torch.compile does not trace: the layers would run eager, whatever the config says
+            problems.append(Problem("graph=compile with a Megatron model runs on GPUs; on a CPU "
                                     "megatron-core runs under rapidformer's CUDA-to-CPU "
                                     "mapping, which torch.compile does not trace: use "
-                                    "graph=eager")
+                                    "graph=eager", EXIT_NOT_AVAILABLE))
+        return problems
+
+    def __init__(self, cfg, plan, rank, world_size, state_filter=WHOLE_MODEL):
+        super().__init__(cfg, plan, rank, world_size, state_filter)
+        if problems := self.environment_problems(cfg, self.device):
+            raise refusal(problems)
         self.parallel = parallel.initialize(cfg, self.device)
-        check_device_supports(cfg.precision, self.device)
         # megatron-core's optimizer owns the loss scale, unscaling, inf check and clipping
         self.precision = megatron_optimizer.MegatronPrecision(cfg.precision.dtype)
 
@@ -125,15 +184,15 @@ class MegatronStrategy(Strategy):
 
     def load(self, directory: Path) -> None:
         megatron_checkpoint.load(self.model, self.optimizer, directory)
-        self.lr_scheduler.load_state_dict(checkpoint.load(directory, "scheduler.pt"))
-        self.precision.load_state_dict(checkpoint.load(directory, "precision.pt"))
+        self.lr_scheduler.load_state_dict(store.load(directory, "scheduler.pt"))
+        self.precision.load_state_dict(store.load(directory, "precision.pt"))
 
     def resume_problem(self, saved: dict) -> str | None:
         problem = super().resume_problem(saved)
         if problem:
             return problem
         problem = megatron_checkpoint.reshard_problem(
-            saved, self.layout(), megatron_optimizer.uses_distributed_optimizer(self.cfg))
+            saved.layout, self.layout(), megatron_optimizer.uses_distributed_optimizer(self.cfg))
         return f"cannot be resumed by this run: {problem}" if problem else None
 
     def rng_state(self) -> dict:

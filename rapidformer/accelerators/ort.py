@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from rapidformer.accelerators.ddp import DDPStrategy
-from rapidformer.errors import NotAvailableError
+from rapidformer.errors import EXIT_NOT_AVAILABLE, NotAvailableError, Problem, caught
 
 log = logging.getLogger("rapidformer")
 
@@ -136,6 +136,26 @@ class OrtStrategy(DDPStrategy):
 
     name = "ort"
     training_sdpa = False  # the ONNX export would bake its mask decision in
+
+    @classmethod
+    def config_problems(cls, cfg) -> list[str]:
+        if cfg.precision.name == "fp32":
+            return []
+        return [f"graph=ort with precision={cfg.precision.name}: not combined here. graph=ort "
+                f"runs on the CPU only (onnxruntime-training 1.19.2 with torch 2.4-2.6), whose "
+                f"ONNX Runtime training kernels are fp32, and the model's export to ONNX fails "
+                f"under autocast; use precision=fp32 with graph=ort, or graph=compile with "
+                f"precision={cfg.precision.name} (docs/seed_flags.md)"]
+
+    @classmethod
+    def environment_problems(cls, cfg, device: torch.device) -> list[Problem]:
+        problems = caught(check_available)
+        if device.type == "cuda":
+            problems.append(Problem(
+                "graph=ort on a GPU is not built: onnxruntime-training 1.19.2 was checked here "
+                "on the CPU only (fp32); set trainer.device=cpu, or use graph=compile on the GPU",
+                EXIT_NOT_AVAILABLE))
+        return problems
 
     def inner_graph(self, model):
         return wrap(model)

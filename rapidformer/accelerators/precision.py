@@ -9,23 +9,27 @@ import contextlib
 
 import torch
 
-from rapidformer.accelerators.float8 import check_fp8_device
 from rapidformer.config.schema import PrecisionConfig
 from rapidformer.errors import ConfigError
 from rapidformer.models.dtypes import DTYPES
 
 
+def precision_problems(p: PrecisionConfig, device: torch.device) -> list[str]:
+    """What `device` lacks for the compute precision (autocast, bf16)."""
+    if p.dtype == "fp32":
+        return []
+    if not torch.amp.autocast_mode.is_autocast_available(device.type):
+        return [f"precision={p.name}: autocast is not available on device '{device.type}'; use "
+                f"precision=fp32"]
+    if device.type == "cuda" and p.dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        return [f"precision=bf16: this GPU ({torch.cuda.get_device_name(device)}) has no bf16 "
+                f"support; use precision=fp16"]
+    return []
+
 
 def check_device_supports(p: PrecisionConfig, device: torch.device) -> None:
-    check_fp8_device(p, device)
-    if p.dtype == "fp32":
-        return
-    if not torch.amp.autocast_mode.is_autocast_available(device.type):
-        raise ConfigError([f"precision={p.name}: autocast is not available on device "
-                           f"'{device.type}'; use precision=fp32"])
-    if device.type == "cuda" and p.dtype == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError([f"precision=bf16: this GPU ({torch.cuda.get_device_name(device)}) has "
-                           f"no bf16 support; use precision=fp16"])
+    if problems := precision_problems(p, device):
+        raise ConfigError(problems)
 
 
 class MixedPrecision:

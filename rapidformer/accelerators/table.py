@@ -18,21 +18,68 @@ from rapidformer.accelerators.fsdp import FSDP2Strategy
 from rapidformer.accelerators.megatron import MegatronStrategy
 from rapidformer.accelerators.ort import OrtStrategy
 from rapidformer.accelerators.zero import ZERO_STAGES, ZeroStrategy
+from rapidformer.checkpoint.state import CheckpointState
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import InputError
 from rapidformer.models.wrapped_names import bare_name
+from rapidformer.transforms import offline_weights
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (DDPStrategy, OrtStrategy, ZeroStrategy, FSDP2Strategy,
                               MegatronStrategy)}
 
 
-def is_megatron(cfg: RunConfig) -> bool:
-    return cfg.model.arch.startswith("megatron")
+def selection_problems(cfg: RunConfig) -> list[str]:
+    """What asks for a combination outside the table: megatron-core's parallelism or recompute
+    with a Hugging Face model, ONNX Runtime with a sharding memory mode."""
+    m, par, p = cfg.model, cfg.parallelism, []
+    if m.is_megatron:
+        return p
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    if tp > 1 or pp > 1:
+        p.append(f"parallelism (tensor {tp} x pipeline {pp}) needs a Megatron model, but "
+                 f"model={m.name} is a Hugging Face model; use parallelism=dp or a Megatron "
+                 f"model")
+    if par.sequence_parallel:
+        p.append(f"parallelism.sequence_parallel=true splits the sequence over tensor-parallel "
+                 f"ranks: it needs a Megatron model with parallelism.tensor_model_parallel_size "
+                 f">= 2 (this run: model={m.name}, {tp})")
+    if cfg.trainer.checkpoint_activations and cfg.trainer.recompute_granularity == "selective":
+        p.append(f"trainer.recompute_granularity=selective is megatron-core's; model={m.name} is "
+                 f"a Hugging Face model, which recomputes whole layers: use "
+                 f"trainer.recompute_granularity=full")
+    if cfg.graph.name == "ort" and cfg.memory.name not in ("none", "auto"):
+        p.append(f"graph=ort with memory={cfg.memory.name}: not combined here. ORTModule exports "
+                 f"the model once to one ONNX graph holding every full weight, while "
+                 f"{'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed ZeRO'} replaces the "
+                 f"weights with shards gathered at each layer, which that graph never sees; "
+                 f"onnxruntime-training 1.19.2 (its last release) trains on the CPU with torch "
+                 f"2.4-2.6 only, where DDP (memory=none, several processes) is what runs. Use "
+                 f"graph=ort with memory=none, or graph=compile with memory={cfg.memory.name} "
+                 f"(docs/seed_flags.md)")
+    return p
+
+
+def requested(cfg: RunConfig) -> list[type[Strategy]]:
+    """The strategies whose options the config names, each of whose refusals apply: the
+    Megatron strategy for a Megatron model (its memory modes are its own optimizer's), else
+    DeepSpeed or FSDP2 for the memory mode and ORT for graph=ort, or plain DDP."""
+    if cfg.model.is_megatron:
+        return [MegatronStrategy]
+    named = [cls for cls, asked in ((ZeroStrategy, cfg.memory.name in ZERO_STAGES),
+                                    (FSDP2Strategy, cfg.memory.name == "fsdp"),
+                                    (OrtStrategy, cfg.graph.name == "ort")) if asked]
+    return named or [DDPStrategy]
+
+
+def backend_problems(cfg: RunConfig) -> list[str]:
+    """What the table and the strategies a config asks for refuse in it."""
+    return [*selection_problems(cfg),
+            *(problem for cls in requested(cfg) for problem in cls.config_problems(cfg))]
 
 
 def select(cfg: RunConfig) -> type[Strategy]:
-    if is_megatron(cfg):
+    if cfg.model.is_megatron:
         return MegatronStrategy
     if cfg.memory.name in ZERO_STAGES:
         return ZeroStrategy
@@ -43,34 +90,28 @@ def select(cfg: RunConfig) -> type[Strategy]:
     return DDPStrategy
 
 
-def strategy_of_checkpoint(state: dict, where) -> type[Strategy]:
-    """The strategy that wrote a checkpoint, from its state.json (checkpoints written before
+def strategy_of_checkpoint(state: CheckpointState, where) -> type[Strategy]:
+    """The strategy that wrote a checkpoint, from its state (checkpoints written before
     strategies were recorded: from their memory mode and layout)."""
-    name = state.get("strategy")
+    name = state.strategy
     if name is None:
-        memory = state.get("memory", "none")
-        name = ("megatron" if "tensor_parallel" in state else "deepspeed"
-                if memory in ZERO_STAGES else "fsdp2" if memory == "fsdp" else "ddp")
+        name = ("megatron" if "tensor_parallel" in state.layout else "deepspeed"
+                if state.memory in ZERO_STAGES else "fsdp2" if state.memory == "fsdp" else "ddp")
     if name not in STRATEGIES:
         raise InputError(f"{where} was written by strategy '{name}', which this version does not "
                          f"know (known: {', '.join(STRATEGIES)}); use the rapidformer that wrote it")
     return STRATEGIES[name]
 
 
-def checkpoint_weights(ckpt, saved: dict) -> dict:
-    """The fp32 model weights of a checkpoint, read by the strategy that wrote it (`saved`:
-    its state.json), under the bare model's parameter names. A checkpoint of peft adapters:
-    the base model read again with its adapters merged in."""
-    state = stored_weights(ckpt, saved)
-    if "peft" in saved:
-        from rapidformer.models.adapters import merged_weights
-
-        return merged_weights(ckpt, saved, state)
-    return state
+def checkpoint_weights(ckpt, saved: CheckpointState) -> dict:
+    """The fp32 model weights of a checkpoint, read by the strategy that wrote it, under the
+    bare model's parameter names, made whole by the transforms it recorded (LoRA: its base
+    read again with the adapters merged in)."""
+    return offline_weights(ckpt, saved.transforms, stored_weights(ckpt, saved))
 
 
-def stored_weights(ckpt, saved: dict) -> dict:
-    """The fp32 tensors a checkpoint's model state holds (with peft: the trainable ones, under
-    the peft model's names)."""
+def stored_weights(ckpt, saved: CheckpointState) -> dict:
+    """The fp32 tensors a checkpoint's model state holds (with a state filter: the ones it
+    kept, under the wrapped model's names)."""
     state = strategy_of_checkpoint(saved, ckpt).read_weights(ckpt)
     return {bare_name(k): v.float() if v.is_floating_point() else v for k, v in state.items()}

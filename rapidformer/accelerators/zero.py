@@ -1,8 +1,8 @@
 """memory=zero1/zero2/zero3: DeepSpeed ZeRO stages 1-3, configured from the resolved config.
 
 DeepSpeed owns precision (bf16/fp16 weights with fp32 masters), gradient accumulation,
-clipping and the optimizer step when it is on; the strategy only forwards to it. With peft its
-checkpoints leave the frozen parameters out (`exclude_frozen_parameters`).
+clipping and the optimizer step when it is on; the strategy only forwards to it. Its checkpoints
+leave the frozen parameters out when the state filter does (`exclude_frozen_parameters`).
 """
 from __future__ import annotations
 
@@ -15,16 +15,17 @@ import torch
 
 from rapidformer.accelerators.base import (GRADIENTS, OPTIMIZER_STATE, PARAMETERS, StepResult,
                                            Strategy)
-from rapidformer.accelerators.graph import compile_blocks
+from rapidformer.accelerators.graph import blocks_only_problems, compile_blocks
 from rapidformer.accelerators.precision import check_device_supports
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import ConfigError, NotAvailableError
-from rapidformer.models.adapters import full_precision_state
+from rapidformer.errors import EXIT_NOT_AVAILABLE, ConfigError, NotAvailableError, Problem
 from rapidformer.runtime.distributed import join_group_of_one
+from rapidformer.transforms.base import WHOLE_MODEL
 
 log = logging.getLogger("rapidformer")
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+INSTALL = "memory=zero1/zero2/zero3 needs DeepSpeed: pip install 'deepspeed>=0.19,<0.20'"
 CHECKPOINT_TAG = "deepspeed"
 
 
@@ -35,8 +36,7 @@ def import_deepspeed(device: torch.device):
     try:
         import deepspeed
     except ImportError as exc:
-        raise NotAvailableError("memory=zero1/zero2/zero3 needs DeepSpeed: pip install "
-                                "'deepspeed>=0.19,<0.20'") from exc
+        raise NotAvailableError(INSTALL) from exc
     if device.type == "cpu":
         _skip_inference_shm_op()
     return deepspeed
@@ -54,24 +54,22 @@ def _skip_inference_shm_op() -> None:
         ds_comm.build_shm_op = lambda: None
 
 
-def check_zero_precision(cfg: RunConfig, device_type: str) -> None:
-    if cfg.memory.name in ZERO_STAGES and cfg.precision.dtype == "fp16" and device_type == "cpu" \
-            and not cfg.model.arch.startswith("megatron"):  # megatron-core's optimizer, not DeepSpeed
-        raise ConfigError([f"precision=fp16 with memory={cfg.memory.name}: DeepSpeed has no fp16 "
-                           f"on a CPU; use precision=bf16 or fp32, or run on a GPU"])
+def fp16_problems(cfg: RunConfig, device_type: str) -> list[str]:
+    if cfg.precision.dtype == "fp16" and device_type == "cpu":
+        return [f"precision=fp16 with memory={cfg.memory.name}: DeepSpeed has no fp16 on a CPU; "
+                f"use precision=bf16 or fp32, or run on a GPU"]
+    return []
 
 
 def deepspeed_config(cfg: RunConfig, accumulation: int, device: torch.device) -> dict:
     """DeepSpeed's JSON config, every value taken from the resolved config."""
     t, p, m = cfg.trainer, cfg.precision, cfg.memory
-    check_zero_precision(cfg, device.type)
+    if problems := fp16_problems(cfg, device.type) + ZeroStrategy.config_problems(cfg):
+        raise ConfigError(problems)
     zero: dict = {"stage": ZERO_STAGES[m.name]}
     if m.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     if m.offload_params:
-        if zero["stage"] != 3:
-            raise ConfigError([f"memory.offload_params=true needs memory=zero3 (ZeRO stage "
-                               f"{zero['stage']} does not partition parameters)"])
         zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     config = {
         "train_batch_size": t.global_batch_size,
@@ -107,8 +105,29 @@ class ZeroStrategy(Strategy):
     name = "deepspeed"
     compiles_blocks = True
 
-    def __init__(self, cfg, plan, rank, world_size):
-        super().__init__(cfg, plan, rank, world_size)
+    @classmethod
+    def config_problems(cls, cfg: RunConfig) -> list[str]:
+        m, t, p = cfg.memory, cfg.trainer, []
+        if m.offload_params and m.name != "zero3":
+            p.append(f"memory.offload_params=true needs memory=zero3 (ZeRO stage "
+                     f"{ZERO_STAGES[m.name]} does not partition parameters)")
+        if not t.save_last and t.export_hf:
+            p.append(f"trainer.save_last=false with trainer.export_hf=true and memory={m.name}: "
+                     f"the export reads DeepSpeed's final checkpoint; keep trainer.save_last=true "
+                     f"or set trainer.export_hf=false")
+        return p + blocks_only_problems(cfg, "DeepSpeed")
+
+    @classmethod
+    def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            return [Problem(INSTALL, EXIT_NOT_AVAILABLE)]
+        return [*super().environment_problems(cfg, device),
+                *(Problem(text) for text in fp16_problems(cfg, device.type))]
+
+    def __init__(self, cfg, plan, rank, world_size, state_filter=WHOLE_MODEL):
+        super().__init__(cfg, plan, rank, world_size, state_filter)
         check_device_supports(cfg.precision, self.device)
         self.stage = ZERO_STAGES[cfg.memory.name]
         self.ds = None
@@ -158,12 +177,12 @@ class ZeroStrategy(Strategy):
 
     def save(self, directory: Path) -> dict:
         self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG,
-                                exclude_frozen_parameters=self.saves_adapters_only)
+                                exclude_frozen_parameters=not self.state_filter.saves_frozen)
         return {}
 
-    def resume_problem(self, saved: dict) -> str | None:
+    def resume_problem(self, saved) -> str | None:
         problem = super().resume_problem(saved)
-        written_by = saved.get("world_size", self.world_size)
+        written_by = saved.world_size
         if problem or written_by == self.world_size:
             return problem
         # DeepSpeed's optimizer shards are split by the number of processes that wrote them
@@ -174,9 +193,9 @@ class ZeroStrategy(Strategy):
                 f"them (model.source=pretrained model.name_or_path=EXPORT_DIR)")
 
     def load(self, directory: Path) -> None:
-        # peft: the file holds no frozen weights, which the module keeps as they are
+        # a filter that leaves the frozen weights out: the module keeps them as they are
         self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG,
-                                load_module_strict=not self.saves_adapters_only)
+                                load_module_strict=self.state_filter.saves_frozen)
         self._skipped = self.ds.skipped_steps
 
     def unwrap(self, model):
@@ -186,20 +205,20 @@ class ZeroStrategy(Strategy):
         model = self.hf_model(model)
         if model is None:
             return None
-        frozen = self._frozen_base_state() if self.saves_adapters_only else {}  # collective
+        frozen = {} if self.state_filter.saves_frozen else self._frozen_base_state()  # collective
         if self.rank != 0:
             return None
         return model, {**frozen, **consolidated_state_dict(str(checkpoint_dir))}
 
     def _frozen_base_state(self) -> dict | None:
-        """peft: the whole module's state on rank 0, for the frozen base weights its checkpoints
+        """The whole module's state on rank 0, for the frozen base weights its checkpoints
         leave out (the trainable ones come from the checkpoint's fp32 masters). ZeRO-3 gathers
         them layer by layer (collective); below it every rank holds them whole. With bf16,
         DeepSpeed holds the frozen base in bf16: the export merges into those values, the
         ones the adapters were trained against."""
         if self.stage == 3:
             return self.ds._zero3_consolidated_16bit_state_dict()
-        return full_precision_state(self.ds.module) if self.rank == 0 else None
+        return self.state_filter.frozen_state(self.ds.module) if self.rank == 0 else None
 
     @classmethod
     def read_weights(cls, checkpoint_dir: Path) -> dict:

@@ -24,7 +24,7 @@ from rapidformer.cli.hydra_main import main as hydra_main
 from rapidformer.cli.seed_flags import (ALL_FLAGS, NOT_YET, SWITCHES, TASKS, TOKENIZER_TYPES,
                                         VALUE_FLAGS)
 from rapidformer.cli.verbs import VERBS, run_verb
-from rapidformer.config.validate import PRETRAINING_TASKS
+from rapidformer.config.schema import PRETRAINING_TASKS
 from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE
 
 

@@ -45,19 +45,22 @@ def hydra_entry(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from rapidformer.config.compose import resolve
-    from rapidformer.factory import run, settle
+    from rapidformer.factory import run
+    from rapidformer.preflight import settle
     from rapidformer.cli.multirun import job_row
     from rapidformer.cli.summary import print_summary
     from rapidformer.observability.run_record import write_environment
-    from rapidformer.runtime.run_dir import claimed, holds_directory
+    from rapidformer.checkpoint.run_dir import claimed, holds_directory
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     try:
-        resolved, run_cfg = settle(*resolve(cfg, run_dir))
+        # checked again here: a sweep's jobs are checked only here, each on its own settings
+        resolved, run_cfg = settle(cfg, run_dir, environment=True)
+        # a sweep's job directory: Hydra made it and wrote .hydra/ and the job's log first
+        hydra_job = hydra_cfg.job.name if hydra_cfg.mode == RunMode.MULTIRUN else None
         with claimed(run_dir, run_cfg.trainer.resume, run_cfg.trainer.overwrite,
-                     held=holds_directory(run_cfg.launcher)):
+                     held=holds_directory(run_cfg.launcher), hydra_job=hydra_job):
             with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
                 yaml.safe_dump(resolved, f, sort_keys=False)
             write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
@@ -92,14 +95,13 @@ def hydra_entry(cfg: DictConfig):
 def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
-    from rapidformer.config.compose import (check_overrides, compose, recipe_line, resolve,
+    from rapidformer.config.compose import (check_overrides, compose, recipe_line,
                                             with_default_recipe)
-    from rapidformer.config.paths import check_paths
     from rapidformer.config.search import take_config_dirs
-    from rapidformer.factory import check_available, settle
+    from rapidformer.preflight import settle
     from rapidformer.runtime import hub
     from rapidformer.runtime.fast_exit import install as exit_fast
-    from rapidformer.runtime.run_dir import (claimed, holds_directory, missing_ancestors,
+    from rapidformer.checkpoint.run_dir import (claimed, holds_directory, missing_ancestors,
                                              remove_if_unstarted)
 
     exit_fast()
@@ -124,16 +126,18 @@ def main(argv: list[str] | None = None) -> None:
         if not multirun and not asks_help:
             # validate the whole config before Hydra creates a run directory
             composed = compose(overrides, default_recipe=False)
-            _, run_cfg = settle(*resolve(composed, "(run directory)"))
+            output_dir = str(OmegaConf.select(composed, "trainer.output_dir"))
+            # the one refusal pass (rapidformer/preflight.py): a run checks this machine too;
+            # a dry run or --cfg only prints, perhaps for another machine
+            dry_run = OmegaConf.select(composed, "trainer.dry_run") is True
+            _, run_cfg = settle(composed, "(run directory)",
+                                environment=not (prints_only or dry_run), writes_to=output_dir)
             if run_cfg.trainer.dry_run and not prints_only:
                 from rapidformer.cli.verbs.inspect import print_plan
 
                 print_plan(run_cfg)  # and stop: no run directory, no data
                 return
-            output_dir = str(OmegaConf.select(composed, "trainer.output_dir"))
             if not prints_only:
-                check_available(run_cfg)
-                check_paths(run_cfg, output_dir)
                 hub.prepare(run_cfg)  # offline at once when the hub is out of reach
         if not multirun and not asks_help and run_cfg.launcher.name == "slurm":
             flags.append("--multirun")  # Hydra hands a job to its launcher only in a sweep

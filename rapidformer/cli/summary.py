@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store
 from rapidformer.config.compose import override_key
 from rapidformer.observability.format import format_value
 from rapidformer.observability.records import read_metrics
@@ -84,12 +84,12 @@ def summary_lines(run_dir: Path, argv: list[str] | None = None) -> list[str]:
     records = read_metrics(run_dir)
     root = run_dir / "checkpoints"
     rows = [("final", _final(records)), ("best", _best(records))]
-    marker = checkpoint.read_best(root) if root.is_dir() else None
+    marker = store.read_best(root) if root.is_dir() else None
     if marker is not None:
         kept = root / f"step_{marker['step']:08d}"
         rows.append(("kept best", f"{marker.get('metric')}={format_value(marker.get('value'))} "
                                   f"at step {marker['step']}: {kept}"))
-    newest = checkpoint.newest_complete(root) if root.is_dir() else None
+    newest = store.newest_complete(root) if root.is_dir() else None
     rows.append(("newest", str(newest) if newest else "none: no checkpoint was written"))
     if (run_dir / "hf_model").is_dir():
         rows.append(("exported", str(run_dir / "hf_model")))

@@ -3,7 +3,7 @@ what `get_args()` returns."""
 from __future__ import annotations
 
 from rapidformer.config.schema import RunConfig
-from rapidformer.config.validate import data_parallel_size, world_size
+from rapidformer.config.sizes import data_parallel_size, launched_world_size
 
 
 class Args:
@@ -65,7 +65,7 @@ class Args:
         self.onnx_runtime_training = cfg.graph.name == "ort"
         self.tensor_model_parallel_size = p.tensor_model_parallel_size
         self.pipeline_model_parallel_size = p.pipeline_model_parallel_size
-        self.world_size = world_size(cfg)
+        self.world_size = launched_world_size(cfg)
         self.data_parallel_size = data_parallel_size(cfg)
 
     def __getattr__(self, name: str):

@@ -18,8 +18,10 @@ from omegaconf.errors import OmegaConfBaseException
 import rapidformer.config.resolvers  # noqa: F401  (registers the configs' resolvers)
 from rapidformer.config import search
 from rapidformer.config.schema import GROUPS, RunConfig
-from rapidformer.config.validate import (USED_ONLY_WITH, build_run_config, closest,
-                                         schema_default, unknown_key_message)
+from rapidformer.config.bounds import schema_default
+from rapidformer.config.read_keys import USED_ONLY_WITH
+from rapidformer.config.typed import closest, unknown_key_message
+from rapidformer.config.validate import build_run_config
 from rapidformer.errors import ConfigError, NotAvailableError
 
 # the repository's conf/ and recipes/, installed as these packages (pyproject.toml)
@@ -355,9 +357,12 @@ def compose(overrides: list[str] | None = None, default_recipe: bool = True) -> 
     return cfg
 
 
-def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunConfig]:
-    """Resolve interpolations once and validate: (plain dict for the record, typed config).
-    Config is data here: memory=auto is left for the factory's planning step to decide."""
+def resolve(cfg: DictConfig, output_dir: str | None = None, check: bool = True
+            ) -> tuple[dict, RunConfig]:
+    """Resolve interpolations once and type: (plain dict for the record, typed config); with
+    `check`, the config's own value checks too. Config is data here: memory=auto, the
+    strategies' and transforms' refusals and the machine are the refusal pass's
+    (rapidformer/preflight.py)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     cfg.pop("hydra", None)
     if output_dir is not None:
@@ -370,7 +375,7 @@ def resolve(cfg: DictConfig, output_dir: str | None = None) -> tuple[dict, RunCo
         if "Missing mandatory value" in msg and key:
             raise ConfigError([f"{key} must be set (it is ??? in its config file); e.g. {key}=VALUE"]) from exc
         raise ConfigError([f"{key or 'config'}: {msg}"]) from exc
-    run_cfg = build_run_config(plain)
+    run_cfg = build_run_config(plain, check=check)
     # the sizes decided on this machine (config/sizes.py) go into the record as numbers
     plain.setdefault("launcher", {})["nproc_per_node"] = run_cfg.launcher.nproc_per_node
     plain.setdefault("trainer", {})["global_batch_size"] = run_cfg.trainer.global_batch_size

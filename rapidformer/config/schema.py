@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Union, Literal, Optional
 
 
+# the tasks a PreTrainer runs (iterations over Megatron mmap data); the others fine-tune
+PRETRAINING_TASKS = ("bert_pretraining", "causal_lm")
+
+
 @dataclass
 class TaskConfig:
     # sequence_classification: Finetuner (epochs); bert_pretraining (MLM + next-sentence
@@ -49,6 +53,14 @@ class TaskConfig:
     # written to RUN_DIR/generations.jsonl; 0 turns it off
     sample_generations: int = 4
     max_new_tokens: int = 64
+
+    @property
+    def is_pretraining(self) -> bool:
+        return self.name in PRETRAINING_TASKS
+
+
+# the architectures of encoder-decoder models (task=seq2seq_lm)
+ENCODER_DECODER_ARCHS = ("t5",)
 
 
 @dataclass
@@ -94,6 +106,12 @@ class ModelConfig:
     # megatron_gpt: start from a Hugging Face checkpoint directory of the matching architecture
     # (GPT-2) instead of random weights, cut to this rank's tensor/pipeline shard
     init_from_hf: Optional[str] = None
+
+    @property
+    def is_megatron(self) -> bool:
+        """A megatron-core model (model=megatron_*): its own layers, optimizer and schedules,
+        trained by the Megatron strategy; every other arch is a Hugging Face (or own) model."""
+        return self.arch.startswith("megatron")
 
 
 @dataclass

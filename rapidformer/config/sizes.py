@@ -43,10 +43,25 @@ def processes_per_node(launcher, device: str) -> int:
 
 def fill(cfg) -> None:
     """Make both sizes of a RunConfig concrete, in place."""
-    from rapidformer.config.validate import data_parallel_size
-
     cfg.launcher.nproc_per_node = processes_per_node(cfg.launcher, cfg.trainer.device)
     t = cfg.trainer
     if t.global_batch_size is None and isinstance(t.micro_batch_size, int) \
             and t.micro_batch_size >= 1:
         t.global_batch_size = t.micro_batch_size * data_parallel_size(cfg)
+
+
+def launched_world_size(cfg) -> int:
+    """The processes the config's launcher starts (nproc_per_node x nnodes)."""
+    return cfg.launcher.nproc_per_node * cfg.launcher.nnodes
+
+
+def data_parallel_size(cfg, world_size: int | None = None) -> int:
+    """Model replicas among `world_size` processes (default: the launcher's): the world over
+    the tensor x pipeline parallel groups of a Megatron model. The one formula: the run plan
+    holds its value for a process (planning/run_plan.py); sizes below 1 are the config
+    check's to report."""
+    world = launched_world_size(cfg) if world_size is None else world_size
+    p = cfg.parallelism
+    model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                      if cfg.model.is_megatron else 1)
+    return max(world // max(model_parallel, 1), 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rapidformer.data.counts import with_counts
 from rapidformer.data.lengths import IGNORE
 from rapidformer.errors import InputError
 
@@ -218,8 +219,8 @@ def _append(packed: dict, row: dict) -> None:
 class PackedCollate:
     """Packed rows -> a batch without attention_mask (Hugging Face decoders then attend within
     each example only, from the restarting position_ids), padded to the rule's length; the
-    padding is one more sequence of its own, with no label. `token_mask` and `num_examples`
-    are for the loop's counts (real tokens, samples), not for the model."""
+    padding is one more sequence of its own, with no label. The examples and real tokens it
+    holds go to the loop's counts (data/counts.py), not to the model."""
 
     def __init__(self, pad_id: int, rule=None):
         self.pad_id, self.rule = pad_id, rule
@@ -231,13 +232,13 @@ class PackedCollate:
 
         longest = max(len(f["input_ids"]) for f in features)
         length = target_length(longest, self.rule)
-        batch = {"input_ids": [], "labels": [], "position_ids": [], "token_mask": []}
+        batch = {"input_ids": [], "labels": [], "position_ids": []}
         for f in features:
             pad = length - len(f["input_ids"])
             batch["input_ids"].append(list(f["input_ids"]) + [self.pad_id] * pad)
             batch["labels"].append(list(f["labels"]) + [IGNORE] * pad)
             batch["position_ids"].append(list(f["position_ids"]) + list(range(pad)))
-            batch["token_mask"].append([1] * len(f["input_ids"]) + [0] * pad)
         out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
-        out["num_examples"] = torch.tensor(sum(int(f["num_examples"]) for f in features))
-        return out
+        return with_counts(out, samples=sum(int(f["num_examples"]) for f in features),
+                           tokens=sum(len(f["input_ids"]) for f in features),
+                           slots=out["input_ids"].numel())

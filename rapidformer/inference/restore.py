@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store
+from rapidformer.checkpoint.state import read_state
 from rapidformer.errors import ConfigError, InputError
 
 log = logging.getLogger("rapidformer")
@@ -118,7 +119,7 @@ def choose_checkpoint(run_dir: Path, choice: str | None) -> Path:
     checkpoints/best.json names; or a step_NNNNNNNN directory), every byte verified."""
     root = run_dir / "checkpoints"
     if choice in (None, LAST):
-        path = checkpoint.newest_complete(root)
+        path = store.newest_complete(root)
         if path is None:
             raise InputError(f"{run_dir}: no complete checkpoint under {root} (interrupted saves "
                              f"are ignored); train the run further, or give --checkpoint "
@@ -130,15 +131,15 @@ def choose_checkpoint(run_dir: Path, choice: str | None) -> Path:
         if not path.is_dir():
             raise InputError(f"--checkpoint {choice}: no such directory; give last, best, or a "
                              f"checkpoints/step_NNNNNNNN directory of the run")
-        if not checkpoint.NAME.match(path.name):
+        if not store.NAME.match(path.name):
             raise InputError(f"--checkpoint {choice} is not a checkpoint (a directory named "
                              f"step_NNNNNNNN under the run's checkpoints/); give one, or last or "
                              f"best")
-    if not checkpoint.is_complete(path):
-        raise InputError(f"checkpoint {path} is not complete (its {checkpoint.MANIFEST} is "
+    if not store.is_complete(path):
+        raise InputError(f"checkpoint {path} is not complete (its {store.MANIFEST} is "
                          f"missing or does not match its files: an interrupted save); choose "
                          f"another with --checkpoint PATH")
-    problems = checkpoint.verify(path)
+    problems = store.verify(path)
     if problems:
         raise InputError(f"checkpoint {path} is damaged: {'; '.join(problems)}; choose another "
                          f"with --checkpoint PATH (`rapidformer verify {run_dir}` lists the "
@@ -176,10 +177,10 @@ def best_checkpoint(root: Path) -> Path:
 
 
 def checkpoint_weights(ckpt: Path) -> tuple[dict, dict]:
-    """(the fp32 model weights, the checkpoint's state.json)."""
+    """(the fp32 model weights, what the checkpoint records)."""
     from rapidformer.accelerators.table import checkpoint_weights as weights
 
-    saved = checkpoint.read_state(ckpt)
+    saved = read_state(ckpt)
     return weights(ckpt, saved), saved
 
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import contextlib
 
-from rapidformer.config.schema import ModelConfig
-from rapidformer.config.validate import ENCODER_DECODER_ARCHS
+from rapidformer.config.schema import ENCODER_DECODER_ARCHS, ModelConfig
 from rapidformer.data.tokenizers import unreachable_model_message
 from rapidformer.errors import InputError
 from rapidformer.models.pretrained_shape import check_shape

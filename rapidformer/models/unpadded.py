@@ -34,6 +34,7 @@ import logging
 
 import torch
 
+from rapidformer.data.counts import with_counts
 from rapidformer.data.lengths import IGNORE, fill_value, round_up
 from rapidformer.errors import ConfigError
 
@@ -93,7 +94,9 @@ class Unpad:
         batch = unpad_batch(dict(self.collate(features)), self.pad_id, self.token_multiple)
         if self.mlm_multiple:
             batch["masked_positions"] = masked_positions(batch["labels"], self.mlm_multiple)
-        return batch
+        ends = batch["cu_seq_lens_q"]  # B sequences, then the tail that pads the row
+        return with_counts(batch, samples=ends.numel() - 2, tokens=int(ends[-2]),
+                           slots=batch["input_ids"].numel())
 
 
 class WithMaskedPositions:

@@ -12,14 +12,16 @@ runs (torch autocast keeps fp32 weights and an fp32 residual stream; DeepSpeed a
 """
 from __future__ import annotations
 
-import copy
 import logging
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from rapidformer.config.schema import RunConfig
-from rapidformer.config.validate import build_run_config, data_parallel_size, world_size
 from rapidformer.errors import ConfigError
 from rapidformer.planning.model_shape import ModelShape, model_shape
+from rapidformer.config.sizes import data_parallel_size, launched_world_size
+
+if TYPE_CHECKING:
+    from rapidformer.config.schema import RunConfig
 
 log = logging.getLogger("rapidformer")
 
@@ -224,7 +226,7 @@ def plan(cfg: RunConfig, shape: ModelShape) -> tuple[list[Estimate], int | None,
 
 def plan_report(cfg: RunConfig, shape: ModelShape) -> str:
     estimates, capacity, source = plan(cfg, shape)
-    ws, d = world_size(cfg), data_parallel_size(cfg)
+    ws, d = launched_world_size(cfg), data_parallel_size(cfg)
     lines = [f"model: {cfg.model.name} ({cfg.model.arch}), {shape.parameters:,} parameters "
              f"({shape.parameters / 1e9:.3f} B), {shape.layers} layers, hidden {shape.hidden}",
              f"per rank: {ws} process{'es' if ws > 1 else ''} (data parallel {d}), micro batch "
@@ -252,29 +254,23 @@ def plan_report(cfg: RunConfig, shape: ModelShape) -> str:
     return "\n".join(lines)
 
 
-def resolve_auto(plain: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
-    """The resolved config (plain and typed) with memory=auto replaced by the mode chosen for
-    it; any other memory mode unchanged."""
-    if plain["memory"]["name"] != "auto":
-        return plain, cfg
+def choose_mode(cfg: RunConfig) -> Mode:
+    """The memory mode (and recompute) memory=auto runs: the fastest whose estimate fits the
+    device, the fastest of all without a GPU; ConfigError when none fits."""
     estimates, capacity, source = plan(cfg, model_shape(cfg))
     if capacity is None:
         chosen = estimates[0]
         log.info("memory=auto: no GPU here (and memory.device_memory_gb not set): using %s",
                  chosen.mode.label())
-    else:
-        chosen = choose(estimates, capacity)
-        if chosen is None:
-            smallest = min(estimates, key=lambda e: e.total)
-            raise ConfigError([
-                f"memory=auto: no memory mode fits {capacity / GB:.1f} GB per GPU ({source}); the "
-                f"smallest estimate is {smallest.total / GB:.1f} GB ({smallest.mode.label()}); "
-                f"lower trainer.micro_batch_size or data.max_seq_length, or use more GPUs "
-                f"(rapidformer plan ... prints every mode's estimate)"])
-        log.info("memory=auto: %s (estimated %.1f GB per GPU of %.1f GB, %s)", chosen.mode.label(),
-                 chosen.total / GB, capacity / GB, source)
-    plain = copy.deepcopy(plain)
-    plain["memory"].update(name=chosen.mode.memory, offload_optimizer=chosen.mode.offload_optimizer,
-                           offload_params=chosen.mode.offload_params)
-    plain["trainer"]["checkpoint_activations"] = chosen.mode.checkpoint_activations
-    return plain, build_run_config(plain)
+        return chosen.mode
+    chosen = choose(estimates, capacity)
+    if chosen is None:
+        smallest = min(estimates, key=lambda e: e.total)
+        raise ConfigError([
+            f"memory=auto: no memory mode fits {capacity / GB:.1f} GB per GPU ({source}); the "
+            f"smallest estimate is {smallest.total / GB:.1f} GB ({smallest.mode.label()}); "
+            f"lower trainer.micro_batch_size or data.max_seq_length, or use more GPUs "
+            f"(rapidformer plan ... prints every mode's estimate)"])
+    log.info("memory=auto: %s (estimated %.1f GB per GPU of %.1f GB, %s)", chosen.mode.label(),
+             chosen.total / GB, capacity / GB, source)
+    return chosen.mode

@@ -7,10 +7,12 @@ process group).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rapidformer.config.schema import RunConfig
-from rapidformer.config.validate import PRETRAINING_TASKS
 from rapidformer.errors import InputError
+
+if TYPE_CHECKING:
+    from rapidformer.config.schema import RunConfig
 
 
 @dataclass(frozen=True)
@@ -65,12 +67,12 @@ def vocab_size(cfg: RunConfig) -> int:
     from pathlib import Path
 
     m = cfg.model
-    if cfg.task.name in PRETRAINING_TASKS and m.tokenizer_type and m.tokenizer \
+    if cfg.task.is_pretraining and m.tokenizer_type and m.tokenizer \
             and Path(m.tokenizer).exists():
         from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 
         return load_pretraining_tokenizer(m, cfg.data.path).vocab_size
-    if cfg.task.name not in PRETRAINING_TASKS and m.source == "config":
+    if not cfg.task.is_pretraining and m.source == "config":
         if m.tokenizer and Path(m.tokenizer).exists():
             from rapidformer.data.tokenizers import load_tokenizer
 
@@ -118,7 +120,7 @@ _GENERATED_VOCAB: dict[tuple, int] = {}
 def model_shape(cfg: RunConfig) -> ModelShape:
     m, task = cfg.model, cfg.task.name
     lm_head = task in ("bert_pretraining", "causal_lm", "masked_lm", "seq2seq_lm")
-    if m.arch.startswith("megatron"):
+    if m.is_megatron:
         from rapidformer.models.megatron import padded_vocab_size
 
         vocab = padded_vocab_size(vocab_size(cfg), cfg.parallelism.tensor_model_parallel_size)
@@ -152,7 +154,7 @@ def _meta_model(cfg: RunConfig):
     with torch.device("meta"):
         if m.source == "pretrained":
             return _pretrained_on_meta(cfg)
-        if cfg.task.name in PRETRAINING_TASKS:
+        if cfg.task.is_pretraining:
             return hf.build_pretraining_model(m, cfg.task.name, tokenizer)
         labels = {"num_labels": cfg.task.num_labels or 2} if cfg.task.name in (
             "sequence_classification", "token_classification") else {}

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from rapidformer.config.schema import RunConfig
+from rapidformer.config.sizes import data_parallel_size
 from rapidformer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rapidformer.config.schema import RunConfig
 
 
 def pick_device(choice: str) -> torch.device:
@@ -32,10 +36,7 @@ class RunPlan:
         """This process's plan: the device trainer.device names, and the world its launcher
         (or torchrun) started."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        p = cfg.parallelism
-        model_parallel = (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                          if cfg.model.arch.startswith("megatron") else 1)
-        replicas = max(world // model_parallel, 1)
+        replicas = data_parallel_size(cfg, world)
         t = cfg.trainer
         return cls(device=pick_device(t.device), world_size=world, data_parallel_size=replicas,
                    accumulation=max(t.global_batch_size // (t.micro_batch_size * replicas), 1))

@@ -103,7 +103,7 @@ class StopSignals:
 
 def newest_checkpoint(root: Path) -> str | None:
     """The name of the newest complete checkpoint under `root`, the run's resume point."""
-    from rapidformer.checkpoint import newest_complete
+    from rapidformer.checkpoint.store import newest_complete
 
     newest = newest_complete(root)
     return newest.name if newest else None

@@ -44,7 +44,8 @@ class TaskFinetuner(Finetuner):
     def shape_batches(self, collate, masked_lm: bool = False):
         """The evaluation collate around `collate` (the task's padding one); the training one
         becomes `self.train_collate_fn` (data.pad_to, trainer.unpad, task.mlm_head)."""
-        self.batching = Batching(self.cfg, self.tokenizer, masked_lm=masked_lm)
+        self.batching = Batching(self.cfg, self.tokenizer, self.engine.transforms,
+                                 masked_lm=masked_lm)
         self.train_collate_fn, evaluation = self.batching.collates(collate)
         return evaluation
 

@@ -13,7 +13,7 @@ from torch.utils.data import default_collate
 from rapidformer.compat import mpu
 from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets
 from rapidformer.models.hf import build_pretraining_model
-from rapidformer.models.kernels import fuses_the_loss
+from rapidformer.transforms.liger import fuses_the_loss
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
 from rapidformer.tasks.batching import Batching
 from rapidformer.templates.pretrainer import PreTrainer
@@ -56,7 +56,8 @@ class BertPretrainer(_MegatronDataPretrainer):
         d = self.cfg.data  # data.impl is checked with the config
         tokenizer = self._tokenizer()
         if not self.megatron_model:
-            self.batching = Batching(self.cfg, tokenizer.hf, masked_lm=True)
+            self.batching = Batching(self.cfg, tokenizer.hf, self.engine.transforms,
+                                     masked_lm=True)
             self.collate_fn = self.batching.pretraining_collate(default_collate)
         return build_bert_datasets(d.path, tokenizer, d.split,
                                    train_val_test_num_samples, d.max_seq_length, d.mask_prob,

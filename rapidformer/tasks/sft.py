@@ -9,9 +9,9 @@ import json
 import logging
 import math
 
-from rapidformer.data.chat import (EncodeCounts, PackedCollate, chat_template_text, encode_rows,
-                                   generation_prompts, pack)
-from rapidformer.data.lengths import IGNORE, bucket_lengths
+from rapidformer.data.chat import (EncodeCounts, chat_template_text, encode_rows,
+                                   generation_prompts)
+from rapidformer.data.lengths import IGNORE
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.errors import InputError
 from rapidformer.models.hf import build_task_model
@@ -46,14 +46,8 @@ class SFTFinetuner(TaskFinetuner):
                         if "validation" in splits else [])
         collate = self.shape_batches(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE,
                                                             return_tensors="pt"))
-        train = encoded["train"]
-        if d.packing:
-            train = pack(train, d.max_seq_length)
-            log.info("data.packing: %d training examples in %d rows of at most %d tokens",
-                     len(encoded["train"]), len(train), d.max_seq_length)
-            self.train_collate_fn = PackedCollate(
-                tokenizer.pad_token_id, bucket_lengths(d.pad_to, d.max_seq_length,
-                                                       self.batching.compiled))
+        # data.packing: several examples a row (the packed transform's rows and collate)
+        train = self.engine.transforms.training_rows(encoded["train"])
         return train, encoded.get("validation"), encoded.get("test"), collate
 
     def model_optimizer_lr_scheduler_provider(self):

@@ -13,7 +13,7 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store
 from rapidformer.errors import ConfigError
 
 log = logging.getLogger("rapidformer")
@@ -57,7 +57,7 @@ class BestTracker:
         another metric or mode starts afresh: its best is not comparable."""
         if self.record is None:
             return
-        marker = checkpoint.read_best(self.root)
+        marker = store.read_best(self.root)
         candidates = [r for r in (saved, marker) if r and r.get("evaluated_at", -1) <= step
                       and (r.get("metric"), r.get("mode")) == (self.metric, self.mode)]
         if not candidates:
@@ -103,8 +103,8 @@ class BestTracker:
         prunes what the old marker kept."""
         self.record = record
         if self.is_main and record.step is not None:
-            checkpoint.write_best(self.root, asdict(record))
-            checkpoint.prune(self.root, self.t.keep_last)
+            store.write_best(self.root, asdict(record))
+            store.prune(self.root, self.t.keep_last)
 
     @property
     def patience_over(self) -> bool:

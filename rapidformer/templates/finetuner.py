@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from rapidformer.accelerators.base import StepResult
+from rapidformer.checkpoint.resume import epoch_position, last_step
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
@@ -16,7 +17,6 @@ from rapidformer.observability.format import format_metrics
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator, LoopControl
-from rapidformer.templates.loop import _Window  # noqa: F401  (importable from here, as before)
 
 log = logging.getLogger("rapidformer")
 
@@ -36,27 +36,13 @@ class TrainState:
 
 def continue_epoch(state: TrainState, steps_per_epoch: int, global_batch_size: int
                    ) -> TrainState:
-    """The resumed position in this run's epochs. With another batch size or training set than
-    the checkpoint's, the samples already taken in the epoch are kept, counted in this run's
-    steps (rounded up: no sample is seen twice in the epoch); an epoch already complete in
-    those terms is over. Without this a saved position past the new epoch's end would yield no
-    batches, and the loop would wait for one forever."""
-    saved_batch = state.global_batch_size or global_batch_size
-    changed = (saved_batch, state.steps_per_epoch or steps_per_epoch) != \
-        (global_batch_size, steps_per_epoch)
-    step_in_epoch = -(-state.step_in_epoch * saved_batch // global_batch_size)
-    if changed or step_in_epoch >= steps_per_epoch:
-        log.warning("resuming with %d steps per epoch of %d samples (the checkpoint had %s of "
-                    "%d): %d samples of epoch %d were taken", steps_per_epoch, global_batch_size,
-                    state.steps_per_epoch or "an unrecorded number", saved_batch,
-                    state.step_in_epoch * saved_batch, state.epoch)
-    epoch = state.epoch
-    if step_in_epoch >= steps_per_epoch:
-        epoch, step_in_epoch = epoch + 1, 0
-        log.warning("epoch %d is complete in this run's terms: continuing with epoch %d", epoch - 1,
-                    epoch)
-    return TrainState(state.step, epoch, step_in_epoch, steps_per_epoch, global_batch_size,
-                      state.best)
+    """The resumed position in this run's epochs (checkpoint/resume.py: `epoch_position`),
+    the changes it made logged."""
+    position = epoch_position(asdict(state), steps_per_epoch, global_batch_size)
+    for note in position.notes:
+        log.warning(note)
+    return TrainState(state.step, position.epoch, position.step_in_epoch, steps_per_epoch,
+                      global_batch_size, state.best)
 
 
 class Finetuner:
@@ -155,7 +141,7 @@ class Finetuner:
             self.model_optimizer_lr_scheduler_provider(),
             "(model, optimizer or None, lr_scheduler or None)", count=3, check=model_problem)
         sampler = self._train_sampler(train_ds)
-        total_iters = t.train_iters or t.epochs * sampler.steps_per_epoch
+        total_iters = self._last_step(sampler.steps_per_epoch)
         model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
                                                         total_iters=total_iters)
         train_loader = self._train_loader(train_ds, sampler,
@@ -213,6 +199,16 @@ class Finetuner:
     def _forward_batch(self, batches, model):
         return provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
                         "the loss (a tensor of one value)", check=loss_problem)
+
+    def _last_step(self, steps_per_epoch: int) -> int:
+        """The step training ends at: trainer.train_iters, or trainer.epochs' steps; resumed,
+        the steps the checkpoint's position leaves, counted in this run's epochs."""
+        t, saved = self.cfg.trainer, self.engine.resume_state()
+        if saved is None:
+            return t.train_iters or t.epochs * steps_per_epoch
+        position = epoch_position(saved.train_state, steps_per_epoch, t.global_batch_size)
+        return last_step(saved.step, position, steps_per_epoch, t.epochs, t.train_iters,
+                         self.engine.resume_checkpoint)
 
     def _train_sampler(self, train_ds) -> ResumableSampler:
         t = self.cfg.trainer

@@ -34,7 +34,8 @@ from typing import Callable
 
 import torch
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store
+from rapidformer.data.counts import BatchCounts, take_counts
 from rapidformer.data.lengths import expected_recompiles
 from rapidformer.errors import NonFiniteLoss
 from rapidformer.templates.best import BestTracker
@@ -239,14 +240,14 @@ class LoopControl:
             return
         step, best = state.step, self.best.record
         path = self.best.checkpoint_of_best()
-        if path is not None and not checkpoint.is_complete(path):
+        if path is not None and not store.is_complete(path):
             log.warning("trainer.export_hf: the best checkpoint, %s, is missing or incomplete "
                         "(removed by hand?): exporting the last weights (%s %d) instead", path,
                         self.unit, state.step)
             path = None
         if path is not None and best.step != state.step:
             # training is over: the model (and optimizer) may take the best checkpoint's states
-            self.engine.strategy.load(path)  # collective
+            self.engine.load_weights(path)  # collective
             step = best.step
         if path is not None:
             log.info("trainer.export_hf: exporting the best checkpoint, %s (%s=%.4f), %s",
@@ -273,9 +274,10 @@ class CountingIterator:
         batch = next(self.iterator)
         if self.to_device is not None:
             batch = self.to_device(batch)
+        counts = take_counts(batch)  # off the batch, whether or not a window reads them
         if self.window is not None:
             self.window.data_wait += time.perf_counter() - started
-            self.window.add_input(batch)
+            self.window.add_input(counts)
         return batch
 
 
@@ -304,24 +306,14 @@ class _Window:
         self.step_loss = self.step_loss + loss.float()
         self.micro += 1
         if batch is not None:
-            self.add_input(batch)
+            self.add_input(take_counts(batch))
 
-    def add_input(self, batch):
-        ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-        packed = batch.get("cu_seq_lens_q") if isinstance(batch, dict) else None
-        if ids is not None and packed is not None:  # trainer.unpad: B sequences and a tail
-            self.samples += packed.numel() - 2
-            self.slots += ids.numel()
-            self.tokens = self.tokens + packed[-2]
-        elif ids is not None and "num_examples" in batch:  # data.packing: examples per row
-            self.samples += int(batch["num_examples"])
-            self.slots += ids.numel()
-            self.tokens = self.tokens + batch["token_mask"].sum()
-        elif ids is not None:
-            self.samples += ids.shape[0]
-            self.slots += ids.numel()
-            self.tokens = self.tokens + (mask.sum() if mask is not None else ids.numel())
+    def add_input(self, counts: BatchCounts | None):
+        """One batch's samples, real tokens and slots (data/counts.py)."""
+        if counts is not None:
+            self.samples += counts.samples
+            self.slots += counts.slots
+            self.tokens = self.tokens + counts.tokens
 
     def add_step(self, result):
         self.steps += 1

@@ -36,7 +36,7 @@ class PretrainState:
     best: dict | None = None
 
 
-def megatron_num_samples(train_iters: int, eval_interval: int | None, eval_iters: int,
+def train_valid_test_num_samples(train_iters: int, eval_interval: int | None, eval_iters: int,
                          global_batch_size: int) -> list[int]:
     """[train, valid, test] samples, as Megatron asks its dataset provider for them: one global
     batch per iteration; eval_iters batches per evaluation, evaluating every eval_interval
@@ -92,7 +92,7 @@ class PreTrainer:
             raise ConfigError(["the PreTrainer counts iterations, not epochs: set "
                                "trainer.train_iters (the seed's --train-iters)"])
         total_iters = t.train_iters
-        num_samples = megatron_num_samples(total_iters, t.eval_interval, t.eval_iters,
+        num_samples = train_valid_test_num_samples(total_iters, t.eval_interval, t.eval_iters,
                                            t.global_batch_size)
         log.info("asking the dataset provider for %s train/valid/test samples", num_samples)
         train_ds, valid_ds, test_ds = provided(
@@ -157,8 +157,8 @@ class PreTrainer:
 
     def _forward_step(self, data_iterator, model):
         return provided(self, "run_forward_step", self.run_forward_step(data_iterator, model),
-                        "the loss (a tensor of one value), or megatron-core's (output_tensor, "
-                        "loss_func) pair", check=loss_problem)
+                        "the loss (a tensor of one value), or a pipeline schedule's "
+                        "(output_tensor, loss_func) pair", check=loss_problem)
 
     # --- data --------------------------------------------------------------------------------------
     def build_data_iterator(self, dataset, consumed_samples: int = 0):

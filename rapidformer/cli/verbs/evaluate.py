@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rapidformer.config.validate import PRETRAINING_TASKS
+from rapidformer.config.schema import PRETRAINING_TASKS
 from rapidformer.errors import EXIT_WRITE_FAILED, InputError, NotAvailableError
 from rapidformer.observability.format import format_value
 from rapidformer.file_modes import honour_umask
@@ -81,7 +81,7 @@ def evaluate(run_dir: Path, choice: str | None = None, overrides: list[str] = ()
         raise InputError(f"the data of {run_dir}'s config (with these overrides) has no "
                          f"validation split and no labelled test split to score; name one, "
                          f"e.g. data.validation_file=FILE")
-    return {"checkpoint": str(ckpt), "step": saved.get("step"), "overrides": list(overrides),
+    return {"checkpoint": str(ckpt), "step": saved.step, "overrides": list(overrides),
             "metrics": metrics}
 
 

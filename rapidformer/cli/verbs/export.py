@@ -24,19 +24,20 @@ from pathlib import Path
 
 import yaml
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store
+from rapidformer.checkpoint.state import CheckpointState, read_state
 from rapidformer.accelerators.table import checkpoint_weights as weights
-from rapidformer.config.validate import PRETRAINING_TASKS
+from rapidformer.config.schema import PRETRAINING_TASKS
 from rapidformer.errors import InputError, RapidformerError
 from rapidformer.file_modes import honour_umask
 
 def locate(path: Path, step: int | None) -> tuple[Path, Path]:
     """(checkpoint directory, run directory)."""
-    if checkpoint.NAME.match(path.name):
+    if store.NAME.match(path.name):
         ckpt, run_dir = path, path.parent.parent
     else:
         run_dir = path
-        complete, _ = checkpoint.scan(path / "checkpoints")
+        complete, _ = store.scan(path / "checkpoints")
         if step is not None:
             complete = [c for c in complete if c.name == f"step_{step:08d}"]
         if not complete:
@@ -45,10 +46,10 @@ def locate(path: Path, step: int | None) -> tuple[Path, Path]:
                              f"give a run directory (trainer.output_dir) or a step_NNNNNNNN "
                              f"directory")
         ckpt = complete[-1]
-    if not checkpoint.is_complete(ckpt):
-        raise InputError(f"{ckpt} is not a complete checkpoint (its {checkpoint.MANIFEST} is "
+    if not store.is_complete(ckpt):
+        raise InputError(f"{ckpt} is not a complete checkpoint (its {store.MANIFEST} is "
                          f"missing or does not match its files); choose another step")
-    checkpoint.require_intact(ckpt, checkpoint.verify(ckpt), "rapidformer export")
+    store.require_intact(ckpt, store.verify(ckpt), "rapidformer export")
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"{run_dir}/config.yaml is missing: export needs the run's resolved "
                          f"config next to its checkpoints")
@@ -74,7 +75,8 @@ def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
         if architecture is None or not hasattr(transformers, architecture):
             raise InputError(f"{exported}: no model class in its 'architectures'")
         return getattr(transformers, architecture)(config)
-    vocab = _rows(state, "word_embeddings.weight", "wte.weight", "shared.weight")
+    vocab = _rows(state, "word_embeddings.weight", "wte.weight", "shared.weight",
+                  "embed_tokens.weight")
     if vocab is None:
         raise InputError("the checkpoint has no word-embedding table: it is not a model this "
                          "export knows")
@@ -101,7 +103,7 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
                          f"overwritten)")
     ckpt, run_dir = locate(path, step)
     cfg = build_run_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    saved = checkpoint.read_state(ckpt)
+    saved = read_state(ckpt)
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
         if (ckpt / "tokenizer").is_dir() else None
     if adapter_only:
@@ -118,18 +120,19 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
     return _write(out, ckpt, saved, tokenizer, lambda tmp: model.save_pretrained(str(tmp)))
 
 
-def _adapter_writer(ckpt: Path, saved: dict):
-    if "peft" not in saved:
+def _adapter_writer(ckpt: Path, saved: CheckpointState):
+    record = saved.transforms.get("lora")
+    if record is None:
         raise InputError(f"--adapter-only: {ckpt} holds a whole model (its run used peft=none), "
                          f"not adapters; export it without --adapter-only")
     from rapidformer.accelerators.table import stored_weights
-    from rapidformer.models.adapters import write_adapter_dir
+    from rapidformer.transforms.lora_weights import write_adapter_dir
 
     adapter_state = stored_weights(ckpt, saved)
-    return lambda tmp: write_adapter_dir(ckpt, saved, adapter_state, tmp)
+    return lambda tmp: write_adapter_dir(ckpt, record, adapter_state, tmp)
 
 
-def _write(out: Path, ckpt: Path, saved: dict, tokenizer, write_model) -> Path:
+def _write(out: Path, ckpt: Path, saved: CheckpointState, tokenizer, write_model) -> Path:
     """`write_model(tmp)`, the tokenizer and a note of the source into a new directory that
     appears complete under `out` or not at all."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,8 +142,8 @@ def _write(out: Path, ckpt: Path, saved: dict, tokenizer, write_model) -> Path:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         (tmp / "rapidformer_export.json").write_text(json.dumps(
-            {"checkpoint": str(ckpt.absolute()), "memory": saved.get("memory", "none"),
-             "step": saved.get("step")}, indent=1))
+            {"checkpoint": str(ckpt.absolute()), "memory": saved.memory,
+             "step": saved.step}, indent=1))
         honour_umask(tmp)  # mkdtemp's directory is 0700, safetensors' files 0600
         os.rename(tmp, out)
     finally:

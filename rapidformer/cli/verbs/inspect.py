@@ -8,9 +8,9 @@ import yaml
 
 from rapidformer.cli.hydra_args import split_argv
 from rapidformer.config.compose import (OPTION_GROUPS, check_overrides, compose, group_options,
-                                        option_text, resolve, with_default_recipe)
+                                        option_text, with_default_recipe)
 from rapidformer.config.search import take_config_dirs
-from rapidformer.errors import EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, ConfigError, RapidformerError
+from rapidformer.errors import ConfigError, RapidformerError
 
 SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
 URL_PASSWORD = re.compile(r"(//[^/:@\s]+:)[^@\s]+@")
@@ -66,16 +66,19 @@ def redact(tree):
 
 
 def _resolved(argv: list[str]):
-    from rapidformer.factory import settle
+    """The settled config of a command line: every config problem refused (the machine is not
+    asked: a plan or a shown config may be for another one)."""
+    from rapidformer.preflight import settle
 
     _, overrides = take_config_dirs(*split_argv(argv))
     overrides = check_overrides(with_default_recipe(overrides))
-    return settle(*resolve(compose(overrides, default_recipe=False)))
+    return settle(compose(overrides, default_recipe=False))
 
 
 def _resolved_reporting_all(argv: list[str]):
-    """As `_resolved`, but the overrides with unknown keys or options are left out and their
-    problems joined with those of the rest, so that one run reports everything."""
+    """As `_resolved`, with this machine's problems too (the run's own refusal pass), and the
+    overrides with unknown keys or options left out and their problems joined with those of
+    the rest, so that one run reports everything."""
     _, overrides = take_config_dirs(*split_argv(argv))
     good, problems = [], []
     for override in with_default_recipe(overrides):
@@ -83,12 +86,16 @@ def _resolved_reporting_all(argv: list[str]):
             good += check_overrides([override])
         except ConfigError as exc:
             problems += exc.problems
-    from rapidformer.factory import settle
+    from rapidformer.preflight import settle
 
     try:
-        plain, cfg = settle(*resolve(compose(good, default_recipe=False)))
+        plain, cfg = settle(compose(good, default_recipe=False), environment=True)
     except ConfigError as exc:
         raise ConfigError(problems + exc.problems) from exc
+    except RapidformerError as exc:
+        if problems:  # the config's problems are bad input, whatever the machine lacks
+            raise ConfigError([*problems, str(exc)]) from exc
+        raise
     if problems:
         raise ConfigError(problems)
     return plain, cfg
@@ -109,29 +116,14 @@ def show_command(argv: list[str]) -> int:
 
 
 def validate_command(argv: list[str]) -> int:
-    """Config problems (all of them), then what this machine lacks and unusable paths."""
-    from rapidformer.config.paths import check_paths
-    from rapidformer.factory import check_available
-
+    """Every problem of the config and of this machine for it: the run's own refusal pass."""
     try:
-        plain, cfg = _resolved_reporting_all(argv)
+        _, cfg = _resolved_reporting_all(argv)
     except ConfigError as exc:
         print(f"rapidformer: {exc}", file=sys.stderr)
         return exc.exit_code
     except RapidformerError as exc:
         return _report(exc)
-    problems, codes = [], set()
-    for check in (lambda: check_available(cfg), lambda: check_paths(cfg, cfg.trainer.output_dir)):
-        try:
-            check()
-        except RapidformerError as exc:
-            problems.append(str(exc).removeprefix("invalid config: "))
-            codes.add(exc.exit_code)
-    if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        print(f"rapidformer: not valid here ({len(problems)} problem"
-              f"{'s' if len(problems) > 1 else ''}):\n{lines}", file=sys.stderr)
-        return EXIT_BAD_INPUT if EXIT_BAD_INPUT in codes else EXIT_NOT_AVAILABLE
     world = cfg.launcher.nproc_per_node * cfg.launcher.nnodes
     choices = " ".join(f"{group}={getattr(cfg, group).name}"
                        for group in ("task", "model", "data", "precision", "memory", "graph"))

@@ -121,7 +121,7 @@ def from_checkpoint(ckpt: Path, cfg, run_dir: Path):
     else:
         model = build_task_model(cfg.model, task, tokenizer, **labels)
     restore.load_weights(model, state, ckpt)
-    return model, tokenizer, f"{ckpt} (step {saved.get('step')})"
+    return model, tokenizer, f"{ckpt} (step {saved.step})"
 
 
 def predict(run_dir: Path, input_path: Path, output_path: Path, choice: str | None = None,

@@ -12,18 +12,18 @@ import sys
 import time
 from pathlib import Path
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store
 from rapidformer.errors import EXIT_BAD_INPUT, InputError
 
 
 def checkpoints_under(path: Path) -> tuple[list[Path], list[Path]]:
     """(the checkpoints to verify, interrupted saves) that `path` names."""
-    if checkpoint.NAME.match(path.name):
+    if store.NAME.match(path.name):
         return [path], []
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    complete, broken = checkpoint.scan(root)
-    named = [p for p in broken if checkpoint.NAME.match(p.name)]
-    interrupted = [p for p in broken if not checkpoint.NAME.match(p.name)]
+    complete, broken = store.scan(root)
+    named = [p for p in broken if store.NAME.match(p.name)]
+    interrupted = [p for p in broken if not store.NAME.match(p.name)]
     if not complete and not named:
         raise InputError(f"{path}: no checkpoint found (a run directory holds them under "
                          f"checkpoints/step_NNNNNNNN); give a run directory or one checkpoint")
@@ -41,8 +41,8 @@ def verify_command(argv: list[str]) -> int:
     damaged = 0
     for path in targets:
         started = time.perf_counter()
-        manifest = checkpoint.read_manifest(path)
-        problems = checkpoint.verify(path)
+        manifest = store.read_manifest(path)
+        problems = store.verify(path)
         if problems:
             damaged += 1
             print(f"DAMAGED  {path}")
@@ -57,8 +57,8 @@ def verify_command(argv: list[str]) -> int:
               f"{time.perf_counter() - started:.1f} s{note})")
     for path in interrupted:
         print(f"skipped  {path} (an interrupted save; resume ignores it)")
-    best = checkpoint.read_best(targets[0].parent) if targets else None
-    if best is not None and not checkpoint.NAME.match(args.path.name):
+    best = store.read_best(targets[0].parent) if targets else None
+    if best is not None and not store.NAME.match(args.path.name):
         named = targets[0].parent / f"step_{best['step']:08d}"
         state = "" if named in targets else " (that checkpoint is missing)"
         print(f"best     {named.name}: {best.get('metric')}={best.get('value')}{state}")

@@ -325,7 +325,3 @@ def write_best(root: Path, record: dict) -> None:
 
 def load(path: Path, name: str):
     return torch.load(path / name, map_location="cpu", weights_only=True)
-
-
-def read_state(path: Path) -> dict:
-    return json.loads((path / "state.json").read_text())

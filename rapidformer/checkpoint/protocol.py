@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import torch.distributed as dist
 
-from rapidformer import checkpoint
+from rapidformer.checkpoint import store as checkpoint
 from rapidformer.errors import CheckpointWriteError, InputError
 
 log = logging.getLogger("rapidformer")
-
-# the model settings a checkpoint records, to say which changed when its weights do not fit
-MODEL_SHAPE_KEYS = ("name", "source", "name_or_path", "arch", "hidden_size", "num_layers",
-                    "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                    "max_position_embeddings", "vocab_size", "tokenizer")
 
 
 class CheckpointProtocol:
@@ -149,27 +143,3 @@ def _attempt(write) -> BaseException | None:
         return exc
     return None
 
-
-def model_record(model_cfg, num_parameters: int) -> dict:
-    """What state.json records of the model, for `model_change`."""
-    fields = asdict(model_cfg)
-    if num_parameters is None:  # an own-loop script saving before compose()
-        return {}
-    return {"num_parameters": num_parameters,
-            "model": {k: fields[k] for k in MODEL_SHAPE_KEYS if k in fields}}
-
-
-def model_change(saved: dict, model_cfg, num_parameters: int) -> str | None:
-    """Why the checkpoint's weights cannot fit this run's model (a phrase after "checkpoint
-    PATH "), or None."""
-    before = saved.get("num_parameters")
-    if before is None or num_parameters is None or before == num_parameters:
-        return None
-    now = asdict(model_cfg)
-    changed = [f"model.{k}={v} (was {saved['model'][k]})" for k, v in now.items()
-               if k in saved.get("model", {}) and saved["model"][k] != v]
-    what = ("; changed: " + ", ".join(changed)) if changed else \
-        " (no model setting changed: the vocabulary trained on the data may have)"
-    return (f"holds a model of {before:,} parameters, this run builds {num_parameters:,}{what}; "
-            f"resume with the model settings it was written with, or start a fresh run "
-            f"(a new trainer.output_dir, or trainer.overwrite=true)")

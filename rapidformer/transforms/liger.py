@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from rapidformer.config.schema import KernelsConfig
-from rapidformer.errors import ConfigError, InputError
+from rapidformer.errors import EXIT_NOT_AVAILABLE, InputError, Problem
+from rapidformer.transforms.base import ApplyContext, ModelTransform
+
+if TYPE_CHECKING:
+    from rapidformer.config.schema import KernelsConfig, RunConfig
 
 log = logging.getLogger("rapidformer")
 
@@ -23,17 +27,10 @@ INSTALL = "pip install 'rapidformer[liger]' (liger-kernel)"
 SWITCHES = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")
 
 
-def check_kernels_device(k: KernelsConfig, device: torch.device) -> None:
-    if k.name == "liger" and device.type != "cuda":
-        raise ConfigError([f"kernels=liger runs Triton kernels on CUDA GPUs; this run is on "
-                           f"'{device.type}'. Use kernels=none"])
-
-
-def apply_kernels(model: torch.nn.Module, k: KernelsConfig, device: torch.device) -> None:
+def apply_kernels(model: torch.nn.Module, k: KernelsConfig) -> None:
     """Patch `model` in place with the configured kernels (kernels=none: nothing)."""
     if k.name == "none":
         return
-    check_kernels_device(k, device)
     try:
         from liger_kernel.transformers.monkey_patch import (MODEL_TYPE_TO_APPLY_LIGER_FN,
                                                             _apply_liger_kernel_to_instance)
@@ -61,3 +58,38 @@ def fuses_the_loss(k: KernelsConfig) -> bool:
     """Whether a causal LM's training forward computes its loss itself, from shifted labels,
     without logits (liger-kernel's fused linear cross-entropy)."""
     return k.name == "liger" and k.fused_linear_cross_entropy
+
+
+class LigerKernels(ModelTransform):
+    """kernels=liger."""
+
+    name = "liger"
+
+    @classmethod
+    def wanted(cls, cfg: RunConfig) -> bool:
+        return cfg.kernels.name != "none"
+
+    @classmethod
+    def config_problems(cls, cfg: RunConfig) -> list[str]:
+        m = cfg.model
+        if cfg.kernels.name == "none" or not (m.is_megatron or cfg.graph.name == "ort"):
+            return []
+        return [f"kernels={cfg.kernels.name} with "
+                f"{'model=' + m.name if m.is_megatron else 'graph=ort'}: its kernels patch "
+                f"Hugging Face models trained by torch; use kernels=none"]
+
+    @classmethod
+    def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
+        if device.type != "cuda":
+            return [Problem(f"kernels=liger runs Triton kernels on CUDA GPUs; this run is on "
+                            f"'{device.type}'. Use kernels=none")]
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            return [Problem(f"kernels=liger needs liger-kernel, which is not installed: "
+                            f"{INSTALL}", EXIT_NOT_AVAILABLE)]
+        return []
+
+    def apply(self, model: torch.nn.Module, context: ApplyContext) -> torch.nn.Module:
+        apply_kernels(model, self.cfg.kernels)
+        return model

@@ -3,15 +3,20 @@
 `claimed(run_dir, resume, overwrite)` holds the directory for the block; it is entered before
 anything is written into the directory (before Hydra writes `.hydra/`):
 
-- a directory that holds files no rapidformer run wrote (no `RUN_MARKER`, not a run directory
-  of an earlier version) is refused: the run would overwrite them (`trainer.output_dir=.`);
+- a directory that holds files no rapidformer run wrote is refused: the run would overwrite
+  them (`trainer.output_dir=.`). A run directory is recognised by `RUN_MARKER`, which
+  rapidformer alone writes (a JSON record of the run directory's format; an empty file in the
+  releases before it), never by what other tools also leave (Hydra's `.hydra/`): a sweep job's
+  directory, which Hydra makes and writes `.hydra/` into just before the job starts, is
+  claimed with those entries expected (`hydra_job`);
 - a second run while one holds the directory is refused, naming the holder (pid, host, start):
   an exclusive `flock` on `RUN_DIR/.lock`, which the kernel releases when its process ends, so a
   killed run leaves no stale lock (on NFS, locks are as good as the server's lock manager);
 - a fresh run (trainer.resume unset) into an earlier run's directory that has checkpoints is
-  refused unless trainer.overwrite=true, which removes that run's outputs (`RUN_OUTPUTS`) first:
-  otherwise its checkpoints would be pruned by, interleaved with, or resumed instead of the new
-  run's.
+  refused unless trainer.overwrite=true, which removes that run's outputs first: otherwise its
+  checkpoints would be pruned by, interleaved with, or resumed instead of the new run's. Only
+  what rapidformer writes goes (`RUN_OUTPUTS`; in `checkpoints/` only its step directories and
+  best marker): a file of the user's in the directory stays.
 """
 from __future__ import annotations
 
@@ -29,21 +34,35 @@ from rapidformer.errors import InputError
 
 log = logging.getLogger("rapidformer")
 RUN_MARKER = ".rapidformer-run"
+MARKER_FORMAT = 1
 LOCK = ".lock"
 # what a run writes (and trainer.overwrite=true removes); config.yaml and .hydra/ are
-# rewritten at every start anyway
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "metrics.csv", "tensorboard", "hf_model",
-               ".tmp-hf_model", "status.json", "tokenizer", "logs", "data_index_cache",
-               "generations.jsonl", "peft_base", ".tmp-peft_base")
+# rewritten at every start anyway. checkpoints/ is emptied of what store.py writes only.
+RUN_OUTPUTS = ("metrics.jsonl", "metrics.csv", "tensorboard", "hf_model", ".tmp-hf_model",
+               "status.json", "tokenizer", "logs", "data_index_cache", "generations.jsonl",
+               "peft_base", ".tmp-peft_base")
 IGNORED = {".gitkeep", ".gitignore", ".DS_Store"}  # what an empty directory may hold
 
 _held: dict[str, int] = {}  # run directory -> the lock's file descriptor, for this process
 
 
 def is_run_directory(path: Path) -> bool:
-    """Written by a rapidformer run: the marker, or Hydra's record of a run (a sweep job's
-    directory, which Hydra makes first; a run directory of a version without the marker)."""
-    return (path / RUN_MARKER).is_file() or (path / ".hydra").is_dir()
+    """Written by a rapidformer run: its marker is there (a JSON record, or the empty file of
+    the releases before it; anything else in a file of that name is not ours)."""
+    marker = path / RUN_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        text = marker.read_text()
+        return not text.strip() or json.loads(text).get("rapidformer_run") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _write_marker(path: Path) -> None:
+    marker = path / RUN_MARKER
+    if not marker.is_file() or not marker.read_text().strip():
+        marker.write_text(json.dumps({"rapidformer_run": MARKER_FORMAT}) + "\n")
 
 
 def holds_directory(launcher) -> bool:
@@ -54,11 +73,13 @@ def holds_directory(launcher) -> bool:
 
 
 @contextlib.contextmanager
-def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, held: bool = True):
+def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, held: bool = True,
+            hydra_job: str | None = None):
     """Hold `run_dir` for this process's run during the block, or raise InputError saying why
     not. Re-entered for a directory this process already holds (the entry point, then the
     Hydra job inside it), it checks nothing again; with `held` false (another process of the
-    job holds it, `holds_directory`) it does nothing."""
+    job holds it, `holds_directory`) it does nothing. `hydra_job`: the name of the Hydra job
+    whose directory this is, made by Hydra, which wrote `.hydra/` and the job's log there."""
     if not held:
         yield
         return
@@ -68,7 +89,8 @@ def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, hel
     if path.exists() and str(path.resolve()) in _held:
         yield
         return
-    fd = _claim(path, run_dir, resume, overwrite)
+    fd = _claim(path, run_dir, resume, overwrite,
+                {".hydra", f"{hydra_job}.log"} if hydra_job else set())
     key = str(path.resolve())
     _held[key] = fd
     try:
@@ -78,9 +100,9 @@ def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, hel
         os.close(fd)  # releases the lock
 
 
-def _claim(path: Path, run_dir, resume: str | None, overwrite: bool) -> int:
+def _claim(path: Path, run_dir, resume: str | None, overwrite: bool, expected: set[str]) -> int:
     if path.is_dir():
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in IGNORED)
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in IGNORED | expected)
         if foreign and not is_run_directory(path):
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise InputError(f"trainer.output_dir={run_dir} holds files that no rapidformer "
@@ -106,7 +128,7 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool) -> int:
         os.close(fd)  # releases the lock
         raise
     _record_holder(fd)
-    (path / RUN_MARKER).touch()
+    _write_marker(path)
     return fd
 
 
@@ -122,14 +144,36 @@ def _refuse_mixing(path: Path, given, resume: str | None, overwrite: bool) -> No
                          f"metrics); add trainer.resume=auto to continue it, "
                          f"trainer.overwrite=true to discard it and start fresh there, or "
                          f"choose a new trainer.output_dir")
+    removed = _remove_outputs(path)
+    log.warning("trainer.overwrite=true: removed the earlier run's %s from %s",
+                ", ".join(removed) or "outputs", path)
+
+
+def _remove_outputs(path: Path) -> list[str]:
+    """What rapidformer wrote into a run directory: its outputs, and its checkpoints (step
+    directories, interrupted saves and the best marker); anything else there stays."""
+    from rapidformer.checkpoint import store
+
+    removed = []
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir():
+        for entry in checkpoints.iterdir():
+            if store.NAME.match(entry.name) or entry.name.startswith(".tmp-") or \
+                    entry.name == store.BEST:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        with contextlib.suppress(OSError):
+            checkpoints.rmdir()  # only when nothing of the user's is left in it
+        removed.append("checkpoints")
     for name in RUN_OUTPUTS:
         target = path / name
         if target.is_dir():
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-    log.warning("trainer.overwrite=true: removed the earlier run's checkpoints, metrics and "
-                "export from %s", path)
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def _record_holder(fd: int) -> None:

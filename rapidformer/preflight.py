@@ -1,0 +1,113 @@
+"""The one refusal pass: every reason a config cannot run here, reported at once.
+
+    composed config -> typed (unknown keys, wrong types: nothing else can be checked before)
+                    -> the config's own checks (config/validate.py: ranges, batch sizes, ...)
+                    -> memory=auto decided by the memory plan (planning/memory_plan.py)
+                    -> the table's refusals and the selected strategy's (accelerators/)
+                    -> every model transform's (transforms/)
+                    -> with `environment`: what this machine lacks for the strategy and the
+                       transforms (libraries, device kinds), the logger, the inductor options,
+                       a local model's shape, and the paths the run writes and resumes from
+
+`rapidformer validate`, `rapidformer plan`, `--cfg` and dry runs, and the run itself all go
+through `settle`, so validate says ok exactly when the run would start; each problem keeps the
+exit code it earns (bad input 2, not available here 3).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from rapidformer import transforms
+from rapidformer.accelerators.table import backend_problems, requested
+from rapidformer.config.compose import resolve
+from rapidformer.config.schema import RunConfig
+from rapidformer.config.validate import build_run_config, check_values
+from rapidformer.errors import ConfigError, Problem, caught, refusal
+
+log = logging.getLogger("rapidformer")
+
+
+def settle(composed, output_dir: str | None = None, *, environment: bool = False,
+           writes_to: str | None = None) -> tuple[dict, RunConfig]:
+    """(the plain config to record, the typed config) of a composed config, memory=auto
+    decided, or one error listing every problem. `output_dir`: the run directory recorded as
+    trainer.output_dir (None: the config's own). With `environment`, this machine's problems
+    too, `writes_to` (default: trainer.output_dir) the directory whose paths are checked."""
+    plain, cfg = resolve(composed, output_dir, check=False)
+    problems = [Problem(text) for text in check_values(cfg)]
+    if not problems:  # the memory plan does arithmetic on the values
+        try:
+            plain, cfg = decide_memory(plain, cfg)
+        except ConfigError as exc:
+            problems += [Problem(text) for text in exc.problems]
+    problems += [Problem(text) for text in config_problems(cfg)]
+    if environment:
+        problems += environment_problems(cfg, writes_to or cfg.trainer.output_dir)
+    if problems:
+        raise refusal(problems)
+    return plain, cfg
+
+
+def config_problems(cfg: RunConfig) -> list[str]:
+    """What the backend table, the strategy that would run the config, and the model transforms
+    refuse in it."""
+    return [*backend_problems(cfg), *transforms.config_problems(cfg)]
+
+
+def run_device(cfg: RunConfig) -> tuple[torch.device, list[Problem]]:
+    """The device kind the run's processes use (trainer.device), and the problem when it asks
+    for a GPU this machine does not have."""
+    choice = cfg.trainer.device
+    if choice == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu"), [Problem("trainer.device=cuda but no CUDA GPU is visible; "
+                                             "use trainer.device=cpu or auto")]
+    on_gpu = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if on_gpu else "cpu"), []
+
+
+def environment_problems(cfg: RunConfig, output_dir: str | None = None) -> list[Problem]:
+    """What this machine lacks for the config, and the paths it cannot use."""
+    from rapidformer.accelerators.graph import check_inductor_options
+    from rapidformer.config.paths import check_paths
+    from rapidformer.models.pretrained_shape import check_local_shape
+    from rapidformer.observability.loggers import check_tracker_installed
+
+    device, problems = run_device(cfg)
+    problems += [problem for cls in requested(cfg)
+                 for problem in cls.environment_problems(cfg, device)]
+    problems += transforms.environment_problems(cfg, device)
+    if cfg.graph.name == "compile" and cfg.graph.options:
+        problems += caught(check_inductor_options, cfg.graph.options)
+    problems += caught(check_tracker_installed, cfg.logger.name)
+    problems += caught(check_local_shape, cfg.model)
+    if cfg.task.is_pretraining and not cfg.user_script:
+        from rapidformer.data.megatron import require_megatron_core
+
+        problems += caught(require_megatron_core)
+    if output_dir is not None:
+        problems += caught(check_paths, cfg, output_dir)
+    return problems
+
+
+def check_environment(cfg: RunConfig, output_dir: str | None = None) -> None:
+    """Raise, listing them all, when this machine cannot run the (settled) config."""
+    if problems := environment_problems(cfg, output_dir):
+        raise refusal(problems)
+
+
+def decide_memory(plain: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
+    """memory=auto replaced by the mode the memory plan picks (so the recorded config.yaml
+    says what ran); any other memory mode unchanged."""
+    if plain["memory"]["name"] != "auto":
+        return plain, cfg
+    from rapidformer.planning.memory_plan import choose_mode
+
+    mode = choose_mode(cfg)
+    plain = copy.deepcopy(plain)
+    plain["memory"].update(name=mode.memory, offload_optimizer=mode.offload_optimizer,
+                           offload_params=mode.offload_params)
+    plain["trainer"]["checkpoint_activations"] = mode.checkpoint_activations
+    return plain, build_run_config(plain, check=False)
