@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from rapidformer import checkpoint  # noqa: E402
+from rapidformer.checkpoint import store as checkpoint  # noqa: E402
 
 # a small deterministic fp32 job: checkpoints every 2 steps, one log line per step
 BASE = ["+recipe=quickstart", "trainer.progress_bar=false", "trainer.tensorboard=false",
