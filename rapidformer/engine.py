@@ -27,7 +27,8 @@ from rapidformer.checkpoint.protocol import CheckpointProtocol
 from rapidformer.checkpoint.resume import ThisRun, resume_plan
 from rapidformer.checkpoint.state import CheckpointState, model_record, read_state
 from rapidformer.runtime.rank_progress import RankProgress
-from rapidformer.runtime.distributed import init_distributed
+from rapidformer.runtime.distributed import gather_rows, init_distributed
+from rapidformer.runtime.gpu_math import apply_gpu_math_settings
 from rapidformer.file_modes import honour_umask
 from rapidformer.runtime.rng import rng_state, seed_everything, set_rng_state
 from rapidformer.transforms import ApplyContext, Transforms, rounds_lengths
@@ -37,21 +38,6 @@ log = logging.getLogger("rapidformer")
 # backward or step: an own loop may step the optimizer itself, as the seed's example does)
 ENGINES_CREATED = 0
 TRAINING_CALLS = 0
-
-
-def gpu_math_settings(cfg: RunConfig) -> dict:
-    """cuBLAS/cuDNN switches for this run: TF32 (trainer.tf32; null: with mixed precision only)
-    and cuDNN autotuning (off when the run must be deterministic)."""
-    t = cfg.trainer
-    tf32 = t.tf32 if t.tf32 is not None else cfg.precision.dtype != "fp32"
-    return {"tf32": tf32, "cudnn_benchmark": not t.deterministic}
-
-
-def apply_gpu_math_settings(cfg: RunConfig) -> None:
-    settings = gpu_math_settings(cfg)
-    torch.backends.cuda.matmul.allow_tf32 = settings["tf32"]
-    torch.backends.cudnn.allow_tf32 = settings["tf32"]
-    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
 
 
 class RapidformerEngine:
@@ -206,17 +192,7 @@ class RapidformerEngine:
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate `tensor` from every rank along dim 0 (sizes may differ between ranks)."""
-        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
-            return tensor
-        size = torch.tensor([tensor.shape[0]], device=tensor.device)
-        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size)
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        padded[: tensor.shape[0]] = tensor
-        parts = [torch.zeros_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded)
-        return torch.cat([part[: int(s.item())] for part, s in zip(parts, sizes)])
+        return gather_rows(tensor, self.world_size)
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -258,7 +258,7 @@ def test_length_grouped_sampler_pads_less_and_resumes():
     (["trainer.tf32=true", "trainer.deterministic=true"], {"tf32": True, "cudnn_benchmark": False}),
 ])
 def test_gpu_math_settings_follow_precision_and_determinism(overrides, expected):
-    from rapidformer.engine import gpu_math_settings
+    from rapidformer.runtime.gpu_math import gpu_math_settings
 
     _, cfg = settle(compose(overrides), "out")
     assert gpu_math_settings(cfg) == expected

@@ -40,3 +40,19 @@ def join_group_of_one(device: torch.device) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl",
                                 store=dist.HashStore(), rank=0, world_size=1)
+
+
+def gather_rows(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Concatenate `tensor` from every rank along dim 0 (sizes may differ between ranks: each
+    is padded to the longest for the all-gather, then cut back)."""
+    if not (dist.is_available() and dist.is_initialized()) or world_size == 1:
+        return tensor
+    size = torch.tensor([tensor.shape[0]], device=tensor.device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded[: tensor.shape[0]] = tensor
+    parts = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[: int(s.item())] for part, s in zip(parts, sizes)])

@@ -37,7 +37,7 @@ class _MegatronDataPretrainer(PreTrainer):
     def megatron_model(self) -> bool:
         """model=megatron_*: a megatron-core model (its own forward and loss), else Hugging
         Face's."""
-        return self.cfg.model.arch.startswith("megatron")
+        return self.cfg.model.is_megatron
 
     def model_optimizer_lr_scheduler_provider(self):
         tokenizer = load_pretraining_tokenizer(self.cfg.model, self.cfg.data.path)

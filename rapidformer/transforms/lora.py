@@ -269,8 +269,8 @@ class LoRA(ModelTransform):
         except ImportError:
             return [Problem(f"peft=lora/qlora needs peft, which is not installed: {INSTALL}",
                             EXIT_NOT_AVAILABLE)]
-        if cfg.peft.name != "qlora":
-            return []
+        if cfg.peft.name != "qlora" or cfg.trainer.device == "cpu":
+            return []  # trainer.device=cpu: the config's own problem says it (_qlora_problems)
         if device.type != "cuda":
             return [Problem(f"peft=qlora keeps the base weights in 4 bits with bitsandbytes' "
                             f"CUDA kernels; this run is on '{device.type}', where they are a "
