@@ -155,6 +155,105 @@ def test_memory_auto_picks_the_fastest_mode_that_fits(capsys):
         _cfg(*big, "memory=auto", "memory.device_memory_gb=1")
 
 
+# the Megatron GPT pretraining config the plan is asked about (its data need not exist)
+MEGATRON_GPT = ["task=causal_lm", "data=megatron", "data.path=corpus_text_document",
+                "trainer.train_iters=10", "model.tokenizer_type=GPT2BPETokenizer",
+                "model.tokenizer=vocab.json", "model.merge_file=merges.txt",
+                "trainer.export_hf=false", "model=megatron_gpt_tiny"]
+
+
+def _labels(*overrides: str) -> list[str]:
+    from rapidformer.planning.memory_plan import candidate_modes
+
+    return [m.label() for m in candidate_modes(_cfg(*overrides))]
+
+
+def test_the_candidate_modes_are_tried_fastest_first():
+    plain = ["none", "zero1", "zero2", "fsdp", "zero3"]
+    offloads = ["zero2 + offload optimizer, act. ckpt", "zero3 + offload optimizer, act. ckpt",
+                "zero3 + offload optimizer, offload params, act. ckpt",
+                "fsdp + offload optimizer, offload params, act. ckpt"]
+    assert _labels("precision=bf16") == \
+        [*plain, *(f"{m} + act. ckpt" for m in plain), *offloads]
+    assert _labels("precision=bf16", "trainer.checkpoint_activations=true") == \
+        [*(f"{m} + act. ckpt" for m in plain), *offloads]
+    # the plan's order names every memory option but auto
+    from rapidformer.planning.memory_plan import OFFLOADING, SHARDING
+
+    assert set(SHARDING) | set(OFFLOADING) == set(group_options("memory")) - {"auto"}
+
+
+@pytest.mark.parametrize("overrides, left_out", [
+    # LoRA's refusal: FSDP2 and ZeRO-3 would drop the 4-bit base's quantization state
+    (["model=llama_tiny", "peft=qlora", "precision=bf16"], ("fsdp", "zero3")),
+    # float8's refusal: DeepSpeed's own weight copies bypass torchao's layers
+    (["model=llama_tiny", "precision=fp8"], ("zero1", "zero2", "zero3")),
+    # precision.fp8_all_gather gathers FSDP2's shards: every other mode refuses it
+    (["model=llama_tiny", "precision=fp8", "memory=fsdp", "precision.fp8_all_gather=true"],
+     ("none", "zero1", "zero2", "zero3")),
+    (["precision=fp16"], ("fsdp",)),  # FSDP2's: no sharded loss scaling
+    (["graph=ort"], ("zero1", "zero2", "zero3", "fsdp")),  # ORTModule's one ONNX graph
+    # megatron-core runs memory=none/zero1/zero2, without offload
+    ([*MEGATRON_GPT, "precision=bf16"], ("fsdp", "zero3", "offload")),
+], ids=["qlora", "fp8", "fp8_all_gather", "fp16", "ort", "megatron"])
+def test_the_plan_tries_no_mode_the_run_would_refuse(overrides, left_out):
+    """The candidates are what the refusal pass allows, asked of it: nothing refused is tried."""
+    from rapidformer.planning.memory_plan import candidate_modes, refusals, with_mode
+
+    cfg = _cfg(*overrides)
+    modes = candidate_modes(cfg)
+    assert modes and all(refusals(with_mode(cfg, m)) == [] for m in modes)
+    labels = [m.label() for m in modes]
+    assert not [label for label in labels if any(word in label for word in left_out)], labels
+
+
+def test_memory_auto_picks_no_mode_the_run_refuses():
+    """precision=fp8 on a 16 GB GPU: ZeRO-2 fits first, which float8 refuses; FSDP2 runs."""
+    cfg = _cfg("model=llama_1b", "precision=fp8", "memory=auto", "memory.device_memory_gb=16")
+    assert (cfg.memory.name, cfg.memory.offload_params) == ("fsdp", True)
+
+
+STRATEGY_CONFIGS = [  # (strategy, config, what it shards over the data-parallel ranks)
+    ("ddp", ["memory=none"], set()),
+    ("ort", ["graph=ort"], set()),
+    ("deepspeed", ["memory=zero1"], {"optimizer state"}),
+    ("deepspeed", ["memory=zero2"], {"optimizer state", "gradients"}),
+    ("deepspeed", ["memory=zero3"], {"optimizer state", "gradients", "parameters"}),
+    ("fsdp2", ["memory=fsdp"], {"optimizer state", "gradients", "parameters"}),
+    ("megatron", [*MEGATRON_GPT, "memory=none"], set()),
+    ("megatron", [*MEGATRON_GPT, "memory=zero1"], {"optimizer state"}),
+    ("megatron", [*MEGATRON_GPT, "memory=zero2"], {"optimizer state"}),  # its grads stay whole
+]
+
+
+@pytest.mark.parametrize("name, overrides, sharded", STRATEGY_CONFIGS,
+                         ids=[" ".join(o[-1:]) + f" {n}" for n, o, _ in STRATEGY_CONFIGS])
+def test_a_strategys_shards_are_what_the_plan_divides_by_the_ranks(name, overrides, sharded):
+    """One fact per strategy: its `shards` and the plan's model states come from its
+    state_bytes; over 4 ranks the plan divides exactly what it shards."""
+    from rapidformer.accelerators.table import STRATEGIES, select
+    from rapidformer.planning.memory_plan import Mode, estimate
+    from rapidformer.planning.model_shape import model_shape
+
+    assert {n for n, _, _ in STRATEGY_CONFIGS} == set(STRATEGIES)
+    one, four = (_cfg(*overrides, "precision=bf16" if name != "ort" else "precision=fp32",
+                      f"launcher.nproc_per_node={n}", "trainer.global_batch_size=128")
+                 for n in (1, 4))
+    cls = select(four)
+    assert cls is STRATEGIES[name]
+    strategy = cls.__new__(cls)  # `shards` reads the config only: no process group
+    strategy.cfg = four
+    assert strategy.shards == cls.state_bytes(four).sharded == sharded
+    facts = cls.state_bytes(four)
+    widths = {"parameters": facts.weights, "gradients": facts.gradients,
+              "optimizer state": facts.optimizer}
+    mode = Mode(four.memory.name)
+    states = [estimate(model_shape(c), c, mode).model_states for c in (one, four)]
+    # states(D) = whole + split / D: what one rank saves going from 1 to 4 ranks is 3/4 split
+    split = sum(widths[kind] for kind in sharded) / sum(widths.values()) * states[0]
+    assert abs((states[0] - states[1]) - split * 3 / 4) <= 2
+
+
 def test_plan_verb_and_dry_run_print_the_plan_and_start_nothing(tmp_path, capsys):
     code, out, _ = cli(["plan", "memory.device_memory_gb=24"], capsys)
     assert code == 0

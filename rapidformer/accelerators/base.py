@@ -14,7 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
@@ -24,13 +24,45 @@ from rapidformer.checkpoint.state import CheckpointState
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import Problem
 from rapidformer.models.attention import use_training_sdpa
-from rapidformer.planning.run_plan import RunPlan
 from rapidformer.transforms.base import WHOLE_MODEL, StateFilter
+
+if TYPE_CHECKING:  # planning asks the strategies (planning/memory_plan.py): not the reverse
+    from rapidformer.planning.run_plan import RunPlan
 
 log = logging.getLogger("rapidformer")
 
 # what a strategy shards over the data-parallel ranks (the memory plan's vocabulary)
 OPTIMIZER_STATE, GRADIENTS, PARAMETERS = "optimizer state", "gradients", "parameters"
+NOTHING: frozenset = frozenset()
+EVERYTHING = frozenset({OPTIMIZER_STATE, GRADIENTS, PARAMETERS})
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """What every rank of a strategy holds of the training state, for a config: the memory
+    plan's facts (planning/memory_plan.py), known without a process group or a device.
+
+    `weights`, `gradients`, `optimizer`: bytes per trained parameter, before sharding
+    (`optimizer`: AdamW's two moments, and fp32 master weights where the strategy keeps them);
+    `sharded`: what it splits over the data-parallel ranks; `offloaded`: what it keeps in host
+    memory under the config's offload settings; `residual`: bytes per element of the residual
+    stream its wrapper leaves (what a layer's saved inputs are made of)."""
+    weights: int
+    gradients: int
+    optimizer: int
+    sharded: frozenset = NOTHING
+    offloaded: frozenset = NOTHING
+    residual: int = 4
+
+    def on_device(self, parameters: float, data_parallel: int) -> float:
+        """Bytes of model state one rank keeps in device memory for `parameters` parameters
+        over `data_parallel` ranks."""
+        total = 0
+        for kind, width in ((PARAMETERS, self.weights), (GRADIENTS, self.gradients),
+                            (OPTIMIZER_STATE, self.optimizer)):
+            if kind not in self.offloaded:
+                total += width * parameters / (data_parallel if kind in self.sharded else 1)
+        return total
 
 
 @dataclass
@@ -49,7 +81,6 @@ class Strategy(abc.ABC):
     manifest) and override what differs from the plain single-process defaults below."""
 
     name: ClassVar[str]
-    shards: ClassVar[frozenset] = frozenset()  # what it splits over data-parallel ranks
     # whether torch.compile's graph.scope=auto compiles each block (the wrapper shards them)
     compiles_blocks: ClassVar[bool] = False
     # Hugging Face models: the training attention path (rapidformer_sdpa), and their own
@@ -70,6 +101,21 @@ class Strategy(abc.ABC):
         compute precision (strategies whose library owns the precision check it the same)."""
         return [Problem(text) for text in precision_problems(cfg.precision, device)]
 
+    # --- what the memory plan counts (planning/memory_plan.py), for a config ----------------
+    @classmethod
+    @abc.abstractmethod
+    def state_bytes(cls, cfg: RunConfig) -> StateBytes:
+        """What each rank holds of the weights, gradients and optimizer state of a config this
+        strategy runs: bytes per parameter, what it shards, what it offloads (keep a comment
+        of where each number comes from)."""
+
+    @classmethod
+    def buffer_bytes(cls, cfg: RunConfig, parameters: int, block_parameters: int) -> int:
+        """Bytes a rank keeps beside the model states for communication and gathered weights
+        (buckets, unsharded blocks), for a model of `parameters` parameters whose transformer
+        blocks hold `block_parameters` each: none by default."""
+        return 0
+
     def __init__(self, cfg: RunConfig, plan: RunPlan, rank: int, world_size: int,
                  state_filter: StateFilter = WHOLE_MODEL):
         self.cfg, self.plan, self.rank, self.world_size = cfg, plan, rank, world_size
@@ -81,6 +127,11 @@ class Strategy(abc.ABC):
         self.precision = None  # the precision seam's object, where the strategy keeps one
 
     # --- who reads which data ---------------------------------------------------------------
+    @property
+    def shards(self) -> frozenset:
+        """What this run splits over the data-parallel ranks: the memory plan's count."""
+        return self.state_bytes(self.cfg).sharded
+
     @property
     def data_parallel(self) -> tuple[int, int]:
         """(this rank's data-parallel index, the data-parallel size)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rapidformer.accelerators.base import StepResult, Strategy
+from rapidformer.accelerators.base import StateBytes, StepResult, Strategy
 from rapidformer.transforms.base import WHOLE_MODEL
 from rapidformer.accelerators.graph import apply_graph, compile_blocks
 from rapidformer.accelerators.precision import MixedPrecision
@@ -26,6 +26,14 @@ log = logging.getLogger("rapidformer")
 
 class DDPStrategy(Strategy):
     name = "ddp"
+
+    @classmethod
+    def state_bytes(cls, cfg) -> StateBytes:
+        # torch autocast casts per op: fp32 weights and gradients, AdamW's two fp32 moments
+        # and an fp32 residual stream, whole on every rank; nothing offloads
+        return StateBytes(weights=4, gradients=4, optimizer=8, residual=4)
+
+    # buffer_bytes: none; gradient_as_bucket_view=True makes the gradients DDP's buckets
 
     def __init__(self, cfg, plan, rank, world_size, state_filter=WHOLE_MODEL):
         super().__init__(cfg, plan, rank, world_size, state_filter)

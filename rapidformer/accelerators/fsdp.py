@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rapidformer.accelerators.base import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
+from rapidformer.accelerators.base import EVERYTHING, NOTHING, StateBytes
 from rapidformer.accelerators.ddp import DDPStrategy
 from rapidformer.accelerators.graph import blocks_only_problems
+from rapidformer.accelerators.precision import compute_bytes
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError
 from rapidformer.models.blocks import transformer_blocks
@@ -110,8 +111,23 @@ class FSDP2Strategy(DDPStrategy):
     """The torch optimizer and step of the DDP strategy, over FSDP2-sharded parameters."""
 
     name = "fsdp2"
-    shards = frozenset({OPTIMIZER_STATE, GRADIENTS, PARAMETERS})
     compiles_blocks = True
+
+    @classmethod
+    def state_bytes(cls, cfg: RunConfig) -> StateBytes:
+        # every block sharded: fp32 master weights, fp32 gradients (reduce_dtype) and AdamW's
+        # two fp32 moments; the forward runs on the gathered bf16 weights (param_dtype), so a
+        # 16-bit residual stream; CPUOffloadPolicy (memory.offload_params) keeps parameters,
+        # gradients and optimizer state in host memory together
+        return StateBytes(weights=4, gradients=4, optimizer=8, sharded=EVERYTHING,
+                          offloaded=EVERYTHING if cfg.memory.offload_params else NOTHING,
+                          residual=compute_bytes(cfg.precision))
+
+    @classmethod
+    def buffer_bytes(cls, cfg: RunConfig, parameters: int, block_parameters: int) -> int:
+        # the unsharded current and prefetched block (in param_dtype), and a block's unsharded
+        # fp32 gradients
+        return 2 * block_parameters * compute_bytes(cfg.precision) + 2 * block_parameters * 4
 
     @classmethod
     def config_problems(cls, cfg: RunConfig) -> list[str]:

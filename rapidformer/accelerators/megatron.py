@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from rapidformer.accelerators import megatron_checkpoint, megatron_optimizer, parallel
-from rapidformer.accelerators.base import OPTIMIZER_STATE, StepResult, Strategy
+from rapidformer.accelerators.base import NOTHING, OPTIMIZER_STATE, StateBytes, StepResult, Strategy
 from rapidformer.accelerators.graph import compile_blocks
+from rapidformer.accelerators.precision import compute_bytes
 from rapidformer.checkpoint import store
 from rapidformer.config.sizes import launched_world_size
 from rapidformer.transforms.base import WHOLE_MODEL
@@ -76,6 +77,21 @@ class MegatronStrategy(Strategy):
         return p
 
     @classmethod
+    def state_bytes(cls, cfg) -> StateBytes:
+        # Float16Module: bf16/fp16 weights (and residual stream); megatron-core's DDP: fp32
+        # gradient buffers, whole on every data-parallel rank (memory=zero2 too); its
+        # optimizer: fp32 main weights and AdamW's two moments (12 bytes), the two moments
+        # alone of fp32 weights (8). memory=zero1/zero2: the distributed optimizer shards that
+        # state. Per parameter of this rank's tensor/pipeline shard; nothing offloads.
+        width = compute_bytes(cfg.precision)
+        sharded = frozenset({OPTIMIZER_STATE}) if megatron_optimizer.uses_distributed_optimizer(
+            cfg) else NOTHING
+        return StateBytes(weights=width, gradients=4, optimizer=12 if width == 2 else 8,
+                          sharded=sharded, residual=width)
+
+    # buffer_bytes: none beyond the gradient buffers counted as its gradients
+
+    @classmethod
     def environment_problems(cls, cfg, device: torch.device) -> list[Problem]:
         import importlib.util
 
@@ -101,11 +117,6 @@ class MegatronStrategy(Strategy):
         self.parallel = parallel.initialize(cfg, self.device)
         # megatron-core's optimizer owns the loss scale, unscaling, inf check and clipping
         self.precision = megatron_optimizer.MegatronPrecision(cfg.precision.dtype)
-
-    @property
-    def shards(self):
-        return frozenset({OPTIMIZER_STATE}) if megatron_optimizer.uses_distributed_optimizer(
-            self.cfg) else frozenset()
 
     @property
     def data_parallel(self) -> tuple[int, int]:

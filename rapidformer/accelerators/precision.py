@@ -14,6 +14,12 @@ from rapidformer.errors import ConfigError
 from rapidformer.models.dtypes import DTYPES
 
 
+def compute_bytes(p: PrecisionConfig) -> int:
+    """Bytes per element of the compute dtype: 2 for bf16 and fp16 (precision=fp8's layers
+    outside float8 run bf16), 4 for fp32."""
+    return DTYPES[p.dtype].itemsize
+
+
 def precision_problems(p: PrecisionConfig, device: torch.device) -> list[str]:
     """What `device` lacks for the compute precision (autocast, bf16)."""
     if p.dtype == "fp32":

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from rapidformer.accelerators.base import (GRADIENTS, OPTIMIZER_STATE, PARAMETERS, StepResult,
-                                           Strategy)
+from rapidformer.accelerators.base import (GRADIENTS, OPTIMIZER_STATE, PARAMETERS, StateBytes,
+                                           StepResult, Strategy)
 from rapidformer.accelerators.graph import blocks_only_problems, compile_blocks
-from rapidformer.accelerators.precision import check_device_supports
+from rapidformer.accelerators.precision import check_device_supports, compute_bytes
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_NOT_AVAILABLE, ConfigError, NotAvailableError, Problem
 from rapidformer.runtime.distributed import join_group_of_one
@@ -27,6 +27,10 @@ log = logging.getLogger("rapidformer")
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 INSTALL = "memory=zero1/zero2/zero3 needs DeepSpeed: pip install 'deepspeed>=0.19,<0.20'"
 CHECKPOINT_TAG = "deepspeed"
+# DeepSpeed's defaults (elements) for what deepspeed_config leaves unset: reduce_bucket_size,
+# stage3_max_live_parameters
+DS_REDUCE_BUCKET = 500_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 
 def import_deepspeed(device: torch.device):
@@ -118,6 +122,36 @@ class ZeroStrategy(Strategy):
         return p + blocks_only_problems(cfg, "DeepSpeed")
 
     @classmethod
+    def state_bytes(cls, cfg: RunConfig) -> StateBytes:
+        stage, m = ZERO_STAGES[cfg.memory.name], cfg.memory
+        # bf16/fp16: DeepSpeed casts the module (16-bit weights and gradients, so a 16-bit
+        # residual stream) and keeps fp32 master weights and AdamW's two fp32 moments (12
+        # bytes); fp32: fp32 weights, gradients and the two moments
+        width = compute_bytes(cfg.precision)
+        weights, gradients, optimizer = (2, 2, 12) if width == 2 else (4, 4, 8)
+        # stage 1 shards the optimizer state, 2 the gradients too, 3 the parameters too
+        sharded = frozenset([OPTIMIZER_STATE, GRADIENTS, PARAMETERS][:stage])
+        offloaded = set()
+        if m.offload_optimizer:  # offload_optimizer; ZeRO-3's gradient partitions go with it
+            offloaded |= {OPTIMIZER_STATE, GRADIENTS} if stage == 3 else {OPTIMIZER_STATE}
+        if m.offload_params:  # offload_param (ZeRO-3 only)
+            offloaded.add(PARAMETERS)
+        return StateBytes(weights, gradients, optimizer, sharded, frozenset(offloaded),
+                          residual=width)
+
+    @classmethod
+    def buffer_bytes(cls, cfg: RunConfig, parameters: int, block_parameters: int) -> int:
+        facts = cls.state_bytes(cfg)
+        # its gradient reduce bucket
+        buffers = min(DS_REDUCE_BUCKET, parameters) * facts.gradients
+        if ZERO_STAGES[cfg.memory.name] == 3:
+            # the gathered parameters it may keep live (stage3_max_live_parameters), and a
+            # second gradient bucket (it reduces one while filling the next)
+            buffers += min(DS_MAX_LIVE_PARAMETERS, parameters) * facts.weights \
+                + min(DS_REDUCE_BUCKET, parameters) * facts.gradients
+        return buffers
+
+    @classmethod
     def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
         import importlib.util
 
@@ -132,10 +166,6 @@ class ZeroStrategy(Strategy):
         self.stage = ZERO_STAGES[cfg.memory.name]
         self.ds = None
         self._skipped = 0  # DeepSpeed's count of overflow-skipped steps at the last step
-
-    @property
-    def shards(self):
-        return frozenset([OPTIMIZER_STATE, GRADIENTS, PARAMETERS][:self.stage])
 
     def wrap(self, model, optimizer, build_scheduler):
         model = compile_blocks(model, self.cfg.graph, self.compiles_blocks)

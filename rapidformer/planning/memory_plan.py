@@ -16,11 +16,15 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from rapidformer import transforms
+from rapidformer.accelerators.precision import compute_bytes
+from rapidformer.accelerators.table import backend_problems, select
 from rapidformer.errors import ConfigError
 from rapidformer.planning.model_shape import ModelShape, model_shape
 from rapidformer.config.sizes import data_parallel_size, launched_world_size
 
 if TYPE_CHECKING:
+    from rapidformer.accelerators.base import StateBytes
     from rapidformer.config.schema import RunConfig
 
 log = logging.getLogger("rapidformer")
@@ -30,9 +34,14 @@ GB = 2**30
 # torch's allocator statistics (and so these estimates) do not count
 RESERVE_BYTES = int(1.5 * GB)
 RESERVE_FRACTION = 0.05
-# DeepSpeed's defaults for the buckets it allocates (elements)
-DS_REDUCE_BUCKET = 500_000_000
-DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+# The order modes are tried in, fastest first: sharding costs communication (FSDP2's per-block
+# gathers less than ZeRO-3's), activation checkpointing a third more compute, offload PCIe
+# traffic and an optimizer step on the host (DeepSpeed's CPU Adam before FSDP2's torch
+# optimizer; ZeRO-1 is not offloaded: ZeRO-2 with offload moves the same and holds less).
+# Which of them a config may run is not decided here: candidate_modes asks the refusal pass.
+SHARDING = ("none", "zero1", "zero2", "fsdp", "zero3")
+OFFLOADING = ("zero2", "zero3", "fsdp")
+OFFLOADS = ((True, False), (True, True))  # (offload_optimizer, offload_params)
 
 
 @dataclass(frozen=True)
@@ -68,67 +77,52 @@ class Estimate:
 
 
 def candidate_modes(cfg: RunConfig) -> list[Mode]:
-    """Every mode this config may run, fastest first: sharding costs communication, activation
-    checkpointing a third more compute, offload PCIe traffic and a CPU optimizer step."""
-    megatron = cfg.model.arch.startswith("megatron")
-    shardings = ["none", "zero1", "zero2"] if megatron else \
-        ["none", "zero1", "zero2", "fsdp", "zero3"]
-    if cfg.precision.dtype == "fp16":
-        shardings = [s for s in shardings if s != "fsdp"]  # refused by validation
-    offloads = [] if megatron else [
-        Mode("zero2", offload_optimizer=True), Mode("zero3", offload_optimizer=True),
-        Mode("zero3", offload_optimizer=True, offload_params=True)]
-    if not megatron and cfg.precision.dtype != "fp16":
-        offloads.append(Mode("fsdp", offload_optimizer=True, offload_params=True))
-    plain = [Mode(s) for s in shardings]
-    modes = [*plain, *(replace(m, checkpoint_activations=True) for m in plain),
-             *(replace(m, checkpoint_activations=True) for m in offloads)]
+    """Every mode this config may run, fastest first: the memory modes, then the same with
+    activation checkpointing, then offload with it, less those the refusal pass's config checks
+    refuse beyond what they refuse in `cfg` itself (nothing refused is tried)."""
+    plain = [Mode(memory) for memory in SHARDING]
+    ladder = [*plain, *(replace(m, checkpoint_activations=True) for m in plain),
+              *(Mode(memory, optimizer, params, checkpoint_activations=True)
+                for memory in OFFLOADING for optimizer, params in OFFLOADS)]
     if cfg.trainer.checkpoint_activations:  # the user asked for it: keep it
-        modes = [m for m in modes if m.checkpoint_activations]
-    return modes
+        ladder = [m for m in ladder if m.checkpoint_activations]
+    # what cfg itself is refused for (memory=auto is decided before the refusal pass reports
+    # it) is no mode's doing: a mode is left out for what it adds
+    own = set(refusals(cfg))
+    return [m for m in ladder if set(refusals(with_mode(cfg, m))) <= own]
+
+
+def refusals(cfg: RunConfig) -> list[str]:
+    """What the one refusal pass's config checks refuse in `cfg` (preflight.config_problems):
+    the backend table's and the selected strategy's, and every model transform's."""
+    return [*backend_problems(cfg), *transforms.config_problems(cfg)]
+
+
+def with_mode(cfg: RunConfig, mode: Mode) -> RunConfig:
+    """`cfg` run in `mode`."""
+    memory = replace(cfg.memory, name=mode.memory, offload_optimizer=mode.offload_optimizer,
+                     offload_params=mode.offload_params)
+    trainer = replace(cfg.trainer, checkpoint_activations=mode.checkpoint_activations)
+    return replace(cfg, memory=memory, trainer=trainer)
 
 
 def estimate(shape: ModelShape, cfg: RunConfig, mode: Mode, on_gpu: bool = True) -> Estimate:
-    if cfg.model.arch.startswith("megatron"):
-        return _megatron_estimate(shape, cfg, mode)
+    """What one rank needs in `mode`: the model states and buffers the strategy that runs it
+    reports (accelerators/: state_bytes, buffer_bytes), the activations of the model's shape."""
+    cfg = with_mode(cfg, mode)
+    strategy = select(cfg)
+    facts = strategy.state_bytes(cfg)
+    if cfg.model.is_megatron:
+        return _megatron_estimate(shape, cfg, mode, facts)
     p, d = shape.parameters, data_parallel_size(cfg)
-    mixed = cfg.precision.dtype in ("bf16", "fp16")
-    deepspeed = mode.memory.startswith("zero")
-    # bytes per weight / gradient / optimizer state held by the GPU
-    if mode.memory in ("none",) or not mixed or mode.memory == "fsdp":
-        weight, grad, optim = 4, 4, 8  # fp32 weights (autocast), fp32 grads, two fp32 moments
-    else:
-        weight, grad, optim = 2, 2, 12  # DeepSpeed: 16-bit weights/grads, fp32 master + moments
-    sharded_weight = mode.memory in ("zero3", "fsdp")
-    sharded_grad = mode.memory in ("zero2", "zero3", "fsdp")
-    states = (weight * p / (d if sharded_weight else 1)
-              + grad * p / (d if sharded_grad else 1)
-              + optim * p / (d if mode.memory != "none" else 1))
-    if mode.offload_optimizer:
-        states -= optim * p / d
-        if mode.memory == "zero3":  # its gradient partitions go to host memory too
-            states -= grad * p / d
-        if mode.memory == "fsdp":
-            states -= grad * p / d
-    if mode.offload_params:
-        states -= weight * p / d
-    # what a layer's saved tensors are made of: the residual stream (fp32 under autocast and in
-    # fp32 runs, 16-bit when DeepSpeed or FSDP2 cast the weights) and the matmul outputs
-    residual = 2 if mixed and mode.memory != "none" else 4
-    compute = 2 if mixed else 4
+    states = facts.on_device(p, d)
+    # what a layer's saved tensors are made of: the residual stream (the strategy's: fp32
+    # under autocast and in fp32 runs, 16-bit when DeepSpeed or FSDP2 cast the weights) and
+    # the matmul outputs (the compute dtype)
+    compute = compute_bytes(cfg.precision)
     eager_attention = cfg.model.attn_implementation == "eager" or not on_gpu
-    activations = _hf_activations(shape, cfg, mode, residual, compute, eager_attention)
-    block = shape.block_parameters
-    buffers = 0
-    if deepspeed:
-        buffers += min(DS_REDUCE_BUCKET, p) * grad
-    if mode.memory == "zero3":
-        # gathered parameters DeepSpeed may keep live (stage3_max_live_parameters), and a
-        # second gradient bucket (it reduces one while filling the next)
-        buffers += min(DS_MAX_LIVE_PARAMETERS, p) * weight + min(DS_REDUCE_BUCKET, p) * grad
-    if mode.memory == "fsdp":
-        # the unsharded current and prefetched block, and a block's unsharded fp32 gradients
-        buffers += 2 * block * (2 if mixed else 4) + 2 * block * 4
+    activations = _hf_activations(shape, cfg, mode, facts.residual, compute, eager_attention)
+    buffers = strategy.buffer_bytes(cfg, p, shape.block_parameters)
     return Estimate(mode, int(states), int(activations), int(buffers))
 
 
@@ -167,18 +161,17 @@ def _activation_bytes(activation: str, compute: int, residual: int) -> int:
     return 4 + 4 + compute + 4
 
 
-def _megatron_estimate(shape: ModelShape, cfg: RunConfig, mode: Mode) -> Estimate:
+def _megatron_estimate(shape: ModelShape, cfg: RunConfig, mode: Mode,
+                       facts: StateBytes) -> Estimate:
     """Per rank of the first pipeline stage (the one holding the most activations): Korthikanti
-    et al.'s per-layer activations, megatron-core's fp32 gradient buffer and optimizer."""
+    et al.'s per-layer activations; the model states of its tensor/pipeline shard as the
+    Megatron strategy holds them (`facts`: fp32 gradient buffer, its optimizer)."""
     par, t = cfg.parallelism, cfg.parallelism.tensor_model_parallel_size
     pp, d = par.pipeline_model_parallel_size, data_parallel_size(cfg)
-    mixed = cfg.precision.dtype in ("bf16", "fp16")
     h, a, s, b = shape.hidden, shape.heads, cfg.data.max_seq_length, cfg.trainer.micro_batch_size
     params = (shape.layers // pp) * shape.block_parameters / t \
         + (shape.vocab + cfg.model.max_position_embeddings) * h / t
-    distributed = mode.memory in ("zero1", "zero2")
-    optim = (12 if mixed else 8) * params / (d if distributed else 1)
-    states = (2 if mixed else 4) * params + 4 * params + optim
+    states = facts.on_device(params, d)
     sbh = s * b * h
     sp = par.sequence_parallel
     layer = sbh * (34 / t if sp else 10 + 24 / t)
@@ -241,11 +234,13 @@ def plan_report(cfg: RunConfig, shape: ModelShape) -> str:
                      f"the CUDA context and fragmentation)")
     lines += ["", "| mode | model states GB | activations GB | buffers GB | total GB | fits |",
               "|---|---|---|---|---|---|"]
+    if not estimates:
+        lines.append("| (every memory mode is refused with this config) | | | | | |")
     for e in estimates:
         fits = "-" if capacity is None else ("yes" if e.total <= usable_bytes(capacity) else "no")
         lines.append(f"| {e.mode.label()} | {e.model_states / GB:.2f} | {e.activations / GB:.2f} "
                      f"| {e.buffers / GB:.2f} | {e.total / GB:.2f} | {fits} |")
-    if capacity is not None:
+    if capacity is not None and estimates:
         best = choose(estimates, capacity)
         lines.append("")
         lines.append(f"memory=auto picks: {best.mode.label()} ({' '.join(best.mode.overrides())})"
@@ -258,6 +253,10 @@ def choose_mode(cfg: RunConfig) -> Mode:
     """The memory mode (and recompute) memory=auto runs: the fastest whose estimate fits the
     device, the fastest of all without a GPU; ConfigError when none fits."""
     estimates, capacity, source = plan(cfg, model_shape(cfg))
+    if not estimates:
+        raise ConfigError([f"memory=auto: every memory mode is refused with this config "
+                           f"(memory={SHARDING[0]}: "
+                           f"{'; '.join(refusals(with_mode(cfg, Mode(SHARDING[0]))))})"])
     if capacity is None:
         chosen = estimates[0]
         log.info("memory=auto: no GPU here (and memory.device_memory_gb not set): using %s",
