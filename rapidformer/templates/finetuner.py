@@ -1,5 +1,6 @@
 """Finetuner: the seed's fine-tuning template. Subclasses implement four methods; `train()`
-is the loop, written to read top to bottom."""
+prepares the data, the model and the resumed position in the epochs, and runs the loop both
+templates share (rapidformer/templates/skeleton.py) over epochs."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +9,6 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from rapidformer.accelerators.base import StepResult
 from rapidformer.checkpoint.resume import epoch_position, last_step
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
@@ -16,7 +16,8 @@ from rapidformer.runtime.loader_workers import loader_worker_init
 from rapidformer.observability.format import format_metrics
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
-from rapidformer.templates.loop import CountingIterator, LoopControl
+from rapidformer.templates.loop import CountingIterator
+from rapidformer.templates.skeleton import Advanced, Course, TemplateLoop
 
 log = logging.getLogger("rapidformer")
 
@@ -45,7 +46,7 @@ def continue_epoch(state: TrainState, steps_per_epoch: int, global_batch_size: i
                       global_batch_size, state.best)
 
 
-class Finetuner:
+class Finetuner(TemplateLoop):
     """Subclass and implement:
 
     - `train_valid_test_datasets_provider()` -> (train, valid, test, collate_fn)
@@ -58,9 +59,7 @@ class Finetuner:
     """
 
     def __init__(self, engine):
-        self.engine = engine
-        self.cfg = engine.cfg
-        self.tokenizer = None  # set it to have the tokenizer saved with checkpoints and export
+        super().__init__(engine)  # self.engine, self.cfg, self.tokenizer
         self.train_collate_fn = None  # training's own collate function, if it has one
 
     # --- the four methods of the seed's template ------------------------------------------------
@@ -160,43 +159,11 @@ class Finetuner:
             saved = engine.load_checkpoint(engine.resume_checkpoint)["train_state"]
             state = continue_epoch(TrainState(**saved), sampler.steps_per_epoch,
                                    t.global_batch_size)
-        with LoopControl(engine, total_iters, state, self._save) as loop:
-            log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
-                     "precision=%s, device=%s", total_iters, sampler.steps_per_epoch,
-                     engine.accumulation, t.micro_batch_size, self.cfg.precision.dtype,
-                     engine.device)
-            batches = loop.count_input(CountingIterator(_epochs(train_loader, sampler, state),
-                                                        engine.to_device))
-            while state.step < total_iters and not loop.stopped_early:
-                result = self.train_step(model, batches, loop.window)
-                state.step += 1
-                state.step_in_epoch += 1
-                loop.step_taken(state.step, result, optimizer, epoch=state.epoch)
-                epoch_done = state.step_in_epoch >= sampler.steps_per_epoch
-                if epoch_done:
-                    state.epoch, state.step_in_epoch = state.epoch + 1, 0
-                if loop.eval_due(state.step, epoch_done):
-                    with loop.evaluating(state):
-                        metrics = self._evaluate(model, eval_loaders, loop.sink, state)
-                    loop.evaluated(state, metrics)  # the best's checkpoint; early stopping
-                if loop.save_or_stop(state, epoch_done):
-                    return state  # trainer.exit_interval: no final evaluation, save or export
-            loop.end_steps(state)  # the last checkpoint is written before the final scores
-            if loop.evaluated_at != state.step:  # an early stop evaluated this step already
-                loop.evaluated(state, self._evaluate(model, eval_loaders, loop.sink, state))
-            self._test(model, test_ds, collate_fn, loop.sink, state)
-            loop.finish(state, self.tokenizer)
-        return state
+        batches = CountingIterator(_epochs(train_loader, sampler, state), engine.to_device)
+        course = EpochCourse(self, sampler.steps_per_epoch, eval_loaders, test_ds, collate_fn)
+        return self._run_loop(model, optimizer, total_iters, state, batches, course)
 
-    def train_step(self, model, batches, window) -> StepResult:
-        """One optimizer step over engine.accumulation micro-batches from `batches`."""
-        model.train()
-        for loss in self.engine.forward_backward(self._forward_batch, batches, model,
-                                                 self.engine.accumulation):
-            window.add_micro(loss)
-        return self.engine.step()
-
-    def _forward_batch(self, batches, model):
+    def _forward_step(self, batches, model):
         return provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
                         "the loss (a tensor of one value)", check=loss_problem)
 
@@ -250,12 +217,6 @@ class Finetuner:
         model.train()
         return {k: float(v) for k, v in dict(metrics).items()}
 
-    def _save(self, state: TrainState) -> None:
-        tokenizer = self.tokenizer
-        extra = (lambda d: tokenizer.save_pretrained(str(d / "tokenizer"))) if tokenizer else None
-        self.engine.save_checkpoint(state.step, {"step": state.step,
-                                                 "train_state": asdict(state)}, extra)
-
     def _test(self, model, test_ds, collate_fn, sink, state) -> None:
         """End of training: score the test split, if it is labelled."""
         if test_ds is not None and len(test_ds) and self.test_is_labelled(test_ds):
@@ -266,6 +227,39 @@ class Finetuner:
     def test_is_labelled(self, test_ds) -> bool:
         """Whether the test split can be scored; GLUE's test labels are -1."""
         return False
+
+
+class EpochCourse(Course):
+    """A Finetuner's run over epochs of `steps_per_epoch` steps: the validation loaders after
+    every epoch (or trainer.eval_interval steps), the test split at the end."""
+
+    def __init__(self, finetuner: Finetuner, steps_per_epoch: int, eval_loaders: dict, test_ds,
+                 collate_fn):
+        self.finetuner, self.steps_per_epoch = finetuner, steps_per_epoch
+        self.eval_loaders, self.test_ds, self.collate_fn = eval_loaders, test_ds, collate_fn
+
+    def log_start(self, total_iters: int, state: TrainState) -> None:
+        engine, cfg = self.finetuner.engine, self.finetuner.cfg
+        log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
+                 "precision=%s, device=%s", total_iters, self.steps_per_epoch,
+                 engine.accumulation, cfg.trainer.micro_batch_size, cfg.precision.dtype,
+                 engine.device)
+
+    def advance(self, state: TrainState) -> Advanced:
+        """One more step of the epoch (the step's record names its epoch); the epoch's last
+        step ends it, and the next step starts the next epoch."""
+        state.step_in_epoch += 1
+        advanced = Advanced({"epoch": state.epoch},
+                            epoch_done=state.step_in_epoch >= self.steps_per_epoch)
+        if advanced.epoch_done:
+            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        return advanced
+
+    def validate(self, model, sink, state: TrainState) -> dict:
+        return self.finetuner._evaluate(model, self.eval_loaders, sink, state)
+
+    def test(self, model, sink, state: TrainState) -> None:
+        self.finetuner._test(model, self.test_ds, self.collate_fn, sink, state)
 
 
 def _epochs(loader, sampler, state):

@@ -6,23 +6,22 @@ checkpoint and early stopping (trainer.best_metric, rapidformer/templates/best.p
 run's end (the last checkpoint before the final evaluations, the Hugging Face export of the
 best or last weights after them).
 
-    with LoopControl(engine, total_iters, state, self._save) as loop:
-        while state.step < total_iters and not loop.stopped_early:
-            result = self.train_step(model, batches, loop.window)
-            state.step += 1
-            loop.step_taken(state.step, result, optimizer)
-            if loop.eval_due(state.step):
-                with loop.evaluating(state):  # a failure saves the steps taken first
-                    metrics = ...evaluate...
-                loop.evaluated(state, metrics)  # the best's checkpoint; early stopping
-            if loop.save_or_stop(state):
-                return state  # trainer.exit_interval
-        loop.end_steps(state)  # the last checkpoint
-        ...final evaluations, each followed by loop.evaluated...
-        loop.finish(state, tokenizer)  # the export
+Each verb does what its name says and nothing more; the order they run in is the loop
+skeleton's (rapidformer/templates/skeleton.py, `TemplateLoop._run_loop`):
 
-Leaving the block, also by an exception, restores the signal handlers and closes the progress
-bar and the sink.
+- after each step: `step_taken` (the window, the log line);
+- questions, which change nothing: `eval_due`, `save_due`, `exit_due` (trainer.exit_interval),
+  `final_evaluation_due`; `stop_requested` asks whether a stop signal came (a collective);
+- evaluations: `evaluating` (around one: a failure saves the steps taken first), `evaluated`
+  (records it; the best's checkpoint; early stopping, `stopped_early`);
+- checkpoints: `save` (unless this run saved the step already), `save_if_finite` (unless the
+  loss is not finite), `save_last` (trainer.save_last, after the steps);
+- stopping: `stopped_by_signal` (the error a stop signal ends the run with, exit code 75),
+  `exiting` (trainer.exit_interval's log line);
+- the end: `end_steps` (the progress bar, the signal handlers), `report_compiles`, `export`.
+
+Leaving the `with LoopControl(...)` block, also by an exception, restores the signal handlers
+and closes the progress bar and the sink.
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ import torch
 from rapidformer.checkpoint import store
 from rapidformer.data.counts import BatchCounts, take_counts
 from rapidformer.data.lengths import expected_recompiles
-from rapidformer.errors import NonFiniteLoss
+from rapidformer.errors import NonFiniteLoss, Preempted
 from rapidformer.templates.best import BestTracker
 from rapidformer.observability.compile_log import CompileLog
 from rapidformer.observability.console import logs_through
@@ -59,14 +58,14 @@ STEP_LINES = {"step": "step %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/
 class LoopControl:
     """The control around a training loop's steps, for `total_iters` steps from `state.step`
     (`state` has `.step` and `.best`, the best evaluation's record, which checkpoints keep);
-    `save(state)` writes a checkpoint of `state`. `unit` names the steps in the log: "step"
+    `write(state)` writes a checkpoint of `state`. `unit` names the steps in the log: "step"
     (the Finetuner) or "iteration" (the PreTrainer). An epoch-based loop tells `eval_due` and
-    `save_or_stop` when a step ended an epoch: with trainer.eval_interval or
+    `save_due` when a step ended an epoch: with trainer.eval_interval or
     trainer.save_interval unset, it evaluates or saves then."""
 
-    def __init__(self, engine, total_iters: int, state, save: Callable, unit: str = "step"):
+    def __init__(self, engine, total_iters: int, state, write: Callable, unit: str = "step"):
         self.engine, self.total_iters, self.start_step = engine, total_iters, state.step
-        self.save, self.unit = save, unit
+        self.write, self.unit = write, unit
         self.t = engine.cfg.trainer
         self.window = _Window(self.t.grad_norm_spike_factor)
         self.evaluated_at = -1  # the step of the last evaluation
@@ -133,34 +132,42 @@ class LoopControl:
             args.append(100 * record["data_wait_frac"])
         log.info(STEP_LINES[self.unit], *args)
 
+    # --- the questions: they change nothing ------------------------------------------------
     def eval_due(self, step: int, epoch_done: bool = False) -> bool:
         """Whether to evaluate after `step`: at trainer.eval_interval (when it is unset, at
         each epoch's end)."""
         interval = self.t.eval_interval
-        due = bool(interval and step % interval == 0) or (epoch_done and interval is None)
-        if due:
-            self.evaluated_at = step
-        return due
+        return bool(interval and step % interval == 0) or (epoch_done and interval is None)
 
-    def save_or_stop(self, state, epoch_done: bool = False) -> bool:
-        """After a step (and its evaluation): a checkpoint at trainer.save_interval (when it
-        is unset, at each epoch's end), at trainer.exit_interval and after a stop signal,
-        unless the loss is not finite. A signal then ends the run with exit code 75
-        (Preempted); True when trainer.exit_interval ends it here."""
-        t, step = self.t, state.step
-        exiting = bool(t.exit_interval and step % t.exit_interval == 0
-                       and step < self.total_iters)
-        preempted = self.stop.requested()  # a collective: every rank asks after every step
-        due = (t.save_interval and step % t.save_interval == 0) or \
-            (epoch_done and t.save_interval is None) or exiting or preempted
-        if due and self.saved_at != step:  # not twice: a best evaluation may have saved it
-            self.save_if_finite(state)
-        if preempted:
-            raise self.stop.error(step, self.engine.checkpoint_root)
-        if exiting:
-            log.info("trainer.exit_interval=%d reached at %s %d: checkpoint saved, stopping "
-                     "(resume with trainer.resume=auto)", t.exit_interval, self.unit, step)
-        return exiting
+    def save_due(self, step: int, epoch_done: bool = False) -> bool:
+        """Whether a checkpoint is due after `step`: at trainer.save_interval (when it is
+        unset, at each epoch's end)."""
+        interval = self.t.save_interval
+        return bool(interval and step % interval == 0) or (epoch_done and interval is None)
+
+    def exit_due(self, step: int) -> bool:
+        """Whether trainer.exit_interval ends the run after `step` (not at the last step: the
+        run ends there anyway, with its final evaluations and export)."""
+        interval = self.t.exit_interval
+        return bool(interval and step % interval == 0 and step < self.total_iters)
+
+    def final_evaluation_due(self, step: int) -> bool:
+        """Whether the final validation is still to run: not when `step` was evaluated already
+        (at an interval, at an epoch's end, or by the evaluation that stopped early)."""
+        return self.evaluated_at != step
+
+    def stop_requested(self) -> bool:
+        """Whether any rank received a stop signal (SIGTERM/SIGINT). A collective: every rank
+        asks after every step."""
+        return self.stop.requested()
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save(self, state) -> bool:
+        """A checkpoint of `state` after its step, unless this run wrote that step's already (a
+        best evaluation may have) or the step's loss is not finite; False when none exists."""
+        if self.saved_at == state.step:
+            return True
+        return self.save_if_finite(state)
 
     def save_if_finite(self, state) -> bool:
         """Checkpoint unless the last step's loss was NaN/Inf: a diverged model must never
@@ -169,10 +176,22 @@ class LoopControl:
             log.warning("no checkpoint at step %d: its loss is not finite (the newest complete "
                         "checkpoint stays the resume point)", state.step)
             return False
-        self.save(state)
+        self.write(state)
         self.saved_at = state.step
         return True
 
+    # --- stopping -----------------------------------------------------------------------------
+    def stopped_by_signal(self, step: int) -> Preempted:
+        """The error that ends the run after a stop signal (exit code 75), naming the
+        checkpoint written, or the newest one when this step's loss kept it from being saved."""
+        return self.stop.error(step, self.engine.checkpoint_root)
+
+    def exiting(self, step: int) -> None:
+        """trainer.exit_interval ends the run after `step`: say so, and how to continue."""
+        log.info("trainer.exit_interval=%d reached at %s %d: checkpoint saved, stopping "
+                 "(resume with trainer.resume=auto)", self.t.exit_interval, self.unit, step)
+
+    # --- evaluations --------------------------------------------------------------------------
     @contextlib.contextmanager
     def evaluating(self, state):
         """Around an evaluation inside the loop: if it fails (a bug in a metric, bad data), the
@@ -190,10 +209,12 @@ class LoopControl:
         return (self.engine.checkpoint_root / f"step_{step:08d}").is_dir()
 
     def evaluated(self, state, metrics: dict) -> None:
-        """After an evaluation at state.step, with trainer.best_metric: a new best gets a
-        checkpoint (now, when this step has none) and the marker names it; with
+        """An evaluation ran at state.step and gave `metrics`: it is recorded (the final
+        validation does not repeat it). With trainer.best_metric a new best gets a checkpoint
+        (now, when this step has none) and the marker names it; with
         trainer.early_stopping_patience, the evaluations without improvement are counted and
         `stopped_early` is set when they reach it."""
+        self.evaluated_at = state.step
         best = self.best
         # a resumed run that evaluates its resumed step again (a finished run's final
         # evaluation) must not count that evaluation twice
@@ -203,7 +224,7 @@ class LoopControl:
             record = best.judge(state.step, metrics)
         if record.step == state.step:
             state.best = asdict(record)  # the checkpoint of the best must say it is the best
-            if self.saved_at != state.step and not self.save_if_finite(state):
+            if not self.save(state):
                 # no checkpoint to keep (its loss is not finite): the previous best stays
                 record.step, record.value = best.record.step, best.record.value
                 record.evaluations_without_improvement = \
@@ -223,19 +244,26 @@ class LoopControl:
                      record.evaluations_without_improvement, kept)
 
     # --- the end ----------------------------------------------------------------------------
-    def end_steps(self, state) -> None:
-        """The steps are over: close the progress bar, give the stop signals their previous
-        handlers back (the final evaluations run without them), and write the last checkpoint
-        (trainer.save_last, unless this step has one) before a final evaluation can fail."""
+    def end_steps(self) -> None:
+        """The steps are over: close the progress bar and give the stop signals their previous
+        handlers back (the final evaluations run without them)."""
         self.progress.close()
         self.stop.restore()
+
+    def save_last(self, state) -> None:
+        """The last checkpoint (trainer.save_last, unless this step has one), written before a
+        final evaluation can fail."""
         if self.t.save_last and not self._saved(state.step):
             self.save_if_finite(state)
 
-    def finish(self, state, tokenizer=None) -> None:
-        """After the final evaluations: the Hugging Face export (trainer.export_hf), of the
-        best checkpoint's weights when trainer.best_metric is set."""
+    def report_compiles(self) -> None:
+        """With graph=compile, after the final evaluations: the graphs compiled in all and the
+        recompiles among them."""
         self.compiling.finish()
+
+    def export(self, state, tokenizer=None) -> None:
+        """The Hugging Face export (trainer.export_hf), of the best checkpoint's weights when
+        trainer.best_metric is set."""
         if not self.t.export_hf:
             return
         step, best = state.step, self.best.record

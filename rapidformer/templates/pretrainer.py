@@ -1,5 +1,6 @@
-"""PreTrainer: the seed's pretraining template. Subclasses implement three methods; `train()` is
-an iteration-based loop in Megatron's manner, written to read top to bottom.
+"""PreTrainer: the seed's pretraining template. Subclasses implement three methods; `train()`
+prepares the data, the model and the resumed data position, and runs the loop both templates
+share (rapidformer/templates/skeleton.py) over iterations, in Megatron's manner.
 
 The loop asks the provider for Megatron's sample counts, reads the data through an iterator
 that `run_forward_step(data_iterator, model)` pulls micro-batches from, and keeps the data
@@ -9,19 +10,19 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
 
-from rapidformer.accelerators.base import StepResult
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
 from rapidformer.observability.format import format_value
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
-from rapidformer.templates.loop import CountingIterator, LoopControl
+from rapidformer.templates.loop import CountingIterator
+from rapidformer.templates.skeleton import Advanced, Course, TemplateLoop
 
 log = logging.getLogger("rapidformer")
 
@@ -47,7 +48,7 @@ def train_valid_test_num_samples(train_iters: int, eval_interval: int | None, ev
             eval_iters * global_batch_size]
 
 
-class PreTrainer:
+class PreTrainer(TemplateLoop):
     """Subclass and implement:
 
     - `train_valid_test_datasets_provider(train_val_test_num_samples)` -> (train, valid, test)
@@ -61,9 +62,7 @@ class PreTrainer:
     """
 
     def __init__(self, engine):
-        self.engine = engine
-        self.cfg = engine.cfg
-        self.tokenizer = None
+        super().__init__(engine)  # self.engine, self.cfg, self.tokenizer
         self.collate_fn = None
 
     # --- the three methods of the seed's template -----------------------------------------------
@@ -120,40 +119,8 @@ class PreTrainer:
             raise ConfigError([f"trainer.best_metric={t.best_metric} needs evaluations, but "
                                f"{why}; give validation a share of data.split and "
                                f"trainer.eval_iters >= 1, or set trainer.best_metric=null"])
-        with LoopControl(engine, total_iters, state, self._save, unit="iteration") as loop:
-            log.info("pretraining %d iterations from iteration %d (%d micro-batches of %d per "
-                     "process per iteration), precision=%s, device=%s", total_iters, state.step,
-                     engine.accumulation, t.micro_batch_size, self.cfg.precision.dtype,
-                     engine.device)
-            loop.count_input(train_iter)
-            while state.step < total_iters and not loop.stopped_early:
-                result = self.train_step(model, train_iter, loop.window)
-                state.step += 1
-                state.consumed_train_samples += t.global_batch_size
-                loop.step_taken(state.step, result, optimizer,
-                                consumed_samples=state.consumed_train_samples)
-                if loop.eval_due(state.step):
-                    with loop.evaluating(state):
-                        metrics = self._evaluate("validation", model, valid_iter, state, loop.sink)
-                    loop.evaluated(state, metrics)  # the best's checkpoint; early stopping
-                if loop.save_or_stop(state):
-                    return state  # trainer.exit_interval: no final evaluation, save or export
-            loop.end_steps(state)  # the last checkpoint is written before the final scores
-            if loop.evaluated_at != state.step:  # an early stop evaluated this step already
-                loop.evaluated(state, self._evaluate("validation", model, valid_iter, state,
-                                                     loop.sink))
-            self._evaluate("test", model, self.build_data_iterator(test_ds, 0), state, loop.sink)
-            loop.finish(state, self.tokenizer)
-        return state
-
-    def train_step(self, model, data_iterator, window) -> StepResult:
-        """One iteration: engine.accumulation micro-batches through `run_forward_step` (with
-        megatron-core: its pipeline schedule), then the optimizer step."""
-        model.train()
-        for loss in self.engine.forward_backward(self._forward_step, data_iterator, model,
-                                                 self.engine.accumulation):
-            window.add_micro(loss)
-        return self.engine.step()
+        course = SampleCourse(self, valid_iter, test_ds)
+        return self._run_loop(model, optimizer, total_iters, state, train_iter, course)
 
     def _forward_step(self, data_iterator, model):
         return provided(self, "run_forward_step", self.run_forward_step(data_iterator, model),
@@ -212,8 +179,31 @@ class PreTrainer:
                  format_value(loss), results[f"{name}/ppl"])
         return results
 
-    def _save(self, state: PretrainState) -> None:
-        tokenizer = self.tokenizer
-        extra = (lambda d: tokenizer.save_pretrained(str(d / "tokenizer"))) if tokenizer else None
-        self.engine.save_checkpoint(state.step, {"step": state.step,
-                                                 "train_state": asdict(state)}, extra)
+
+class SampleCourse(Course):
+    """A PreTrainer's run over iterations of one global batch each: the data position is the
+    samples consumed; validation takes trainer.eval_iters iterations' worth of batches from
+    where the last one stopped, the test the same from the test data's start."""
+
+    unit = "iteration"
+
+    def __init__(self, pretrainer: PreTrainer, valid_iter, test_ds):
+        self.pretrainer, self.valid_iter, self.test_ds = pretrainer, valid_iter, test_ds
+
+    def log_start(self, total_iters: int, state: PretrainState) -> None:
+        engine, cfg = self.pretrainer.engine, self.pretrainer.cfg
+        log.info("pretraining %d iterations from iteration %d (%d micro-batches of %d per "
+                 "process per iteration), precision=%s, device=%s", total_iters, state.step,
+                 engine.accumulation, cfg.trainer.micro_batch_size, cfg.precision.dtype,
+                 engine.device)
+
+    def advance(self, state: PretrainState) -> Advanced:
+        state.consumed_train_samples += self.pretrainer.cfg.trainer.global_batch_size
+        return Advanced({"consumed_samples": state.consumed_train_samples})
+
+    def validate(self, model, sink, state: PretrainState) -> dict:
+        return self.pretrainer._evaluate("validation", model, self.valid_iter, state, sink)
+
+    def test(self, model, sink, state: PretrainState) -> None:
+        test_iter = self.pretrainer.build_data_iterator(self.test_ds, 0)
+        self.pretrainer._evaluate("test", model, test_iter, state, sink)
