@@ -156,7 +156,8 @@ def _train_steps(model, steps: int, fused_loss: bool = False) -> list[float]:
     for _ in range(steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if fused_loss:
-                loss = model(input_ids=inputs, shift_labels=labels).loss
+                # contiguous, as the task's labels are: liger flattens them with view()
+                loss = model(input_ids=inputs, shift_labels=labels.contiguous()).loss
             else:
                 logits = model(input_ids=inputs).logits
                 loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
