@@ -17,6 +17,9 @@ __version__ = "0.1.0"
 # Neither says anything about the run: only errors from them are shown.
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
+# megatron-core's import and dataset builder log every step at INFO (which FSDP flavour it
+# found, each index it builds): its warnings and errors only, wherever it is first imported
+logging.getLogger("megatron").setLevel(logging.WARNING)
 
 _EXPORTS = {
     "RapidformerEngine": "rapidformer.engine",

@@ -21,11 +21,21 @@ from rapidformer.accelerators.graph import compile_blocks
 from rapidformer.accelerators.precision import compute_bytes
 from rapidformer.checkpoint import store
 from rapidformer.config.sizes import launched_world_size
-from rapidformer.transforms.base import WHOLE_MODEL
+from rapidformer.transforms.base import WHOLE_MODEL, installed
 from rapidformer.errors import (EXIT_NOT_AVAILABLE, ConfigError, NotAvailableError, Problem,
-                                RapidformerError, refusal)
+                                RapidformerError)
 
 log = logging.getLogger("rapidformer")
+
+
+def _compile_problems(cfg, device: torch.device) -> list[str]:
+    if cfg.graph.name == "compile" and device.type == "cpu":
+        # megatron_cpu's dispatch mode (CUDA factories made on the CPU) is one torch.compile
+        # does not trace: the layers would run eager, whatever the config says
+        return ["graph=compile with a Megatron model runs on GPUs; on a CPU megatron-core runs "
+                "under rapidformer's CUDA-to-CPU mapping, which torch.compile does not trace: "
+                "use graph=eager"]
+    return []
 
 
 class MegatronStrategy(Strategy):
@@ -93,27 +103,17 @@ class MegatronStrategy(Strategy):
 
     @classmethod
     def environment_problems(cls, cfg, device: torch.device) -> list[Problem]:
-        import importlib.util
-
-        if importlib.util.find_spec("megatron") is None or \
-                importlib.util.find_spec("megatron.core") is None:
+        if not installed("megatron") or not installed("megatron.core"):
             return [Problem(f"model={cfg.model.name} needs megatron-core, which is not "
                             f"installed: pip install -e '.[megatron]' (or "
                             f"'megatron-core>=0.16,<0.17')", EXIT_NOT_AVAILABLE)]
-        problems = super().environment_problems(cfg, device)
-        if cfg.graph.name == "compile" and device.type == "cpu":
-            # megatron_cpu's dispatch mode (CUDA factories made on the CPU) is one
-            # torch.compile does not trace: the layers would run eager, whatever the config says
-            problems.append(Problem("graph=compile with a Megatron model runs on GPUs; on a CPU "
-                                    "megatron-core runs under rapidformer's CUDA-to-CPU "
-                                    "mapping, which torch.compile does not trace: use "
-                                    "graph=eager", EXIT_NOT_AVAILABLE))
-        return problems
+        return [*super().environment_problems(cfg, device),
+                *(Problem(text, EXIT_NOT_AVAILABLE) for text in _compile_problems(cfg, device))]
 
     def __init__(self, cfg, plan, rank, world_size, state_filter=WHOLE_MODEL):
         super().__init__(cfg, plan, rank, world_size, state_filter)
-        if problems := self.environment_problems(cfg, self.device):
-            raise refusal(problems)
+        if problems := _compile_problems(cfg, self.device):  # an engine built by an own loop
+            raise NotAvailableError(problems[0])
         self.parallel = parallel.initialize(cfg, self.device)
         # megatron-core's optimizer owns the loss scale, unscaling, inf check and clipping
         self.precision = megatron_optimizer.MegatronPrecision(cfg.precision.dtype)

@@ -20,7 +20,7 @@ from rapidformer.accelerators.precision import check_device_supports, compute_by
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_NOT_AVAILABLE, ConfigError, NotAvailableError, Problem
 from rapidformer.runtime.distributed import join_group_of_one
-from rapidformer.transforms.base import WHOLE_MODEL
+from rapidformer.transforms.base import WHOLE_MODEL, installed
 
 log = logging.getLogger("rapidformer")
 
@@ -153,9 +153,7 @@ class ZeroStrategy(Strategy):
 
     @classmethod
     def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
-        import importlib.util
-
-        if importlib.util.find_spec("deepspeed") is None:
+        if not installed("deepspeed"):
             return [Problem(INSTALL, EXIT_NOT_AVAILABLE)]
         return [*super().environment_problems(cfg, device),
                 *(Problem(text) for text in fp16_problems(cfg, device.type))]

@@ -35,8 +35,8 @@ log = logging.getLogger("rapidformer")
 # megatron-core's import warns that its optional fused kernels (Transformer Engine, Apex) are
 # missing; its datasets do not use them
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-# its import and dataset builder log every step at INFO (a summary is logged here instead)
-logging.getLogger("megatron").setLevel(logging.WARNING)
+# its import and dataset builder log every step at INFO: quieted in rapidformer/__init__.py
+# (a summary is logged here instead)
 
 # the vocabulary check reads at most this many tokens of each file (a few hundred MB)
 VOCAB_CHECK_TOKENS = 1 << 27

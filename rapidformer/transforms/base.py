@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from rapidformer.errors import EXIT_BAD_INPUT, Problem
+from rapidformer.errors import Problem
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import RunConfig
@@ -156,5 +156,12 @@ class ModelTransform:
         return weights
 
 
-def problem(text: str, exit_code: int = EXIT_BAD_INPUT) -> Problem:
-    return Problem(text, exit_code)
+def installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it: the refusal pass runs before
+    any work, and some libraries print on import (bitsandbytes, megatron-core)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent that fails, or a module set to None
+        return False

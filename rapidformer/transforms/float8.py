@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from rapidformer.errors import EXIT_NOT_AVAILABLE, InputError, Problem
-from rapidformer.transforms.base import ApplyContext, ModelTransform
+from rapidformer.transforms.base import ApplyContext, ModelTransform, installed
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import PrecisionConfig, RunConfig
@@ -186,9 +186,7 @@ class Float8(ModelTransform):
     def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
         """torchao, and float8 tensor cores (unless it is emulated)."""
         p = cfg.precision
-        try:
-            import torchao  # noqa: F401
-        except ImportError:
+        if not installed("torchao"):
             return [Problem(f"precision=fp8 needs torchao, which is not installed: {INSTALL}",
                             EXIT_NOT_AVAILABLE)]
         if p.fp8_emulate:

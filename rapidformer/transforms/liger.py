@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rapidformer.errors import EXIT_NOT_AVAILABLE, InputError, Problem
-from rapidformer.transforms.base import ApplyContext, ModelTransform
+from rapidformer.transforms.base import ApplyContext, ModelTransform, installed
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import KernelsConfig, RunConfig
@@ -83,9 +83,7 @@ class LigerKernels(ModelTransform):
         if device.type != "cuda":
             return [Problem(f"kernels=liger runs Triton kernels on CUDA GPUs; this run is on "
                             f"'{device.type}'. Use kernels=none")]
-        try:
-            import liger_kernel  # noqa: F401
-        except ImportError:
+        if not installed("liger_kernel"):
             return [Problem(f"kernels=liger needs liger-kernel, which is not installed: "
                             f"{INSTALL}", EXIT_NOT_AVAILABLE)]
         return []

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from rapidformer.errors import EXIT_NOT_AVAILABLE, ConfigError, Problem
-from rapidformer.transforms.base import ApplyContext, ModelTransform, StateFilter
+from rapidformer.transforms.base import ApplyContext, ModelTransform, StateFilter, installed
 from rapidformer.transforms.lora_layers import (BNB_INSTALL, INSTALL, base_fingerprint,
                                                 check_names, import_peft, in_modules,
                                                 linear_layer_names, lora_config, module_names,
@@ -264,9 +264,7 @@ class LoRA(ModelTransform):
     @classmethod
     def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
         """peft installed; qlora's CUDA device and bitsandbytes."""
-        try:
-            import peft  # noqa: F401
-        except ImportError:
+        if not installed("peft"):
             return [Problem(f"peft=lora/qlora needs peft, which is not installed: {INSTALL}",
                             EXIT_NOT_AVAILABLE)]
         if cfg.peft.name != "qlora" or cfg.trainer.device == "cpu":
@@ -276,9 +274,7 @@ class LoRA(ModelTransform):
                             f"CUDA kernels; this run is on '{device.type}', where they are a "
                             f"slow fallback that saves no accelerator memory. Use peft=lora "
                             f"here, or run on a CUDA GPU")]
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
+        if not installed("bitsandbytes"):
             return [Problem(f"peft=qlora needs bitsandbytes for the 4-bit base weights, which "
                             f"is not installed: {BNB_INSTALL}", EXIT_NOT_AVAILABLE)]
         return []
