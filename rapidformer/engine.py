@@ -215,7 +215,7 @@ class RapidformerEngine:
         record = CheckpointState(
             step=step, train_state=dict(state.get("train_state") or {}),
             world_size=self.world_size, strategy=self.strategy.name,
-            memory=self.cfg.memory.name, layout=self.strategy.layout(),
+            memory=self.strategy.memory, layout=self.strategy.layout(),
             model=model_record(self.cfg.model, self.num_parameters),
             transforms=self.transforms.records(),
             extra={k: v for k, v in state.items() if k not in ("step", "train_state")})
@@ -238,13 +238,14 @@ class RapidformerEngine:
             return None
         return read_state(self.resume_checkpoint)
 
-    def load_checkpoint(self, path: Path) -> dict:
+    def load_checkpoint(self, path: Path, also: tuple[str, ...] = ()) -> dict:
         """Load checkpoint `path` into the composed model, optimizer and schedule (collective),
-        or raise naming every change this run cannot resume from (checkpoint/resume.py); the
-        dict the template or own loop saved."""
+        or raise naming every change this run cannot resume from (checkpoint/resume.py; `also`:
+        the template's own, e.g. a position past the end); the dict the template or own loop
+        saved."""
         saved = read_state(path)
         plan = resume_plan(saved, ThisRun(self.strategy, self.transforms, self.cfg.model,
-                                          self.num_parameters, self.world_size), path)
+                                          self.num_parameters, self.world_size), path, also)
         self.strategy.load(path)
         ranks = store.load(path, "rng.pt")["ranks"]
         if plan.restores_rng and len(ranks) == self.world_size:

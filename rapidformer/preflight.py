@@ -21,40 +21,38 @@ import logging
 import torch
 
 from rapidformer import transforms
-from rapidformer.accelerators.table import backend_problems, requested
+from rapidformer.accelerators.table import requested
 from rapidformer.config.compose import resolve
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import build_run_config, check_values
 from rapidformer.errors import ConfigError, Problem, caught, refusal
+from rapidformer.refusals import config_problems
 
 log = logging.getLogger("rapidformer")
 
 
 def settle(composed, output_dir: str | None = None, *, environment: bool = False,
-           writes_to: str | None = None) -> tuple[dict, RunConfig]:
+           writes_to: str | None = None, claims: bool = True) -> tuple[dict, RunConfig]:
     """(the plain config to record, the typed config) of a composed config, memory=auto
     decided, or one error listing every problem. `output_dir`: the run directory recorded as
     trainer.output_dir (None: the config's own). With `environment`, this machine's problems
-    too, `writes_to` (default: trainer.output_dir) the directory whose paths are checked."""
+    too, `writes_to` (default: trainer.output_dir) the directory whose paths are checked, and
+    with `claims` whether the run may take it (rapidformer/checkpoint/run_dir.py)."""
     plain, cfg = resolve(composed, output_dir, check=False)
-    problems = [Problem(text) for text in check_values(cfg)]
-    if not problems:  # the memory plan does arithmetic on the values
+    problems = [Problem(text) for text in [*check_values(cfg), *config_problems(cfg)]]
+    if not problems:
+        # the memory plan does arithmetic on the values and plans a config the backends and
+        # transforms take; the mode it picks is then asked of them too
         try:
             plain, cfg = decide_memory(plain, cfg)
         except ConfigError as exc:
             problems += [Problem(text) for text in exc.problems]
-    problems += [Problem(text) for text in config_problems(cfg)]
+        problems += [Problem(text) for text in config_problems(cfg)]
     if environment:
-        problems += environment_problems(cfg, writes_to or cfg.trainer.output_dir)
+        problems += environment_problems(cfg, writes_to or cfg.trainer.output_dir, claims)
     if problems:
         raise refusal(problems)
     return plain, cfg
-
-
-def config_problems(cfg: RunConfig) -> list[str]:
-    """What the backend table, the strategy that would run the config, and the model transforms
-    refuse in it."""
-    return [*backend_problems(cfg), *transforms.config_problems(cfg)]
 
 
 def run_device(cfg: RunConfig) -> tuple[torch.device, list[Problem]]:
@@ -68,17 +66,21 @@ def run_device(cfg: RunConfig) -> tuple[torch.device, list[Problem]]:
     return torch.device("cuda" if on_gpu else "cpu"), []
 
 
-def environment_problems(cfg: RunConfig, output_dir: str | None = None) -> list[Problem]:
-    """What this machine lacks for the config, and the paths it cannot use."""
+def environment_problems(cfg: RunConfig, output_dir: str | None = None,
+                         claims: bool = False) -> list[Problem]:
+    """What this machine lacks for the config, and the paths it cannot use (with `claims`:
+    whether the run may take `output_dir` as its run directory)."""
     from rapidformer.accelerators.graph import check_inductor_options
+    from rapidformer.checkpoint.run_dir import claim_problems
     from rapidformer.config.paths import check_paths
     from rapidformer.models.pretrained_shape import check_local_shape
     from rapidformer.observability.loggers import check_tracker_installed
 
     device, problems = run_device(cfg)
-    problems += [problem for cls in requested(cfg)
-                 for problem in cls.environment_problems(cfg, device)]
-    problems += transforms.environment_problems(cfg, device)
+    if not problems:  # what a device lacks, asked of the device the run has
+        problems += [problem for cls in requested(cfg)
+                     for problem in cls.environment_problems(cfg, device)]
+        problems += transforms.environment_problems(cfg, device)
     if cfg.graph.name == "compile" and cfg.graph.options:
         problems += caught(check_inductor_options, cfg.graph.options)
     problems += caught(check_tracker_installed, cfg.logger.name)
@@ -89,6 +91,10 @@ def environment_problems(cfg: RunConfig, output_dir: str | None = None) -> list[
         problems += caught(require_megatron_core)
     if output_dir is not None:
         problems += caught(check_paths, cfg, output_dir)
+        if claims:
+            t = cfg.trainer
+            problems += [Problem(text) for text in claim_problems(output_dir, t.resume,
+                                                                  t.overwrite)]
     return problems
 
 

@@ -198,7 +198,8 @@ def test_the_candidate_modes_are_tried_fastest_first():
 ], ids=["qlora", "fp8", "fp8_all_gather", "fp16", "ort", "megatron"])
 def test_the_plan_tries_no_mode_the_run_would_refuse(overrides, left_out):
     """The candidates are what the refusal pass allows, asked of it: nothing refused is tried."""
-    from rapidformer.planning.memory_plan import candidate_modes, refusals, with_mode
+    from rapidformer.planning.memory_plan import candidate_modes, with_mode
+    from rapidformer.refusals import config_problems as refusals
 
     cfg = _cfg(*overrides)
     modes = candidate_modes(cfg)

@@ -217,6 +217,11 @@ class Strategy(abc.ABC):
         return 0 if self.precision is None else self.precision.skipped_steps
 
     # --- checkpoints ------------------------------------------------------------------------
+    @property
+    def memory(self) -> str:
+        """The memory mode a checkpoint records (a resume asks for the same one)."""
+        return self.cfg.memory.name
+
     def layout(self) -> dict:
         """What a checkpoint records of the parallel layout (RNG streams restore only at the
         same one)."""

@@ -21,7 +21,8 @@ from rapidformer.accelerators.graph import compile_blocks
 from rapidformer.accelerators.precision import compute_bytes
 from rapidformer.checkpoint import store
 from rapidformer.config.sizes import launched_world_size
-from rapidformer.transforms.base import WHOLE_MODEL, installed
+from rapidformer.transforms.base import WHOLE_MODEL
+from rapidformer.runtime.packages import installed
 from rapidformer.errors import (EXIT_NOT_AVAILABLE, ConfigError, NotAvailableError, Problem,
                                 RapidformerError)
 

@@ -1,14 +1,15 @@
 """Which strategy runs a config, and which one reads a checkpoint: the one table.
 
     model kind  memory            graph            strategy
-    megatron_*  none/zero1/zero2  eager/compile    MegatronStrategy (TP/PP/DP, its optimizer)
+    megatron_*  none/zero1/zero2  eager/compile*   MegatronStrategy (TP/PP/DP, its optimizer)
     HF / own    zero1/zero2/zero3 eager/compile    ZeroStrategy (DeepSpeed)
     HF / own    fsdp              eager/compile    FSDP2Strategy
     HF / own    none              ort              OrtStrategy (ORTModule inside DDP)
     HF / own    none              eager/compile    DDPStrategy (one process or DDP)
 
-The combinations outside it are refused, with the reason, by rapidformer.config.validate
-before any work starts.
+(* compile on GPUs: each layer compiled). The combinations outside it are refused, with the
+reason, before any work starts: `selection_problems` here, and each requested strategy's
+`config_problems`, gathered by the one refusal pass (rapidformer/preflight.py).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def selection_problems(cfg: RunConfig) -> list[str]:
         p.append(f"trainer.recompute_granularity=selective is megatron-core's; model={m.name} is "
                  f"a Hugging Face model, which recomputes whole layers: use "
                  f"trainer.recompute_granularity=full")
-    if cfg.graph.name == "ort" and cfg.memory.name not in ("none", "auto"):
+    if cfg.graph.name == "ort" and cfg.memory.name != "none":
         p.append(f"graph=ort with memory={cfg.memory.name}: not combined here. ORTModule exports "
                  f"the model once to one ONNX graph holding every full weight, while "
                  f"{'FSDP2' if cfg.memory.name == 'fsdp' else 'DeepSpeed ZeRO'} replaces the "

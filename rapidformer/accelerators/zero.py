@@ -20,7 +20,8 @@ from rapidformer.accelerators.precision import check_device_supports, compute_by
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_NOT_AVAILABLE, ConfigError, NotAvailableError, Problem
 from rapidformer.runtime.distributed import join_group_of_one
-from rapidformer.transforms.base import WHOLE_MODEL, installed
+from rapidformer.transforms.base import WHOLE_MODEL
+from rapidformer.runtime.packages import installed
 
 log = logging.getLogger("rapidformer")
 

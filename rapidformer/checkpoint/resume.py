@@ -9,7 +9,8 @@ Two decisions, both here:
 - `epoch_position` and `last_step`: where a Finetuner continues in this run's epochs, and the
   step it ends at, when the batch size or the training set changed since the checkpoint. The
   steps left are counted in the new terms, so a resumed run trains every epoch it was asked
-  for; a run the checkpoint went past is refused.
+  for; a run the checkpoint went past is refused (`past_the_end`, the PreTrainer's too), in
+  the same refusal as every other problem of the resume.
 """
 from __future__ import annotations
 
@@ -37,13 +38,21 @@ class ResumePlan:
     restores_rng: bool  # the random streams continue (same world size and layout)
 
 
-def resume_plan(saved: CheckpointState, run: ThisRun, where: Path) -> ResumePlan:
+FRESH_RUN = ("start a fresh run (a new trainer.output_dir, or trainer.overwrite=true without "
+             "trainer.resume)")
+
+
+def resume_plan(saved: CheckpointState, run: ThisRun, where: Path,
+                also: tuple[str, ...] = ()) -> ResumePlan:
     """The plan to resume this run from checkpoint `where`, or InputError naming every
-    problem."""
+    problem (`also`: what the template found, e.g. a position past the training asked for).
+    A transform whose settings changed changes the parameters that train: its own problem
+    says so, and the model's size is compared only when the transforms agree."""
+    transform_problems = run.transforms.resume_problems(saved.transforms, where)
     problems = [problem for problem in (
-        run.strategy.resume_problem(saved),
-        *run.transforms.resume_problems(saved.transforms, where),
-        model_change(saved, run.model_cfg, run.num_parameters)) if problem]
+        *also, run.strategy.resume_problem(saved), *transform_problems,
+        None if transform_problems else model_change(saved, run.model_cfg,
+                                                     run.num_parameters)) if problem]
     if len(problems) == 1:
         raise InputError(f"checkpoint {where} {problems[0]}")
     if problems:
@@ -69,7 +78,7 @@ def model_change(saved: CheckpointState, model_cfg, num_parameters: int | None) 
         " (no model setting changed: the vocabulary trained on the data may have)"
     return (f"holds a model of {saved.model.num_parameters:,} parameters, this run builds "
             f"{num_parameters:,}{what}; resume with the model settings it was written with, or "
-            f"start a fresh run (a new trainer.output_dir, or trainer.overwrite=true)")
+            f"{FRESH_RUN}")
 
 
 @dataclass(frozen=True)
@@ -83,7 +92,8 @@ def epoch_position(saved: dict, steps_per_epoch: int, global_batch_size: int) ->
     """Where a Finetuner's checkpoint (`saved`: its train_state) continues in this run's
     epochs of `steps_per_epoch` steps of `global_batch_size` samples. The samples already
     taken in the current epoch are kept, counted in this run's steps (rounded up: no sample is
-    seen twice in the epoch); an epoch already complete in those terms is over."""
+    seen twice in the epoch, when the batch size changed; another training set is another
+    permutation); an epoch already complete in those terms is over."""
     epoch, in_epoch = saved["epoch"], saved["step_in_epoch"]
     saved_batch = saved.get("global_batch_size") or global_batch_size
     saved_steps = saved.get("steps_per_epoch") or steps_per_epoch
@@ -104,21 +114,26 @@ def epoch_position(saved: dict, steps_per_epoch: int, global_batch_size: int) ->
 
 
 def last_step(step: int, position: EpochPosition, steps_per_epoch: int, epochs: int | None,
-              train_iters: int | None, where: Path | str = "the checkpoint") -> int:
+              train_iters: int | None) -> tuple[int, str | None]:
     """The step a resumed Finetuner ends at: trainer.train_iters, or the steps left in
-    trainer.epochs from `position`, counted in this run's terms and added to the `step`
-    taken. Refused (InputError) when the checkpoint is past the training asked for."""
+    trainer.epochs from `position`, counted in this run's terms and added to the `step` taken;
+    and why the checkpoint cannot be resumed when it is past the training asked for (a
+    phrase after "checkpoint PATH "; the run then ends where the checkpoint is)."""
     if train_iters:
-        total, asked = train_iters, f"trainer.train_iters={train_iters}"
-    else:
-        left = (epochs - position.epoch) * steps_per_epoch - position.step_in_epoch
-        total, asked = step + left, f"trainer.epochs={epochs}"
-    if step > total:
-        done = f"{step} steps" if train_iters else f"{position.epoch} epochs" + (
-            f" and {position.step_in_epoch} steps of the next" if position.step_in_epoch
-            else "")
-        raise InputError(f"{where} has trained {done}, past what this run asks ({asked}); "
-                         f"nothing is left to train: ask for more (a larger trainer.epochs or "
-                         f"trainer.train_iters), or start a fresh run (a new "
-                         f"trainer.output_dir, or trainer.overwrite=true)")
-    return total
+        problem = past_the_end(step, train_iters, f"trainer.train_iters={train_iters}")
+        return (step if problem else train_iters), problem
+    left = (epochs - position.epoch) * steps_per_epoch - position.step_in_epoch
+    done = f"{position.epoch} epochs" + (f" and {position.step_in_epoch} steps of the next"
+                                         if position.step_in_epoch else "")
+    problem = past_the_end(step, step + left, f"trainer.epochs={epochs}", done)
+    return (step if problem else step + left), problem
+
+
+def past_the_end(step: int, total: int, asked: str, done: str | None = None) -> str | None:
+    """Why a checkpoint at `step` cannot resume a run that ends at step `total` (`asked`: the
+    setting that says so), or None."""
+    if step <= total:
+        return None
+    return (f"has trained {done or f'{step} steps'}, past what this run asks ({asked}); "
+            f"nothing is left to train: ask for more (a larger trainer.epochs or "
+            f"trainer.train_iters), or {FRESH_RUN}")

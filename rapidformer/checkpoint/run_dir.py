@@ -42,6 +42,7 @@ RUN_OUTPUTS = ("metrics.jsonl", "metrics.csv", "tensorboard", "hf_model", ".tmp-
                "status.json", "tokenizer", "logs", "data_index_cache", "generations.jsonl",
                "peft_base", ".tmp-peft_base")
 IGNORED = {".gitkeep", ".gitignore", ".DS_Store"}  # what an empty directory may hold
+STATUS_FILE = "status.json"
 
 _held: dict[str, int] = {}  # run directory -> the lock's file descriptor, for this process
 
@@ -72,6 +73,12 @@ def holds_directory(launcher) -> bool:
     return launcher.node_rank == 0 and os.environ.get("RANK", "0") == "0"
 
 
+def hydra_job_entries(hydra_job: str | None) -> frozenset[str]:
+    """What a directory Hydra made for a job holds before the job runs (`.hydra/`, the job's
+    log) and what rapidformer wrote there when an earlier attempt was refused (status.json)."""
+    return frozenset({".hydra", f"{hydra_job}.log", STATUS_FILE}) if hydra_job else frozenset()
+
+
 @contextlib.contextmanager
 def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, held: bool = True,
             hydra_job: str | None = None):
@@ -89,8 +96,7 @@ def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, hel
     if path.exists() and str(path.resolve()) in _held:
         yield
         return
-    fd = _claim(path, run_dir, resume, overwrite,
-                {".hydra", f"{hydra_job}.log"} if hydra_job else set())
+    fd = _claim(path, run_dir, resume, overwrite, hydra_job_entries(hydra_job))
     key = str(path.resolve())
     _held[key] = fd
     try:
@@ -100,14 +106,37 @@ def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, hel
         os.close(fd)  # releases the lock
 
 
-def _claim(path: Path, run_dir, resume: str | None, overwrite: bool, expected: set[str]) -> int:
-    if path.is_dir():
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in IGNORED | expected)
-        if foreign and not is_run_directory(path):
-            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-            raise InputError(f"trainer.output_dir={run_dir} holds files that no rapidformer "
-                             f"run wrote ({shown}); a run would overwrite them: choose a new "
-                             f"or empty directory")
+def claim_problems(run_dir, resume: str | None, overwrite: bool,
+                   expected: frozenset[str] = frozenset()) -> list[str]:
+    """Why a run cannot take `run_dir`, read-only and without the lock (the refusal pass asks
+    it before anything is written; `claimed` asks it again under the lock)."""
+    path = Path(run_dir).absolute()
+    if not path.is_dir():
+        return []
+    # the lock is the claim's own (a claim refused under it leaves it behind)
+    foreign = sorted(p.name for p in path.iterdir()
+                     if p.name not in IGNORED | expected | {LOCK})
+    if foreign and not is_run_directory(path):
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        return [f"trainer.output_dir={run_dir} holds files that no rapidformer run wrote "
+                f"({shown}); a run would overwrite them: choose a new or empty directory"]
+    if not resume and not overwrite and _holds_a_run(path):
+        return [f"trainer.output_dir={run_dir} holds an earlier run (its checkpoints or "
+                f"metrics); add trainer.resume=auto to continue it, trainer.overwrite=true to "
+                f"discard it and start fresh there, or choose a new trainer.output_dir"]
+    return []
+
+
+def _holds_a_run(path: Path) -> bool:
+    checkpoints = path / "checkpoints"
+    return (checkpoints.is_dir() and any(checkpoints.iterdir())) or \
+        (path / "metrics.jsonl").is_file()
+
+
+def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
+           expected: frozenset[str]) -> int:
+    if problems := claim_problems(run_dir, resume, overwrite, expected):
+        raise InputError(problems[0])
     try:
         path.mkdir(parents=True, exist_ok=True)
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -123,7 +152,13 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool, expected: s
                          f"wait for it to end, stop it, or choose another "
                          f"trainer.output_dir") from None
     try:
-        _refuse_mixing(path, run_dir, resume, overwrite)
+        # checked again under the lock: another run may have written here meanwhile
+        if problems := claim_problems(run_dir, resume, overwrite, expected):
+            raise InputError(problems[0])
+        if overwrite and not resume and _holds_a_run(path):
+            removed = _remove_outputs(path)
+            log.warning("trainer.overwrite=true: removed the earlier run's %s from %s",
+                        ", ".join(removed) or "outputs", path)
     except BaseException:
         os.close(fd)  # releases the lock
         raise
@@ -132,26 +167,10 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool, expected: s
     return fd
 
 
-def _refuse_mixing(path: Path, given, resume: str | None, overwrite: bool) -> None:
-    if resume:
-        return
-    checkpoints = path / "checkpoints"
-    has_checkpoints = checkpoints.is_dir() and any(checkpoints.iterdir())
-    if not has_checkpoints and not (path / "metrics.jsonl").is_file():
-        return
-    if not overwrite:
-        raise InputError(f"trainer.output_dir={given} holds an earlier run (its checkpoints or "
-                         f"metrics); add trainer.resume=auto to continue it, "
-                         f"trainer.overwrite=true to discard it and start fresh there, or "
-                         f"choose a new trainer.output_dir")
-    removed = _remove_outputs(path)
-    log.warning("trainer.overwrite=true: removed the earlier run's %s from %s",
-                ", ".join(removed) or "outputs", path)
-
-
 def _remove_outputs(path: Path) -> list[str]:
     """What rapidformer wrote into a run directory: its outputs, and its checkpoints (step
-    directories, interrupted saves and the best marker); anything else there stays."""
+    directories, interrupted saves and the best marker); anything else there stays. A link
+    is removed as a link: what it points to is not the run's to delete."""
     from rapidformer.checkpoint import store
 
     removed = []
@@ -160,20 +179,24 @@ def _remove_outputs(path: Path) -> list[str]:
         for entry in checkpoints.iterdir():
             if store.NAME.match(entry.name) or entry.name.startswith(".tmp-") or \
                     entry.name == store.BEST:
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                _remove(entry)
         with contextlib.suppress(OSError):
             checkpoints.rmdir()  # only when nothing of the user's is left in it
         removed.append("checkpoints")
     for name in RUN_OUTPUTS:
-        target = path / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-        else:
-            continue
-        removed.append(name)
+        if _remove(path / name):
+            removed.append(name)
     return removed
+
+
+def _remove(target: Path) -> bool:
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.is_dir():
+        shutil.rmtree(target)
+    else:
+        return False
+    return True
 
 
 def _record_holder(fd: int) -> None:

@@ -56,11 +56,12 @@ def hydra_entry(cfg: DictConfig):
     run_dir = hydra_cfg.runtime.output_dir
     try:
         # checked again here: a sweep's jobs are checked only here, each on its own settings
-        resolved, run_cfg = settle(cfg, run_dir, environment=True)
-        # a sweep's job directory: Hydra made it and wrote .hydra/ and the job's log first
-        hydra_job = hydra_cfg.job.name if hydra_cfg.mode == RunMode.MULTIRUN else None
+        # (the directory is claimed next, with what Hydra wrote into it expected)
+        resolved, run_cfg = settle(cfg, run_dir, environment=True, claims=False)
+        # the job's directory (a sweep's, or hydra.run.dir's): Hydra made it and wrote .hydra/
+        # and the job's log into it before this job started
         with claimed(run_dir, run_cfg.trainer.resume, run_cfg.trainer.overwrite,
-                     held=holds_directory(run_cfg.launcher), hydra_job=hydra_job):
+                     held=holds_directory(run_cfg.launcher), hydra_job=hydra_cfg.job.name):
             with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
                 yaml.safe_dump(resolved, f, sort_keys=False)
             write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)

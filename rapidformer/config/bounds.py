@@ -157,6 +157,7 @@ SAMPLE_LAYOUTS = {
     "seq2seq_lm": "task.source_prefix + document + </s>",
     "bert_pretraining": "[CLS] segment A [SEP] segment B [SEP]",
     "causal_lm": "a window of tokens, each predicting the next",
+    "sft": "the chat template's turns, the assistant's tokens carrying the loss",
 }
 # a question-answering window: [CLS] question [SEP] context [SEP] holds 3 special tokens, at least
 # one token of question and task.doc_stride tokens of overlap plus one new token of context

@@ -3,7 +3,7 @@
 Hydra composes; this module adds what Hydra does not do for us: the default recipe, a check of
 every override against the schemas before Hydra sees them (so all typos are reported at once,
 each with the closest valid name), after composing a refusal of the overrides that the options
-picked would not read (validate.USED_ONLY_WITH) and a fix for `+` on a key that is there, and the
+picked would not read (read_keys.USED_ONLY_WITH) and a fix for `+` on a key that is there, and the
 final validation into a `RunConfig`.
 """
 from __future__ import annotations
@@ -275,7 +275,7 @@ def _users(selector: str, values: tuple[str, ...]) -> str:
 
 
 def ignored_override_problems(overrides: list[str], cfg: DictConfig) -> list[str]:
-    """Overrides of keys that the options picked do not read (validate.USED_ONLY_WITH): each
+    """Overrides of keys that the options picked do not read (read_keys.USED_ONLY_WITH): each
     would be dropped without a word. Setting such a key to its default is what the run does
     anyway, and is let through (`rapidformer plan` prints such overrides for every mode); keys
     that recipes and option files set are theirs, not the user's, and are not looked at."""

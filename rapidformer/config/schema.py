@@ -2,9 +2,9 @@
 
 The YAML files under the repository's `conf/` and `recipes/` are the option values; these
 classes are the contract.
-`validate.py` walks a composed config against them, so a key that is not a field here is an error
+`typed.py` walks a composed config against them, so a key that is not a field here is an error
 (with the closest valid name), and so is a value of the wrong type; the valid range of every
-number is validate.BOUNDS, and the keys only some options read are validate.USED_ONLY_WITH.
+number is bounds.BOUNDS, and the keys only some options read are read_keys.USED_ONLY_WITH.
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ class DataConfig:
     # sft: several examples per row up to max_seq_length, each with its own positions and no
     # attention across examples (the loss equals the unpacked run's)
     packing: bool = False
-    # at least 8 (the special tokens of a sample and some text of each part; validate.py's
+    # at least 8 (the special tokens of a sample and some text of each part; bounds.py's
     # MIN_SEQ_LENGTH), at most model.max_position_embeddings for a config-built model
     max_seq_length: int = 128
     # fine-tuning: each micro-batch takes examples of similar length (within windows of 16

@@ -30,7 +30,7 @@ def build_run_config(raw: dict, check: bool = True) -> RunConfig:
 
 
 def _divisor_below(n: int, k: int) -> int:
-    return max(d for d in range(1, min(n, k) + 1) if n % d == 0)
+    return max((d for d in range(1, min(n, k) + 1) if n % d == 0), default=1)
 
 
 def check_values(cfg: RunConfig) -> list[str]:

@@ -16,12 +16,12 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from rapidformer import transforms
 from rapidformer.accelerators.precision import compute_bytes
-from rapidformer.accelerators.table import backend_problems, select
+from rapidformer.accelerators.table import select
 from rapidformer.errors import ConfigError
 from rapidformer.planning.model_shape import ModelShape, model_shape
 from rapidformer.config.sizes import data_parallel_size, launched_world_size
+from rapidformer.refusals import config_problems
 
 if TYPE_CHECKING:
     from rapidformer.accelerators.base import StateBytes
@@ -88,14 +88,8 @@ def candidate_modes(cfg: RunConfig) -> list[Mode]:
         ladder = [m for m in ladder if m.checkpoint_activations]
     # what cfg itself is refused for (memory=auto is decided before the refusal pass reports
     # it) is no mode's doing: a mode is left out for what it adds
-    own = set(refusals(cfg))
-    return [m for m in ladder if set(refusals(with_mode(cfg, m))) <= own]
-
-
-def refusals(cfg: RunConfig) -> list[str]:
-    """What the one refusal pass's config checks refuse in `cfg` (preflight.config_problems):
-    the backend table's and the selected strategy's, and every model transform's."""
-    return [*backend_problems(cfg), *transforms.config_problems(cfg)]
+    own = set(config_problems(cfg))
+    return [m for m in ladder if set(config_problems(with_mode(cfg, m))) <= own]
 
 
 def with_mode(cfg: RunConfig, mode: Mode) -> RunConfig:
@@ -256,7 +250,7 @@ def choose_mode(cfg: RunConfig) -> Mode:
     if not estimates:
         raise ConfigError([f"memory=auto: every memory mode is refused with this config "
                            f"(memory={SHARDING[0]}: "
-                           f"{'; '.join(refusals(with_mode(cfg, Mode(SHARDING[0]))))})"])
+                           f"{'; '.join(config_problems(with_mode(cfg, Mode(SHARDING[0]))))})"])
     if capacity is None:
         chosen = estimates[0]
         log.info("memory=auto: no GPU here (and memory.device_memory_gb not set): using %s",

@@ -23,9 +23,10 @@ class Batching:
         # a compiled model (and float8's matmuls) meets lengths rounded to few multiples
         self.compiled = rounds_lengths(cfg)
         self.masked_lm = masked_lm
-        # the unpadded layout runs BERT's MLM head on the masked positions only, also in
-        # evaluation
-        self.positions = masked_lm and (cfg.task.mlm_head == "masked" or cfg.trainer.unpad)
+        # a transform's forward may run BERT's MLM head on the masked positions only (the
+        # unpadded path), evaluation included: its batches then carry them
+        self.transform_forward = transforms.masked_lm_positions()
+        self.positions = masked_lm and (cfg.task.mlm_head == "masked" or self.transform_forward)
         self._with_positions: list = []
 
     def collates(self, collate):
@@ -58,8 +59,8 @@ class Batching:
         """The task's model, with the forward task.mlm_head=masked needs (the packed layout's
         forward is its transform's). A model the masked-positions head does not know runs its
         own full head."""
-        if not self.positions or self.cfg.trainer.unpad:
-            return model  # trainer.unpad: the packed transform gives it its forward
+        if not self.positions or self.transform_forward:
+            return model  # the transform gives it its forward
         if supported(model) is None:
             log.info("task.mlm_head=masked: %s runs its own head on every position (the "
                      "masked-positions head knows Hugging Face BERT models)", type(model).__name__)

@@ -140,7 +140,7 @@ class Finetuner(TemplateLoop):
             self.model_optimizer_lr_scheduler_provider(),
             "(model, optimizer or None, lr_scheduler or None)", count=3, check=model_problem)
         sampler = self._train_sampler(train_ds)
-        total_iters = self._last_step(sampler.steps_per_epoch)
+        total_iters, past_the_end = self._last_step(sampler.steps_per_epoch)
         model, optimizer, lr_scheduler = engine.compose(model, optimizer, lr_scheduler,
                                                         total_iters=total_iters)
         train_loader = self._train_loader(train_ds, sampler,
@@ -156,7 +156,9 @@ class Finetuner(TemplateLoop):
         state = TrainState(steps_per_epoch=sampler.steps_per_epoch,
                            global_batch_size=t.global_batch_size)
         if engine.resume_checkpoint is not None:
-            saved = engine.load_checkpoint(engine.resume_checkpoint)["train_state"]
+            saved = engine.load_checkpoint(engine.resume_checkpoint,
+                                           also=(past_the_end,) if past_the_end else ())[
+                "train_state"]
             state = continue_epoch(TrainState(**saved), sampler.steps_per_epoch,
                                    t.global_batch_size)
         batches = CountingIterator(_epochs(train_loader, sampler, state), engine.to_device)
@@ -167,15 +169,15 @@ class Finetuner(TemplateLoop):
         return provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
                         "the loss (a tensor of one value)", check=loss_problem)
 
-    def _last_step(self, steps_per_epoch: int) -> int:
+    def _last_step(self, steps_per_epoch: int) -> tuple[int, str | None]:
         """The step training ends at: trainer.train_iters, or trainer.epochs' steps; resumed,
-        the steps the checkpoint's position leaves, counted in this run's epochs."""
+        the steps the checkpoint's position leaves, counted in this run's epochs, and why the
+        checkpoint is past them (refused with the resume's other problems, when it loads)."""
         t, saved = self.cfg.trainer, self.engine.resume_state()
         if saved is None:
-            return t.train_iters or t.epochs * steps_per_epoch
+            return t.train_iters or t.epochs * steps_per_epoch, None
         position = epoch_position(saved.train_state, steps_per_epoch, t.global_batch_size)
-        return last_step(saved.step, position, steps_per_epoch, t.epochs, t.train_iters,
-                         self.engine.resume_checkpoint)
+        return last_step(saved.step, position, steps_per_epoch, t.epochs, t.train_iters)
 
     def _train_sampler(self, train_ds) -> ResumableSampler:
         t = self.cfg.trainer

@@ -20,6 +20,7 @@ from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
 from rapidformer.observability.format import format_value
 from rapidformer.observability.metrics import MetricsSink
+from rapidformer.checkpoint.resume import past_the_end
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator
 from rapidformer.templates.skeleton import Advanced, Course, TemplateLoop
@@ -111,7 +112,10 @@ class PreTrainer(TemplateLoop):
 
         state = PretrainState()
         if engine.resume_checkpoint is not None:
-            state = PretrainState(**engine.load_checkpoint(engine.resume_checkpoint)["train_state"])
+            saved = engine.resume_state()
+            late = past_the_end(saved.step, total_iters, f"trainer.train_iters={total_iters}")
+            state = PretrainState(**engine.load_checkpoint(
+                engine.resume_checkpoint, also=(late,) if late else ())["train_state"])
         train_iter = self.build_data_iterator(train_ds, state.consumed_train_samples)
         valid_iter = self.build_data_iterator(valid_ds, state.consumed_valid_samples)
         if t.best_metric and (valid_iter is None or t.eval_iters == 0):

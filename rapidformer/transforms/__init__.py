@@ -76,9 +76,6 @@ class Transforms:
     def __init__(self, cfg: RunConfig):
         self.active = [t(cfg) for t in TRANSFORMS if t.wanted(cfg)]
 
-    def get(self, kind: type[ModelTransform]) -> ModelTransform | None:
-        return next((t for t in self.active if isinstance(t, kind)), None)
-
     # --- the model -----------------------------------------------------------------------------
     def apply(self, model: nn.Module, context: ApplyContext, before_move: bool) -> nn.Module:
         """The transforms of one stage (before the move to the device, or after it)."""
@@ -96,6 +93,10 @@ class Transforms:
         return counts[0] if counts else trainable
 
     # --- the data --------------------------------------------------------------------------------
+    def masked_lm_positions(self) -> bool:
+        """Whether a transform's forward runs the masked-LM head on the masked positions."""
+        return any(t.masked_lm_positions(t.cfg) for t in self.active)
+
     def training_rows(self, rows):
         for t in self.active:
             rows = t.training_rows(rows)

@@ -102,6 +102,12 @@ class ModelTransform:
         """After each optimizer step, on the wrapped model."""
 
     # --- the data a task feeds it ----------------------------------------------------------------
+    @classmethod
+    def masked_lm_positions(cls, cfg: RunConfig) -> bool:
+        """Whether its forward runs BERT's masked-LM head on the positions that carry a loss
+        only, evaluation included (a task then adds those positions to every batch)."""
+        return False
+
     def training_rows(self, rows):
         """A task's encoded training rows as this transform trains on them."""
         return rows
@@ -154,14 +160,3 @@ class ModelTransform:
         """The whole model's weights of a checkpoint that recorded this transform, from the
         tensors the strategy read (`rapidformer export`, eval, predict)."""
         return weights
-
-
-def installed(package: str) -> bool:
-    """Whether `package` can be imported, without importing it: the refusal pass runs before
-    any work, and some libraries print on import (bitsandbytes, megatron-core)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):  # a parent that fails, or a module set to None
-        return False

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from rapidformer.errors import EXIT_NOT_AVAILABLE, InputError, Problem
-from rapidformer.transforms.base import ApplyContext, ModelTransform, installed
+from rapidformer.transforms.base import ApplyContext, ModelTransform
+from rapidformer.runtime.packages import installed
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import PrecisionConfig, RunConfig

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from rapidformer.errors import EXIT_NOT_AVAILABLE, InputError, Problem
-from rapidformer.transforms.base import ApplyContext, ModelTransform, installed
+from rapidformer.transforms.base import ApplyContext, ModelTransform
+from rapidformer.runtime.packages import installed
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import KernelsConfig, RunConfig

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from rapidformer.errors import EXIT_NOT_AVAILABLE, ConfigError, Problem
-from rapidformer.transforms.base import ApplyContext, ModelTransform, StateFilter, installed
+from rapidformer.transforms.base import ApplyContext, ModelTransform, StateFilter
+from rapidformer.runtime.packages import installed
 from rapidformer.transforms.lora_layers import (BNB_INSTALL, INSTALL, base_fingerprint,
                                                 check_names, import_peft, in_modules,
                                                 linear_layer_names, lora_config, module_names,
@@ -321,7 +322,7 @@ class LoRA(ModelTransform):
                     f"base {mine['base_fingerprint'][:12]}: other frozen weights than the "
                     f"checkpoint's {record['base_class']} had); resume with the base it was "
                     f"trained on, or start a fresh run (a new trainer.output_dir, or "
-                    f"trainer.overwrite=true)")
+                    f"trainer.overwrite=true without trainer.resume)")
         return None
 
     @classmethod

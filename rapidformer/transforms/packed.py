@@ -73,6 +73,10 @@ class PackedSequences(ModelTransform):
         return p
 
     # --- the data ------------------------------------------------------------------------------
+    @classmethod
+    def masked_lm_positions(cls, cfg: RunConfig) -> bool:
+        return cfg.trainer.unpad  # the unpadded forward's head (models/unpadded.py)
+
     def training_rows(self, rows):
         """data.packing: several encoded examples a row, up to data.max_seq_length tokens."""
         if not self.cfg.data.packing:
