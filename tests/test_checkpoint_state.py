@@ -183,6 +183,9 @@ CHANGES = [
      True),
     ({"transforms": {"prune": {}}}, ["records a model transform 'prune' that this version "
                                      "does not know"], True),
+    # a transform's change changes the parameters that train: its own problem alone
+    ({"transforms": {"lora": LORA_RECORD}, "model": ModelRecord(99, {"hidden_size": 64})},
+     ["holds peft=lora adapters only"], True),
 ]
 
 
@@ -201,6 +204,7 @@ def test_a_resume_is_planned_or_refused_naming_every_change(changed, messages, r
         resume_plan(saved, run, Path("ckpt"))
     for message in messages:
         assert message in str(info.value)
+    assert ("problems)" in str(info.value)) == any("problems)" in m for m in messages)
 
 
 # --- the run directory --------------------------------------------------------------------------
@@ -259,3 +263,83 @@ def test_a_release_0_1_checkpoint_resumes_and_exports(name, command, tmp_path, c
     before, after = load_file(old / "model.safetensors"), load_file(new / "model.safetensors")
     assert set(before) == set(after)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # two more steps trained
+
+
+# --- found by review: each failed on the first version of the package --------------------------
+
+def test_overwrite_removes_a_linked_step_directory_as_a_link(tmp_path, capsys):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    base = [*FAST, "trainer.train_iters=2", "trainer.epochs=null", "trainer.export_hf=false",
+            f"trainer.output_dir={run}"]
+    code, err = call("rapidformer", base, capsys)
+    assert code == 0, err[-2000:]
+    step = run / "checkpoints" / "step_00000002"
+    elsewhere.mkdir()
+    shutil.move(str(step), elsewhere / step.name)
+    step.symlink_to(elsewhere / step.name)
+    code, err = call("rapidformer", [*base, "trainer.overwrite=true"], capsys)
+    assert code == 0, err[-2000:]
+    assert (elsewhere / step.name / "state.json").is_file()  # what the link pointed to stays
+
+
+def test_validate_refuses_the_run_directories_the_run_refuses(tmp_path, capsys):
+    mine, run = tmp_path / "project", tmp_path / "run"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / ".rapidformer-run").write_text("not ours")
+    (stray / "x").write_text("")
+    code, err = call("rapidformer", [*FAST, "trainer.train_iters=1", "trainer.epochs=null",
+                                     "trainer.export_hf=false", f"trainer.output_dir={run}"],
+                     capsys)
+    assert code == 0, err[-2000:]
+    for folder, extra, message in [
+            (mine, [], "holds files that no rapidformer run wrote (notes.txt)"),
+            (stray, [], "holds files that no rapidformer run wrote (.rapidformer-run, x)"),
+            (run, [], "holds an earlier run"),
+            (run, ["trainer.resume=auto"], None), (run, ["trainer.overwrite=true"], None)]:
+        code, err = call("cli", ["validate", f"trainer.output_dir={folder}", *extra], capsys)
+        run_code, run_err = call("rapidformer", [*FAST, "trainer.train_iters=1",
+                                                 "trainer.epochs=null", "trainer.export_hf=false",
+                                                 f"trainer.output_dir={folder}", *extra], capsys)
+        if message is None:
+            assert code == 0 == run_code, (err[-1500:], run_err[-1500:])
+        else:
+            assert code == 2 == run_code and message in err and message in run_err, err
+
+
+def test_a_sweep_runs_again_where_a_job_was_refused(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    common = ["-m", *FAST, "trainer.train_iters=1", "trainer.epochs=null",
+              "trainer.export_hf=false", f"hydra.sweep.dir={sweep}"]
+    call("rapidformer", [*common, "trainer.micro_batch_size=16,3"], capsys)
+    assert json.loads((sweep / "1" / "status.json").read_text())["status"] == "failed"
+    call("rapidformer", [*common, "trainer.micro_batch_size=16,8", "trainer.resume=auto"],
+         capsys)
+    assert json.loads((sweep / "1" / "status.json").read_text())["status"] == "ok"
+
+
+def test_hydra_run_dir_of_its_own_runs(tmp_path, capsys):
+    code, err = call("rapidformer", [*FAST, "trainer.train_iters=1", "trainer.epochs=null",
+                                     "trainer.export_hf=false", f"trainer.output_dir={tmp_path}/a",
+                                     f"hydra.run.dir={tmp_path}/b"], capsys)
+    assert code == 0, err[-2000:]
+
+
+def test_a_pretraining_checkpoint_past_train_iters_is_refused(tmp_path, pretraining_data):
+    from rapidformer.config.compose import compose
+    from rapidformer.engine import RapidformerEngine
+    from rapidformer.preflight import settle
+    from rapidformer.tasks import task_class
+    from tests.test_decoders import llama_args
+
+    def pretrain(*overrides):
+        _, cfg = settle(compose([*llama_args(pretraining_data), "trainer.save_interval=3",
+                                 f"trainer.output_dir={tmp_path}", *overrides]), str(tmp_path))
+        return task_class(cfg.task.name)(engine=RapidformerEngine(cfg, tmp_path)).train()
+
+    pretrain("trainer.train_iters=3")
+    with pytest.raises(InputError, match=r"has trained 3 steps, past what this run asks "
+                                         r"\(trainer.train_iters=2\)"):
+        pretrain("trainer.train_iters=2", "trainer.resume=auto")
