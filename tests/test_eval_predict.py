@@ -236,8 +236,8 @@ def test_predict_says_which_tasks_it_does_not_cover(cls_run, tmp_path, capsys):
     given.write_text('{"text": "a"}\n')
     code, _, err = cli(["predict", str(run), "--input", str(given), "--output",
                         str(tmp_path / "o.jsonl")], capsys)
-    assert code == 3
-    assert "rapidformer generate" in one_error(err)
+    assert code == 2  # the wrong verb for the run: bad input (it said "a later version")
+    assert "task=causal_lm run" in one_error(err) and "use rapidformer generate" in one_error(err)
     code, _, err = cli(["eval", str(tmp_path / "nowhere")], capsys)
     assert code == 2 and "no such run directory" in one_error(err)
 

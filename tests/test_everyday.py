@@ -4,7 +4,7 @@ leaves the disk as it was. In-process and without training: each test takes abou
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import shutil
 
 import pytest
 
@@ -181,13 +181,16 @@ def test_refused_run_leaves_no_directory(capsys, tmp_path):
 
 
 def test_a_run_that_trained_keeps_its_directory(tmp_path):
-    from rapidformer.checkpoint.run_dir import missing_ancestors, remove_if_unstarted
+    from rapidformer.checkpoint.run_start import RunStart
 
     run_dir = tmp_path / "x" / "y"
-    created = missing_ancestors(run_dir)
-    assert created == [run_dir.absolute(), (tmp_path / "x").absolute()]
-    (run_dir / "checkpoints").mkdir(parents=True)
-    assert not remove_if_unstarted(created) and run_dir.is_dir()
-    Path(run_dir / "checkpoints").rmdir()
+    start = RunStart(run_dir)
+    assert start.created == [run_dir.absolute(), (tmp_path / "x").absolute()]
+    (run_dir / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000001" / "COMPLETE.json").write_text("{}")
+    assert start.trained() and run_dir.is_dir()
+    shutil.rmtree(run_dir / "checkpoints")
     (run_dir / "config.yaml").write_text("{}")
-    assert remove_if_unstarted(created) and not (tmp_path / "x").exists()
+    assert not start.trained()
+    start.put_back()
+    assert not (tmp_path / "x").exists()

@@ -30,6 +30,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from rapidformer.checkpoint.run_start import STASH, stash
 from rapidformer.errors import InputError
 
 log = logging.getLogger("rapidformer")
@@ -156,9 +157,10 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
         if problems := claim_problems(run_dir, resume, overwrite, expected):
             raise InputError(problems[0])
         if overwrite and not resume and _holds_a_run(path):
-            removed = _remove_outputs(path)
-            log.warning("trainer.overwrite=true: removed the earlier run's %s from %s",
-                        ", ".join(removed) or "outputs", path)
+            moved = _stash_outputs(path)
+            log.warning("trainer.overwrite=true: the earlier run's %s moved aside in %s, deleted "
+                        "once this run has trained (put back if it is refused before)",
+                        ", ".join(moved) or "outputs", path / STASH)
     except BaseException:
         os.close(fd)  # releases the lock
         raise
@@ -167,36 +169,26 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
     return fd
 
 
-def _remove_outputs(path: Path) -> list[str]:
-    """What rapidformer wrote into a run directory: its outputs, and its checkpoints (step
-    directories, interrupted saves and the best marker); anything else there stays. A link
-    is removed as a link: what it points to is not the run's to delete."""
+def _stash_outputs(path: Path) -> list[str]:
+    """What rapidformer wrote into a run directory, moved aside (run_start.py): its outputs,
+    and its checkpoints (step directories, interrupted saves and the best marker); anything
+    else there stays. A link moves as a link: what it points to is not the run's."""
     from rapidformer.checkpoint import store
 
-    removed = []
+    shutil.rmtree(path / STASH, ignore_errors=True)  # a killed overwrite's: ours to delete
+    moved = []
     checkpoints = path / "checkpoints"
     if checkpoints.is_dir():
         for entry in checkpoints.iterdir():
             if store.NAME.match(entry.name) or entry.name.startswith(".tmp-") or \
                     entry.name == store.BEST:
-                _remove(entry)
-        with contextlib.suppress(OSError):
-            checkpoints.rmdir()  # only when nothing of the user's is left in it
-        removed.append("checkpoints")
+                stash(path, entry)
+        moved.append("checkpoints")
     for name in RUN_OUTPUTS:
-        if _remove(path / name):
-            removed.append(name)
-    return removed
-
-
-def _remove(target: Path) -> bool:
-    if target.is_symlink() or target.is_file():
-        target.unlink()
-    elif target.is_dir():
-        shutil.rmtree(target)
-    else:
-        return False
-    return True
+        if (path / name).is_symlink() or (path / name).exists():
+            stash(path, path / name)
+            moved.append(name)
+    return moved
 
 
 def _record_holder(fd: int) -> None:
@@ -212,34 +204,3 @@ def _holder(fd: int) -> str:
         return f"pid {info['pid']} on host {info['host']}, started {info['started']}"
     except (OSError, ValueError, KeyError):
         return "its pid is not recorded yet"
-
-
-# what only a run that trained writes: a directory with one of them is kept whatever happens
-TRAINED = ("checkpoints", "metrics.jsonl", "tensorboard", "hf_model", "wandb", "mlflow.db")
-
-
-def missing_ancestors(path: str | os.PathLike) -> list[Path]:
-    """`path` and its parents that do not exist yet, nearest first: what this run creates."""
-    missing = []
-    for folder in [Path(path).absolute(), *Path(path).absolute().parents]:
-        if folder.exists():
-            break
-        missing.append(folder)
-    return missing
-
-
-def remove_if_unstarted(created: list[Path]) -> bool:
-    """After a run refused before training (bad input, a missing model or dataset): remove
-    the directories it created (`missing_ancestors`, taken before; so everything in them is
-    this run's) unless it trained (`TRAINED`), so that a refused command leaves the disk as it
-    was. The message the user needs was printed already."""
-    if not created or not created[0].is_dir():
-        return False
-    run_dir = created[0]
-    if any((run_dir / name).exists() for name in TRAINED):
-        return False
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in created[1:]:
-        with contextlib.suppress(OSError):
-            parent.rmdir()  # only when empty: a sibling run may have appeared meanwhile
-    return True

@@ -27,6 +27,17 @@ def report(error: BaseException) -> None:
     print(f"rapidformer: {kind}: {error}", file=sys.stderr)
 
 
+def finished_or_stopped(run_dir: Path) -> tuple[str, str | None]:
+    """A run that returned: "ok", or "stopped" (with what stopped it) when it stopped as asked
+    before its last step (trainer.exit_interval)."""
+    from rapidformer.observability.records import STOPPED, planned_stop, read_metrics
+
+    stop = planned_stop(read_metrics(run_dir))
+    if stop is None:
+        return "ok", None
+    return "stopped", f"{stop[STOPPED]['by']} at step {stop['step']} of {stop[STOPPED]['of']}"
+
+
 def record_status(run_dir: str, status: str, error: str | None = None) -> None:
     """status.json, when the directory can still be written: a full or read-only disk must not
     turn the run's one message into a second traceback."""
@@ -67,7 +78,7 @@ def hydra_entry(cfg: DictConfig):
             write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
             log.info("run directory: %s", run_dir)
             result = run(run_cfg, run_dir, resolved)
-            record_status(run_dir, "ok")
+            record_status(run_dir, *finished_or_stopped(Path(run_dir)))
         if hydra_cfg.mode == RunMode.MULTIRUN:
             # what a sweeper optimises (Optuna): the job's final eval metric, as the summary shows
             return job_row(Path(run_dir))["value"]
@@ -102,12 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     from rapidformer.preflight import settle
     from rapidformer.runtime import hub
     from rapidformer.runtime.fast_exit import install as exit_fast
-    from rapidformer.checkpoint.run_dir import (claimed, holds_directory, missing_ancestors,
-                                             remove_if_unstarted)
+    from rapidformer.checkpoint.run_dir import claimed, holds_directory
+    from rapidformer.checkpoint.run_start import RunStart
 
     exit_fast()
     stack = contextlib.ExitStack()
-    created = []
+    start = None  # the run directory as it was, put back if the run is refused before training
     argv = list(sys.argv[1:] if argv is None else argv)
     flags, overrides = split_argv(argv)
     try:
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             # goes to Hydra too, so that a timestamped default is not resolved a second later
             quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")
             overrides = [*overrides, f"++trainer.output_dir='{quoted}'"]
-            created = missing_ancestors(output_dir)  # what a refused run removes again
+            start = RunStart(output_dir)
             stack.enter_context(claimed(output_dir, run_cfg.trainer.resume,
                                         run_cfg.trainer.overwrite,
                                         held=holds_directory(run_cfg.launcher)))
@@ -161,9 +172,16 @@ def main(argv: list[str] | None = None) -> None:
         with stack:
             hydra_entry()
     except SystemExit as exc:
-        if exc.code in (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE) and remove_if_unstarted(created):
-            print(f"rapidformer: nothing was run; {output_dir} was removed", file=sys.stderr)
+        if start is not None and exc.code in (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE) and \
+                not start.trained():
+            start.put_back()  # a refusal changes nothing on disk
+            print(f"rapidformer: nothing was run; {output_dir} "
+                  f"{'was removed' if start.created else 'is as it was'}", file=sys.stderr)
+        elif start is not None and start.trained():
+            start.drop_stash()
         raise
+    if start is not None:
+        start.drop_stash()
 
 
 if __name__ == "__main__":

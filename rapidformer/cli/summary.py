@@ -1,6 +1,8 @@
 """The end-of-run summary: what a finished run left and the commands that go on from it, read
 from the run directory itself (metrics.jsonl, checkpoints/, hf_model/, .hydra/overrides.yaml),
-so it says what is on disk, not what the run meant to write.
+so it says what is on disk, not what the run meant to write. A run that stopped as asked
+before its last step (trainer.exit_interval) says so in its first line, and its resume command
+goes on to the end.
 
     rapidformer: run finished: outputs/2025-01-01_12-00-00
       final     step 1500: loss 0.0123; validation/accuracy=0.9850, validation/loss=0.0512
@@ -25,11 +27,13 @@ import yaml
 from rapidformer.checkpoint import store
 from rapidformer.config.compose import override_key
 from rapidformer.observability.format import format_value
-from rapidformer.observability.records import read_metrics
+from rapidformer.observability.records import STOPPED, planned_stop, read_metrics
 from rapidformer.templates.best import inferred_mode
 
-# overrides the resume command sets itself: the same directory, resumed
-RUN_DIR_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.overwrite")
+# overrides the resume command sets itself (the same directory, resumed), and the stop it goes on
+# from
+RUN_DIR_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.overwrite",
+                "trainer.exit_interval")
 EVALUATED = ("validation/", "test/")
 
 
@@ -99,7 +103,10 @@ def summary_lines(run_dir: Path, argv: list[str] | None = None) -> list[str]:
     if records:
         rows.append(("curves", shlex.join(["rapidformer", "plot", str(run_dir)])))
     width = max(len(name) for name, _ in rows)
-    return [f"rapidformer: run finished: {run_dir}",
+    stop = planned_stop(records)
+    ended = (f"run stopped at step {stop['step']} of {stop[STOPPED]['of']} "
+             f"({stop[STOPPED]['by']}): {run_dir}" if stop else f"run finished: {run_dir}")
+    return [f"rapidformer: {ended}",
             *(f"  {name:<{width}}  {value}" for name, value in rows if value)]
 
 

@@ -14,19 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rapidformer.data.qa import best_spans, eval_features
-from rapidformer.errors import InputError, NotAvailableError
-
-# what predict refuses, and why
-UNSUPPORTED = {
-    "causal_lm": "text generation from a causal LM arrives with `rapidformer generate` in a "
-                 "later version; until then `rapidformer export RUN_DIR --to DIR` gives a "
-                 "Hugging Face model for transformers' generate()",
-    "bert_pretraining": "a BERT pretraining run has no task head to predict with (its heads "
-                        "are masked-LM and next-sentence pretraining objectives); fine-tune it "
-                        "(e.g. task=sequence_classification model=hf model.name_or_path=DIR "
-                        "of `rapidformer export`) and predict with that run",
-}
-
+from rapidformer.errors import InputError
 
 @dataclass
 class Predicting:
@@ -186,9 +174,6 @@ OUTPUT_COLUMNS = {"sequence_classification": ("prediction", "score"),
 def input_columns(cfg) -> dict[str, str]:
     """{config key: column} of the columns each task's prediction reads."""
     d, task = cfg.data, cfg.task.name
-    if task in UNSUPPORTED:
-        raise NotAvailableError(f"rapidformer predict does not cover task={task}: "
-                                f"{UNSUPPORTED[task]}")
     keys = {"sequence_classification": ["text_a_column"] + (["text_b_column"]
                                                              if d.text_b_column else []),
             "token_classification": ["tokens_column"],

@@ -31,6 +31,17 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return records
 
 
+# the record a run writes when it stops as asked before its last step (trainer.exit_interval):
+# {"step": 10, "stopped": {"by": "trainer.exit_interval=10", "of": 100}}
+STOPPED = "stopped"
+
+
+def planned_stop(records: list[dict]) -> dict | None:
+    """The run's stop record when its last record is one: it stopped as asked, not finished
+    (a resumed run's records go on after it)."""
+    return records[-1] if records and STOPPED in records[-1] else None
+
+
 def scalars(record: dict) -> dict:
     return {k: v for k, v in record.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}

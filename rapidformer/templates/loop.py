@@ -42,6 +42,7 @@ from rapidformer.observability.compile_log import CompileLog
 from rapidformer.observability.console import logs_through
 from rapidformer.observability.grad_spikes import GradNormSpikes
 from rapidformer.observability.metrics import MetricsSink
+from rapidformer.observability.records import STOPPED
 from rapidformer.observability.step_profiler import StepProfiler
 from rapidformer.runtime.preemption import StopSignals, newest_checkpoint
 
@@ -187,9 +188,13 @@ class LoopControl:
         return self.stop.error(step, self.engine.checkpoint_root)
 
     def exiting(self, step: int) -> None:
-        """trainer.exit_interval ends the run after `step`: say so, and how to continue."""
-        log.info("trainer.exit_interval=%d reached at %s %d: checkpoint saved, stopping "
-                 "(resume with trainer.resume=auto)", self.t.exit_interval, self.unit, step)
+        """trainer.exit_interval ends the run after `step`, as asked: say so, and record it, so
+        that the run is reported stopped, not finished (rapidformer/cli/summary.py)."""
+        log.info("trainer.exit_interval=%d reached at %s %d of %d: checkpoint saved, stopping "
+                 "(resume with trainer.resume=auto)", self.t.exit_interval, self.unit, step,
+                 self.total_iters)
+        self.sink.write(step, {STOPPED: {"by": f"trainer.exit_interval={self.t.exit_interval}",
+                                         "of": self.total_iters}})
 
     # --- evaluations --------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -18,11 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rapidformer.config.schema import PRETRAINING_TASKS
-from rapidformer.errors import EXIT_WRITE_FAILED, InputError, NotAvailableError
+from rapidformer.errors import EXIT_WRITE_FAILED, InputError
 from rapidformer.observability.format import format_value
 from rapidformer.file_modes import honour_umask
 from rapidformer.inference import restore
+from rapidformer.inference.served import require_served
 
 
 def plain_number(value):
@@ -47,11 +47,7 @@ def evaluate(run_dir: Path, choice: str | None = None, overrides: list[str] = ()
 
     plain = restore.with_overrides(restore.run_config(run_dir), list(overrides), "eval")
     cfg = restore.one_process_config(plain, run_dir)
-    if cfg.task.name in PRETRAINING_TASKS:
-        raise NotAvailableError(
-            f"rapidformer eval covers the fine-tuning tasks; task={cfg.task.name} is scored by "
-            f"its own run (validation/ and test/ loss and perplexity in {run_dir}/metrics.jsonl, "
-            f"over the Megatron samples of its data position)")
+    require_served("eval", cfg.task.name, run_dir)
     ckpt = restore.choose_checkpoint(run_dir, choice)
     state, saved = restore.checkpoint_weights(ckpt)
     datasets.disable_progress_bars()

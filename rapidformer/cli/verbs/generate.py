@@ -42,7 +42,7 @@ def load_exported(directory: Path):
 def prompt_texts(rows: list, tokenizer, data, raw: bool, where: str) -> list[str]:
     """The text each row is answered from: a conversation (or a prompt as the user's turn)
     rendered with the generation prompt, or the prompt itself (raw, or no template)."""
-    from rapidformer.data.chat import messages_of, row_form
+    from rapidformer.data.chat import messages_of
 
     templated = bool(getattr(tokenizer, "chat_template", None)) and not raw
     texts = []
@@ -90,9 +90,11 @@ def generate(run_dir: Path, prompt: str | None, input_path: Path | None, model_d
              max_new_tokens: int | None, temperature: float, raw: bool, device: str | None):
     """(rows, answers): the prompts read and what the model answered."""
     from rapidformer.inference import restore
+    from rapidformer.inference.served import require_served
     from rapidformer.planning.run_plan import pick_device
 
     cfg = restore.one_process_config(restore.run_config(run_dir), run_dir)
+    require_served("generate", cfg.task.name, run_dir)
     model, tokenizer = load_exported(model_dir or run_dir / "hf_model")
     if input_path is not None:
         rows = read_jsonl(input_path)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rapidformer.errors import EXIT_WRITE_FAILED, InputError
 from rapidformer.inference import predictors, restore, rows as row_files
+from rapidformer.inference.served import require_served
 
 CLASSIFIERS = ("sequence_classification", "token_classification")
 
@@ -133,7 +134,8 @@ def predict(run_dir: Path, input_path: Path, output_path: Path, choice: str | No
     from rapidformer.planning.run_plan import pick_device
 
     cfg = restore.one_process_config(restore.run_config(run_dir), run_dir)
-    wanted = predictors.input_columns(cfg)  # refuses the tasks predict does not cover
+    require_served("predict", cfg.task.name, run_dir)
+    wanted = predictors.input_columns(cfg)
     fmt = row_files.format_of(input_path, "--input")
     if row_files.format_of(output_path, "--output") != fmt:
         raise InputError(f"--output {output_path}: predictions are written in the input's "
