@@ -224,6 +224,12 @@ IGNORED = [
     (["model.name_or_path=bert-base-cased"],
      "model.name_or_path=bert-base-cased has no effect with model.source=config (model=bert_tiny); "
      "it is used by model.source=pretrained (model=bert_base_cased, hf, t5_small)"),
+    # the default's value too: the override is still dropped without a word
+    (["peft.r=8"], "peft.r=8 has no effect with peft=none; it is used by peft=lora or qlora"),
+    (["peft=lora", "peft.quant_type=nf4"],
+     "peft.quant_type=nf4 has no effect with peft=lora; it is used by peft=qlora"),
+    (["task.doc_stride=32"], "task.doc_stride=32 has no effect with task=sequence_classification"),
+    (["data.subset=null"], "data.subset=null has no effect with data.source=synthetic"),
 ]
 
 
@@ -245,7 +251,6 @@ def test_ignored_overrides_are_reported_at_once():
     ["memory=zero3", "memory.offload_optimizer=true", "memory.offload_params=true"],
     # what `rapidformer plan` prints for a mode: the defaults, which every option runs with
     ["memory=none", "memory.offload_optimizer=false", "memory.offload_params=false"],
-    ["task.doc_stride=32", "data.subset=null"],
     # a white-box script may read any key
     ["user_script=my_script.py", "task.doc_stride=64"],
 ], ids=lambda o: " ".join(o))

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rapidformer: {recipe_line(overrides)}", file=sys.stderr)
     prints_only = asks_help or any(f in ("--cfg", "-c") for f in flags)
     try:
-        overrides = check_overrides(overrides)
+        overrides = check_overrides(overrides, multirun)
         if not multirun and not asks_help:
             # validate the whole config before Hydra creates a run directory
             composed = compose(overrides, default_recipe=False)

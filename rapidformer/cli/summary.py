@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from rapidformer.checkpoint import store
-from rapidformer.config.compose import override_key
+from rapidformer.config.compose import override, override_key
 from rapidformer.observability.format import format_value
 from rapidformer.observability.records import STOPPED, planned_stop, read_metrics
 from rapidformer.templates.best import inferred_mode
@@ -51,8 +51,8 @@ def resume_command(run_dir: Path, argv: list[str] | None = None) -> str:
     """`python -m rapidformer <the run's overrides> trainer.output_dir=RUN_DIR
     trainer.resume=auto`, quoted for a POSIX shell."""
     kept = [o for o in run_overrides(run_dir, argv) if override_key(o) not in RUN_DIR_KEYS]
-    return shlex.join(["python", "-m", "rapidformer", *kept, f"trainer.output_dir={run_dir}",
-                       "trainer.resume=auto"])
+    return shlex.join(["python", "-m", "rapidformer", *kept,
+                       override("trainer.output_dir", run_dir), "trainer.resume=auto"])
 
 
 def _final(records: list[dict]) -> str | None:

@@ -130,7 +130,33 @@ def _schema_at(path: list[str]):
     return cls, len(path)
 
 
-def check_overrides(overrides: list[str]) -> list[str]:
+# what Hydra's override grammar reads in an unquoted value: a value holding one (a path with a
+# comma, an accent, brackets) is written quoted
+SPECIAL = set(",=()[]{}<>'\"\\*?|&;`!#")
+
+
+def quoting_advice(text: str, special: str = "") -> str:
+    """How to write `text` so that its value is read as it is."""
+    key, sep, value = text.partition("=")
+    found = sorted({c for c in value if c in SPECIAL or not c.isascii()} | set(special))
+    if not sep or not found or value[:1] in "'\"":
+        return ""
+    shown = " ".join(found)
+    inner = value.replace("\\", "\\\\").replace("'", "\\'")
+    return (f"; its value holds characters the override syntax reads itself ({shown}): quote "
+            f"the value, e.g. \"{key}='{inner}'\" in a shell")
+
+
+def override(key: str, value) -> str:
+    """`key=value` as an override that Hydra reads back as `value` (quoted where the value holds
+    what the override syntax reads itself): what a printed command writes."""
+    text = str(value)
+    if not any(c in SPECIAL or not c.isascii() or c.isspace() for c in text) and text:
+        return f"{key}={text}"
+    return f"{key}='" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def check_overrides(overrides: list[str], multirun: bool = False) -> list[str]:
     """Refuse unknown keys and unknown group options in command-line overrides, all at once.
 
     Returns the overrides to give Hydra: a plain `key=value` on a schema key becomes
@@ -150,11 +176,18 @@ def check_overrides(overrides: list[str]) -> list[str]:
         try:
             (override,) = parser.parse_overrides([text])
         except OverrideParseException as exc:
-            problems.append(f"cannot parse override '{text}': {str(exc).splitlines()[0]}")
+            problems.append(f"cannot parse override '{text}': {str(exc).splitlines()[0]}"
+                            + quoting_advice(text))
             continue
         key = override.key_or_group
         if key.startswith("hydra") or override.package is not None:
             continue  # Hydra's own settings: Hydra checks them
+        if override.is_sweep_override() and not multirun and key not in OPTION_GROUPS:
+            bare, _, value = text.lstrip("+").partition("=")
+            problems.append(f"{text.lstrip('+')}: a comma (or a range) makes a list of values, "
+                            f"which only a sweep takes: add -m to run a job for each, or quote "
+                            f"a value that holds a comma, e.g. \"{bare}='{value}'\" in a shell")
+            continue
         if key in OPTION_GROUPS:
             if override.is_delete():
                 continue
@@ -274,10 +307,15 @@ def _users(selector: str, values: tuple[str, ...]) -> str:
     return text + (f" ({group}={', '.join(options)})" if options else "")
 
 
+# the settings the memory plan prints with each mode (planning/memory_plan.py: Mode.overrides)
+PLANNED_KEYS = ("memory.offload_optimizer", "memory.offload_params")
+
+
 def ignored_override_problems(overrides: list[str], cfg: DictConfig) -> list[str]:
     """Overrides of keys that the options picked do not read (read_keys.USED_ONLY_WITH): each
-    would be dropped without a word. Setting such a key to its default is what the run does
-    anyway, and is let through (`rapidformer plan` prints such overrides for every mode); keys
+    would be dropped without a word, whatever its value (`peft.r=8` with peft=none). The
+    memory plan's own settings set to their default are let through (`rapidformer plan` prints
+    them for every mode, `memory.offload_params=false` for one that does not offload); keys
     that recipes and option files set are theirs, not the user's, and are not looked at."""
     if _plain(cfg, "user_script"):
         return []  # a white-box script may read any key
@@ -291,7 +329,8 @@ def ignored_override_problems(overrides: list[str], cfg: DictConfig) -> list[str
         selector, values = used
         picked = _plain(cfg, selector)
         top = ".".join(key.split(".")[:2])
-        if picked is _UNRESOLVED or picked in values or _plain(cfg, top) == schema_default(top):
+        if picked is _UNRESOLVED or picked in values or (
+                top in PLANNED_KEYS and _plain(cfg, top) == schema_default(top)):
             continue
         what = "it" if len(values) == 1 else "one of those"
         problems.append(f"{text.lstrip('+')} has no effect with {_picked(cfg, selector)}; it is "

@@ -25,6 +25,7 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "model.name_or_path": ("model.source", ("pretrained",)),
     "data.subset": ("data.source", ("hub",)),
     "data.format": ("data.source", ("local", "synthetic")),
+    "data.quoting": ("data.source", ("local", "synthetic")),
     "data.train_file": ("data.source", ("local", "synthetic")),
     "data.validation_file": ("data.source", ("local", "synthetic")),
     "data.test_file": ("data.source", ("local", "synthetic")),
@@ -57,6 +58,14 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "kernels.rms_norm": ("kernels.name", ("liger",)),
     "kernels.swiglu": ("kernels.name", ("liger",)),
     "kernels.rope": ("kernels.name", ("liger",)),
+    # peft=none reads none of them, whatever value an override gives (the default's included)
+    "peft.r": ("peft.name", ("lora", "qlora")),
+    "peft.alpha": ("peft.name", ("lora", "qlora")),
+    "peft.dropout": ("peft.name", ("lora", "qlora")),
+    "peft.target_modules": ("peft.name", ("lora", "qlora")),
+    "peft.modules_to_save": ("peft.name", ("lora", "qlora")),
+    "peft.quant_type": ("peft.name", ("qlora",)),
+    "peft.double_quant": ("peft.name", ("qlora",)),
     # memory=auto sets both from the mode it picks
     "memory.offload_optimizer": ("memory.name", ("zero1", "zero2", "zero3", "fsdp")),
     "memory.offload_params": ("memory.name", ("zero3", "fsdp")),

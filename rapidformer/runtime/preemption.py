@@ -111,7 +111,10 @@ def newest_checkpoint(root: Path) -> str | None:
 
 def resume_advice(run_dir: Path) -> str:
     """The overrides that continue the run in `run_dir`, quoted for a shell where needed."""
-    return f"{shlex.quote(f'trainer.output_dir={Path(run_dir).absolute()}')} trainer.resume=auto"
+    from rapidformer.config.compose import override
+
+    return (f"{shlex.quote(override('trainer.output_dir', Path(run_dir).absolute()))} "
+            f"trainer.resume=auto")
 
 
 def preempted(cause: str, where: str, run_dir: Path,
