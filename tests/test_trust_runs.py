@@ -192,3 +192,67 @@ def test_a_refused_overwrite_puts_the_earlier_run_back(finished_run, tmp_path, c
                      capsys)
     assert code == 2, err[-2000:]
     assert tree(run) == before
+
+
+# --- paths the override syntax reads itself ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["données", "a,b", "x=y", "(x)", "[x]", "{x}", "it's",
+                                  "a b,c", "日本"])
+def test_a_path_with_characters_of_the_override_syntax_says_how_to_quote_it(name, tmp_path,
+                                                                             capsys):
+    """Written bare, one message that says how to quote it; quoted as it says, the run goes
+    on; and the commands the run prints run as printed from that directory."""
+    from rapidformer.config.compose import check_overrides, override
+
+    run = tmp_path / name / "run"
+    bare = f"trainer.output_dir={run}"
+    code, err = call("rapidformer", [*TINY, "trainer.train_iters=1", "trainer.epochs=null",
+                                     "data.synthetic_train_size=64", bare], capsys)
+    special = any(c in ",=()[]{}'" or not c.isascii() for c in name)
+    if special:
+        assert code == 2 and "quote" in err and "Traceback" not in err, err[-1500:]
+        quoted = shlex.split(err.split(" e.g. ", 1)[1].split(" in a shell")[0])[0]
+        assert quoted == override("trainer.output_dir", run)
+    else:
+        quoted = bare
+    check_overrides([quoted])
+    code, err = call("rapidformer", [*TINY, "trainer.train_iters=1", "trainer.epochs=null",
+                                     "data.synthetic_train_size=64", quoted], capsys)
+    assert code == 0, err[-2000:]
+    resume = next(line.split("resume", 1)[1].strip() for line in err.splitlines()
+                  if line.strip().startswith("resume "))
+    code, err = call("rapidformer", [*shlex.split(resume)[3:], "trainer.train_iters=2"], capsys)
+    assert code == 0 and steps_trained(run) == [1, 2], err[-2000:]
+
+
+# --- a damaged index: one message, nothing after it ----------------------------------------------
+
+DAMAGE = {"empty": lambda b: b"", "header only": lambda b: b[:9], "counts cut": lambda b: b[:20],
+          "no lengths": lambda b: b[:34], "half": lambda b: b[:len(b) // 2],
+          "one byte short": lambda b: b[:-1], "eight bytes more": lambda b: b + b"\0" * 8}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_cut_or_grown_index_is_named_before_megatron_core_opens_it(damage, tmp_path,
+                                                                    pretraining_data,
+                                                                    monkeypatch):
+    """Before megatron-core reads it: a half-made IndexedDataset fails again when it is collected
+    and prints a traceback after rapidformer's message."""
+    import shutil
+
+    from megatron.core.datasets import indexed_dataset
+
+    from rapidformer.data.megatron import open_indexed
+    from rapidformer.errors import InputError
+
+    source = Path(pretraining_data["gpt"])
+    prefix = tmp_path / "cut"
+    shutil.copy(f"{source}.bin", f"{prefix}.bin")
+    Path(f"{prefix}.idx").write_bytes(DAMAGE[damage](Path(f"{source}.idx").read_bytes()))
+    monkeypatch.setattr(indexed_dataset.IndexedDataset, "__init__",
+                        lambda *a, **k: pytest.fail("megatron-core opened a damaged index"))
+    with pytest.raises(InputError) as info:
+        open_indexed(str(prefix))
+    text = str(info.value)
+    assert f"{prefix}.idx" in text
+    assert "regenerate it" in text or "is not a Megatron mmap index" in text

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +129,29 @@ def _open_all(prefixes: list[str], vocab_size: int, skip_warmup: bool) -> list:
     return indexed
 
 
+# the .idx layout after its header: version (u64), dtype code (u8), sequences (u64), documents
+# (u64), then int32 lengths and int64 pointers per sequence and int64 document ends
+_COUNTS = struct.Struct("<QBQQ")
+
+
+def index_size_problem(idx: Path) -> str | None:
+    """What is wrong with the size of a .idx file, from the counts its header gives; None when
+    it is whole. Checked before megatron-core opens it: a half-made IndexedDataset fails again
+    when it is collected, and prints a traceback after the message."""
+    with open(idx, "rb") as f:
+        f.seek(len(INDEX_HEADER))
+        head = f.read(_COUNTS.size)
+    if len(head) < _COUNTS.size:
+        return f"{idx.stat().st_size} bytes, fewer than its header needs"
+    _, _, sequences, documents = _COUNTS.unpack(head)
+    expected = len(INDEX_HEADER) + _COUNTS.size + sequences * (4 + 8) + documents * 8
+    actual = idx.stat().st_size
+    if actual != expected:
+        return (f"{actual:,} bytes, its header counts {sequences:,} sequences and {documents:,} "
+                f"document ends: {expected:,} bytes")
+    return None
+
+
 def open_indexed(prefix: str, vocab_size: int | None = None):
     """megatron-core's IndexedDataset for `prefix`, after checking that the files are whole."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -145,6 +169,9 @@ def open_indexed(prefix: str, vocab_size: int | None = None):
         raise InputError(f"{idx} is not a Megatron mmap index (its header is {header!r}, "
                          f"expected {INDEX_HEADER!r}); regenerate it with "
                          f"rapidformer-preprocess-data --dataset-impl mmap")
+    if problem := index_size_problem(idx):
+        raise InputError(f"{idx} is truncated or overwritten: {problem}; regenerate it with "
+                         f"rapidformer-preprocess-data")
     try:
         dataset = IndexedDataset(prefix, mmap=True)
     except Exception as exc:  # struct/numpy/assert errors of a cut or overwritten index
