@@ -110,6 +110,9 @@ def decide_memory(plain: dict, cfg: RunConfig) -> tuple[dict, RunConfig]:
     if plain["memory"]["name"] != "auto":
         return plain, cfg
     from rapidformer.planning.memory_plan import choose_mode
+    from rapidformer.runtime import hub
+
+    hub.prepare(cfg)  # the plan reads a pretrained model's config.json: local or cached
 
     mode = choose_mode(cfg)
     plain = copy.deepcopy(plain)

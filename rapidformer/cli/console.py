@@ -149,8 +149,35 @@ def hydra_command(hydra_flags: list[str], overrides: list[str]) -> str:
     return shlex.join(["python", "-m", "rapidformer", *overrides, *hydra_flags])
 
 
+# the explicit form of what `python -m rapidformer` and a bare `rapidformer` do
+TRAIN_VERBS = ("run", "train")
+
+
+def not_a_verb(word: str) -> str | None:
+    """The message for a first word that looks like a verb but is none (an override has `=`,
+    a flag starts with `-`, a group option is `group=option`)."""
+    if not word or not word.replace("-", "").replace("_", "").isalnum() or "=" in word:
+        return None
+    from rapidformer.config.compose import OPTION_GROUPS, group_options
+    from rapidformer.config.typed import closest
+
+    known = [*VERBS, *TRAIN_VERBS]
+    hint = closest(word, known)
+    option = next((f"+{g}={word}" if g == "recipe" else f"{g}={word}" for g in OPTION_GROUPS
+                   if word in group_options(g)), None)
+    return (f"no verb '{word}'" + (f"; did you mean '{hint}'?" if hint else
+                                   f"; did you mean '{option}'?" if option else "")
+            + f" The verbs: {', '.join(known)} (rapidformer --help); a training run takes "
+            f"overrides (key=value) or seed flags (--flag)")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TRAIN_VERBS:
+        argv = argv[1:]
+    elif argv and (problem := not_a_verb(argv[0])) and argv[0] not in VERBS:
+        print(f"rapidformer: error: {problem}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     if argv and argv[0] in VERBS:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `rapidformer ls | head` ends quietly
         sys.exit(run_verb(argv[0], argv[1:]))

@@ -150,10 +150,10 @@ def _meta_model(cfg: RunConfig):
     from rapidformer.models import hf
 
     m = cfg.model
+    if m.source == "pretrained":  # its config.json says its shape, vocabulary included
+        return _pretrained_on_meta(cfg)
     tokenizer = _VocabOnly(vocab_size(cfg))
     with torch.device("meta"):
-        if m.source == "pretrained":
-            return _pretrained_on_meta(cfg)
         if cfg.task.is_pretraining:
             return hf.build_pretraining_model(m, cfg.task.name, tokenizer)
         labels = {"num_labels": cfg.task.num_labels or 2} if cfg.task.name in (
@@ -162,18 +162,25 @@ def _meta_model(cfg: RunConfig):
 
 
 def _pretrained_on_meta(cfg: RunConfig):
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForPreTraining,
-                              AutoModelForSequenceClassification)
+    """The task's model class of a pretrained model, from its config.json alone (a local
+    directory, or the hub's cache: no weights are read), on the meta device."""
+    import torch
+    import transformers
 
     from rapidformer.data.tokenizers import unreachable_model_message
+    from rapidformer.models.hf import AUTO_CLASSES
 
     try:
-        config = AutoConfig.from_pretrained(cfg.model.name_or_path)
-    except OSError as exc:
+        config = transformers.AutoConfig.from_pretrained(cfg.model.name_or_path)
+    except (OSError, ValueError) as exc:
         raise InputError(unreachable_model_message(cfg.model.name_or_path)) from exc
-    auto = {"bert_pretraining": AutoModelForPreTraining, "causal_lm": AutoModelForCausalLM}.get(
-        cfg.task.name, AutoModelForSequenceClassification)
-    return auto.from_config(config)
+    task = cfg.task.name
+    name = {"bert_pretraining": "AutoModelForPreTraining",
+            "causal_lm": "AutoModelForCausalLM"}.get(task) or AUTO_CLASSES[task]
+    if task in ("sequence_classification", "token_classification") and cfg.task.num_labels:
+        config.num_labels = cfg.task.num_labels  # the head the run gives it
+    with torch.device("meta"):
+        return getattr(transformers, name).from_config(config)
 
 
 def _blocks(model) -> list:

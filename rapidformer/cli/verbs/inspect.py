@@ -10,7 +10,8 @@ from rapidformer.cli.hydra_args import split_argv
 from rapidformer.config.compose import (OPTION_GROUPS, check_overrides, compose, group_options,
                                         option_text, with_default_recipe)
 from rapidformer.config.search import take_config_dirs
-from rapidformer.errors import ConfigError, RapidformerError
+from rapidformer.config.typed import closest
+from rapidformer.errors import EXIT_BAD_INPUT, ConfigError, RapidformerError
 
 SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
 URL_PASSWORD = re.compile(r"(//[^/:@\s]+:)[^@\s]+@")
@@ -40,10 +41,28 @@ def description(group: str, option: str) -> str:
 
 
 def ls_command(argv: list[str]) -> int:
+    """`rapidformer ls [GROUP ...]`: the verbs, and the options of every group (or of those
+    named) with their one-line descriptions."""
+    import argparse
+
     from rapidformer.cli.verbs import VERBS
 
-    print("verbs: " + ", ".join(VERBS) + "  (rapidformer VERB ...; anything else trains)")
-    for group in ("recipe", *[g for g in OPTION_GROUPS if g != "recipe"]):
+    groups = ["recipe", *[g for g in OPTION_GROUPS if g != "recipe"]]
+    parser = argparse.ArgumentParser(prog="rapidformer ls", description=ls_command.__doc__)
+    parser.add_argument("groups", nargs="*", metavar="GROUP",
+                        help=f"a config group ({', '.join(groups)}); default: all")
+    wanted = parser.parse_args(argv).groups
+    unknown = [g for g in wanted if g not in groups]
+    if unknown:
+        hints = [f" (did you mean '{hint}'?)" if (hint := closest(g, groups)) else ""
+                 for g in unknown]
+        print("rapidformer: error: " + "; ".join(f"no config group '{g}'{h}" for g, h in
+                                                   zip(unknown, hints))
+              + f"; the groups are {', '.join(groups)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not wanted:
+        print("verbs: " + ", ".join(VERBS) + "  (rapidformer VERB ...; anything else trains)")
+    for group in wanted or groups:
         print(f"\n{group}:")
         options = group_options(group)
         width = max(len(o) for o in options)
@@ -134,7 +153,9 @@ def validate_command(argv: list[str]) -> int:
 def print_plan(cfg) -> None:
     from rapidformer.planning.memory_plan import plan_report
     from rapidformer.planning.model_shape import model_shape
+    from rapidformer.runtime import hub
 
+    hub.prepare(cfg)  # a pretrained model's config.json: local, cached, or said what to do
     print(plan_report(cfg, model_shape(cfg)))
 
 
