@@ -328,9 +328,39 @@ CASES = [
     Case("non-UTF-8 lines", local("latin1"), "is not valid UTF-8 text (line 3)",
          setup=lambda tmp: pairs(tmp, "latin1", (PAIRS_HEADER + "caf\u00e9,ok,1\n").encode()
                                  + "na\u00efve,ok,0\n".encode("latin-1"))),
-    Case("corrupt JSON lines", local("badjson"), "cannot read",
+    Case("corrupt JSON lines", local("badjson"),
+         "badjson/train.jsonl line 1 is not valid JSON (Unterminated string starting at column "
+         "38); a .jsonl file holds one JSON object per line: fix the line",
          setup=lambda tmp: pairs(tmp, "badjson", '{"sentence1": "a", "sentence2": "b", "la',
                                  filename="train.jsonl")),
+    Case("runaway quote in a csv", local("runaway"),
+         "runaway/train.csv line 4: a quote opens a field there and runs on to line 15, so "
+         "lines 4-15 would be read as one field, but each of them reads as a row of its own",
+         setup=lambda tmp: pairs(tmp, "runaway", PAIRS_HEADER + good_rows(2)
+                                 + '"an open quote,b,1\n' + good_rows(10) + 'it ends",b,0\n'
+                                 + good_rows(30))),
+    Case("runaway quote in a quoted tsv", local("quoted_tsv", "data.quoting=csv"),
+         "quoted_tsv/train.tsv line 3: a quote opens a field there and runs on to line 14",
+         setup=lambda tmp: pairs(tmp, "quoted_tsv", (PAIRS_HEADER + good_rows(1) + '"open,b,1\n'
+                                                     + good_rows(10) + 'end ",b,0\n'
+                                                     + good_rows(30)).replace(",", "\t"),
+                                 filename="train.tsv")),
+    Case("tsv row wider than its header", local("wide_tsv"),
+         "wide_tsv/train.tsv line 3 has 4 tab-separated fields, the header (line 1) has 3; if "
+         "this file quotes its fields",
+         setup=lambda tmp: pairs(tmp, "wide_tsv", (PAIRS_HEADER + good_rows(1)).replace(",", "\t")
+                                 + '"a\tcat"\tb\t1\n', filename="train.tsv")),
+    Case("JSON object over several lines", local("pretty"),
+         "pretty/train.jsonl line 2 starts a JSON object that ends on line 6",
+         setup=lambda tmp: pairs(tmp, "pretty", '{"sentence1": "a", "sentence2": "b", "label": 0}\n'
+                                 + json.dumps({"sentence1": "c", "sentence2": "d", "label": 1},
+                                              indent=1) + "\n", filename="train.jsonl")),
+    Case("training file that is a directory", local("dir_file"),
+         "dir_file/train.csv is a directory, not a data file: it cannot be read as the train split",
+         setup=lambda tmp: {"dir_file": _dir(_dir(tmp / "dir_file") / "train.csv").parent}),
+    Case("training file that is a symbolic link loop", local("link_loop"),
+         "link_loop/train.csv is a symbolic link that loops (following it never reaches a file)",
+         setup=lambda tmp: {"link_loop": _link_loop(_dir(tmp / "link_loop") / "train.csv")}),
     Case("empty label", local("nolabel"),
          "train.csv line 4 has an empty label in column 'label' (data.label_column); every "
          "training row needs a label",
@@ -441,6 +471,12 @@ def _file(path: Path) -> Path:
 def _dir(path: Path) -> Path:
     path.mkdir()
     return path
+
+
+def _link_loop(path: Path) -> Path:
+    """A symbolic link to itself, in a folder of its own (returned)."""
+    os.symlink(path, path)
+    return path.parent
 
 
 def fingerprint(root: Path) -> dict[str, str]:

@@ -112,8 +112,8 @@ def test_long_rows_are_cut_and_rows_without_an_answer_left_are_dropped(tokenizer
 
 @pytest.mark.parametrize("example, message", [
     ({"text": "hello"}, "task=sft reads a conversation column (data.messages_column=messages"),
-    ({"messages": "hello"}, "train row 0: messages must be a non-empty list"),
-    ({"messages": [{"role": "bot", "content": "hi"}]}, "message 0 must be {\"role\": one of"),
+    ({"messages": "hello"}, "train row 1: messages must be a non-empty list"),
+    ({"messages": [{"role": "bot", "content": "hi"}]}, "message 1 must be {\"role\": one of"),
     ({"prompt": 3, "response": "x"}, "data.prompt_column holds int, not text"),
 ])
 def test_malformed_rows_are_refused_with_the_row(tokenizer, example, message):

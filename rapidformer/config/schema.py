@@ -125,6 +125,11 @@ class DataConfig:
     path: Optional[str] = None
     subset: Optional[str] = None
     format: Literal["auto", "csv", "tsv", "json", "jsonl", "parquet"] = "auto"
+    # quotes in csv and tsv files: auto (a tsv has none: `"` is text and every line is a row, as
+    # in GLUE and MSR files; a csv quotes as RFC 4180 does), csv (a field in "..." may hold the
+    # delimiter and line breaks, "" inside it is a quote: tsv files written by pandas or Python's
+    # csv module) or none (`"` is text in csv files too); docs/data.md, "Fine-tuning files"
+    quoting: Literal["auto", "csv", "none"] = "auto"
     # file names relative to `path`; null: found by name (train.*, validation.*/dev.*, test.*)
     train_file: Optional[str] = None
     validation_file: Optional[str] = None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rapidformer.data.counts import with_counts
 from rapidformer.data.lengths import IGNORE
+from rapidformer.data.text_classification import row_place
 from rapidformer.errors import InputError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -36,23 +37,36 @@ def row_form(columns: list[str], d) -> str:
                      f"to its columns")
 
 
-def messages_of(row: dict, form: str, d, where: str) -> list[dict]:
-    """The row as a list of {role, content}, checked (`where` names the row in errors)."""
+def messages_of(row: dict, form: str, d, where) -> list[dict]:
+    """The row as a list of {role, content}, checked. `where` names the row in errors (its
+    file and line, counted from 1, where it was read from a file): text, or a function giving
+    it, called only for an error."""
+    try:
+        return _messages(row, form, d)
+    except InputError as exc:
+        raise InputError(f"{_named(where)}: {exc}") from None
+
+
+def _named(where) -> str:
+    return where() if callable(where) else where
+
+
+def _messages(row: dict, form: str, d) -> list[dict]:
     if form == "prompt_response":
         prompt, response = row[d.prompt_column], row[d.response_column]
         for key, value in (("prompt_column", prompt), ("response_column", response)):
             if not isinstance(value, str):
-                raise InputError(f"{where}: data.{key} holds {type(value).__name__}, not text")
+                raise InputError(f"data.{key} holds {type(value).__name__}, not text")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     messages = row[d.messages_column]
     if not isinstance(messages, list) or not messages:
-        raise InputError(f"{where}: {d.messages_column} must be a non-empty list of "
+        raise InputError(f"{d.messages_column} must be a non-empty list of "
                          f"{{\"role\": ..., \"content\": ...}}, not {messages!r:.80}")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
                 or message.get("role") not in ROLES:
-            raise InputError(f"{where}: message {i} must be {{\"role\": one of {', '.join(ROLES)}"
+            raise InputError(f"message {i + 1} must be {{\"role\": one of {', '.join(ROLES)}"
                              f", \"content\": text}}, not {message!r:.80}")
         checked.append({"role": message["role"], "content": message["content"]})
     return checked
@@ -100,8 +114,9 @@ class Renderer:
             return None
         return self.text(messages[:last], add_generation_prompt=True), messages[last]["content"]
 
-    def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple]]:
-        """(the conversation's text, the character spans of its assistant turns)."""
+    def assistant_spans(self, messages: list[dict], where) -> tuple[str, list[tuple]]:
+        """(the conversation's text, the character spans of its assistant turns); `where`
+        names the row, as in messages_of."""
         text = self.text(messages)
         spans = []
         for i, message in enumerate(messages):
@@ -111,8 +126,8 @@ class Renderer:
             through = self.text(messages[:i + 1])
             if not (text.startswith(before) and text.startswith(through)
                     and len(through) > len(before)):
-                raise InputError(f"{where}: the chat template renders the conversation up to "
-                                 f"message {i} as text that does not begin the whole "
+                raise InputError(f"{_named(where)}: the chat template renders the conversation "
+                                 f"up to message {i + 1} as text that does not begin the whole "
                                  f"conversation's, so the assistant's tokens cannot be told "
                                  f"apart; use task.loss_on=all, or a template that renders "
                                  f"turns one after another (data.chat_template)")
@@ -151,8 +166,9 @@ def encode_rows(dataset, tokenizer, d, loss_on: str, split: str, counts: EncodeC
         raise InputError(f"task=sft needs a fast (Rust) tokenizer, whose character offsets tell "
                          f"the assistant's tokens apart; {type(tokenizer).__name__} is not one")
     rows = {"input_ids": [], "labels": [], "attention_mask": []}
+    place = row_place(split, dataset, d)
     for index, row in enumerate(dataset):
-        where = f"{split} row {index}"
+        where = lambda index=index: place(index)  # noqa: E731  (worked out for an error only)
         messages = messages_of(row, form, d, where)
         text, spans = (renderer.assistant_spans(messages, where) if loss_on == "response"
                        else (renderer.text(messages), []))
@@ -179,8 +195,9 @@ def generation_prompts(dataset, tokenizer, d, limit: int) -> list[dict]:
     form = row_form(dataset.column_names, d)
     renderer = Renderer(tokenizer)
     found = []
+    place = row_place("validation", dataset, d)
     for index, row in enumerate(dataset):
-        pair = renderer.prompt(messages_of(row, form, d, f"validation row {index}"))
+        pair = renderer.prompt(messages_of(row, form, d, lambda index=index: place(index)))
         if pair is not None:
             found.append({"prompt": pair[0], "reference": pair[1]})
         if len(found) == limit:

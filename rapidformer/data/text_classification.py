@@ -1,10 +1,12 @@
 """Sentence(-pair) classification data: hub datasets, local files, or the synthetic pairs.
 
-Local files are read with the `datasets` library's csv/json/parquet builders; columns are mapped
-by `data.text_a_column`, `data.text_b_column` and `data.label_column`. Every way a file can be
-unusable (missing, unreadable, wrong columns, labels out of range, empty) is an `InputError`
-that names the file and the config key to change; a bad label also names its line (csv, tsv,
-jsonl) or row (a JSON array, parquet, the hub), counted from 1.
+Local files are read with the `datasets` library's csv/json/parquet builders, once their rows
+are known to account for their lines (data/local_files.py, data/file_rows.py: a tsv is unquoted
+unless data.quoting=csv); columns are mapped by `data.text_a_column`, `data.text_b_column` and
+`data.label_column`. Every way a file can be unusable (missing, not a readable file, rows that do
+not account for its lines, wrong columns, labels out of range, empty) is an `InputError` that
+names the file and the config key to change; a bad label also names its line (csv, tsv, jsonl)
+or row (a JSON array, parquet, the hub), counted from 1.
 
 Labels follow one rule in every format. The builders infer a column's type per file (a csv
 column of "1", "2", "neg" is text, the same column in another split may be read as integers), so
@@ -23,9 +25,6 @@ the rule looks at each value, not at the column's type:
 """
 from __future__ import annotations
 
-import contextlib
-import csv
-import logging
 import math
 import re
 
@@ -33,12 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rapidformer.config.schema import DataConfig
+from rapidformer.data import file_rows
+from rapidformer.data.local_files import (
+    HUB, SPLIT_ALIASES, directory_problem, find_split_file, format_of, read_file, remember,
+    source_of)
 from rapidformer.data.synthetic import write_dataset
 from rapidformer.errors import InputError
 
-FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
-SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "valid", "dev", "val"),
-                 "test": ("test",)}
 # a label written as a whole number: "2", "-1", "2.0" (a csv column read as text keeps them so)
 WHOLE_NUMBER = re.compile(r"[+-]?\d+(\.0*)?")
 NO_LABEL = -1  # GLUE's test labels; also what an unlabelled test split gets
@@ -52,111 +52,22 @@ class ClassificationData:
     scored_splits: tuple[str, ...] = ("validation",)
 
 
-def _find_split_file(root: Path, split: str, given: str | None, fmt: str) -> Path | None:
-    if given:
-        path = root / given
-        if not path.is_file():
-            raise InputError(f"data file not found: {path} (data.{split}_file={given}, "
-                             f"data.path={root}); fix the name or the path")
-        return path
-    extensions = list(FORMATS) if fmt == "auto" else [
-        ext for ext, name in FORMATS.items() if name == fmt]
-    for stem in SPLIT_ALIASES[split]:
-        for ext in extensions:
-            if (root / f"{stem}{ext}").is_file():
-                return root / f"{stem}{ext}"
-    return None
-
-
-def _format_of(path: Path, fmt: str) -> str | None:
-    return FORMATS.get(path.suffix.lower()) if fmt == "auto" else fmt
-
-
-def _read(path: Path, fmt: str):
-    from datasets import load_dataset
-
-    fmt = _format_of(path, fmt)
-    if fmt is None:
-        raise InputError(f"cannot tell the format of {path}: use a .csv, .tsv, .json, .jsonl or "
-                         f".parquet name, or set data.format")
-    builder, kwargs = {"csv": ("csv", {}), "tsv": ("csv", {"delimiter": "\t"}),
-                       "json": ("json", {}), "jsonl": ("json", {}),
-                       "parquet": ("parquet", {})}[fmt]
-    if fmt != "parquet":
-        bad_line = _first_bad_line(path)
-        if bad_line:
-            raise InputError(f"{path} is not valid UTF-8 text (line {bad_line}); re-encode it "
-                             f"as UTF-8")
-        header = 1 if fmt in ("csv", "tsv") else 0
-        if _non_empty_lines(path) <= header:
-            raise InputError(f"{path} holds no examples{' (only a header)' if header else ''}; "
-                             f"add examples or point data.path at another file")
-    try:
-        with _library_errors_silenced():
-            return load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
-    except Exception as exc:  # the builders wrap the real cause in their own error types
-        cause = _root_cause(exc)
-        text = str(cause).strip() or type(cause).__name__
-        raise InputError(f"cannot read {path} as {fmt}: {text.splitlines()[0]}") from exc
-
-
-@contextlib.contextmanager
-def _library_errors_silenced():
-    """datasets logs a failed file with its traceback before raising; the failure comes back
-    as one InputError naming the file, so its ERROR records are dropped while loading."""
-    logger = logging.getLogger("datasets")
-    drop = lambda record: record.levelno < logging.ERROR  # noqa: E731
-    logger.addFilter(drop)
-    for handler in logger.handlers:
-        handler.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-        for handler in logger.handlers:
-            handler.removeFilter(drop)
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
-    return exc
-
-
-def _non_empty_lines(path: Path, enough: int = 2) -> int:
-    """Non-blank lines, counted up to `enough`."""
-    count = 0
-    with open(path, "rb") as f:
-        for line in f:
-            count += bool(line.strip())
-            if count >= enough:
-                break
-    return count
-
-
-def _first_bad_line(path: Path) -> int:
-    """The first line that is not UTF-8 (1-based), or 0 when the whole file is."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError:
-                return number
-    return 0
-
-
 def _local_splits(d: DataConfig, root: Path) -> tuple[dict, dict]:
     """({split: dataset}, {split: the file it was read from})."""
+    problem = directory_problem(root)
+    if problem:
+        raise InputError(f"data.path={root} {problem}; point data.path at the data directory "
+                         f"or file")
     if not root.exists():
         raise InputError(f"data directory not found: {root} (data.path); create it or fix the path")
-    if root.is_file():
-        return {"train": _read(root, d.format)}, {"train": root}
+    if not root.is_dir():
+        return {"train": read_file(root, d.format, d.quoting)}, {"train": root}
     given = {"train": d.train_file, "validation": d.validation_file, "test": d.test_file}
     splits, files = {}, {}
     for split in SPLIT_ALIASES:
-        path = _find_split_file(root, split, given[split], d.format)
+        path = find_split_file(root, split, given[split], d.format)
         if path is not None:
-            splits[split], files[split] = _read(path, d.format), path
+            splits[split], files[split] = read_file(path, d.format, d.quoting), path
     if "train" not in splits:
         raise InputError(f"no training file in {root} (data.path): expected train.csv, "
                          f"train.tsv, train.json, train.jsonl or train.parquet, or set "
@@ -175,6 +86,8 @@ def _hub_splits(d: DataConfig) -> dict:
             f"cannot load the dataset '{name}' (data.path, data.subset): not in the local "
             f"Hugging Face cache and the hub cannot be reached. Fix: load it once where there is "
             f"network, or use local files: data=pairs_local data.path=DIR") from exc
+    for split in loaded:
+        remember(loaded[split], HUB)
     return {split: loaded[split] for split in loaded}
 
 
@@ -366,38 +279,38 @@ def _listing(names: list[str], most: int = 10) -> str:
 # --- where a row is, as a person finds it in the file ---------------------------------------------
 def _place(split: str, path: Path | None, d: DataConfig):
     """`place(i)`: where the split's row i (0-based) is. Line numbers are worked out only for an
-    error, and follow the builders: pandas skips blank lines, pyarrow's JSON reader too."""
+    error, and follow the builders: blank lines are skipped, a quoted csv field may span lines
+    (data/file_rows.py reads the file as they do)."""
     if path is None:
         name = f"{d.path}/{d.subset}" if d.subset else d.path
         return lambda i: f"row {i + 1} of the {split} split of {name}"
-    fmt = _format_of(path, d.format)
+    fmt = format_of(path, d.format)
     if fmt in ("csv", "tsv"):
-        return lambda i: _line_or_row(path, _csv_line(path, "\t" if fmt == "tsv" else ",", i), i)
+        dialect = file_rows.dialect_of(fmt, d.quoting)
+        return lambda i: _line_or_row(path, _csv_line(path, dialect, i), i)
     if fmt in ("json", "jsonl") and not _is_json_array(path):
         return lambda i: _line_or_row(path, _text_line(path, i), i)
     return lambda i: f"{path} row {i + 1}"
+
+
+def row_place(split: str, dataset, d: DataConfig):
+    """`place(i)` for row i (0-based) of a split: its file and line where it was read from a
+    file here (load_splits), its row of the hub's split, else `<split> row <i + 1>`."""
+    source = source_of(dataset)
+    if source is HUB:
+        return _place(split, None, d)
+    if source is not None:
+        return _place(split, source, d)
+    return lambda i: f"{split} row {i + 1}"
 
 
 def _line_or_row(path: Path, line: int | None, index: int) -> str:
     return f"{path} line {line}" if line else f"{path} row {index + 1}"
 
 
-def _csv_line(path: Path, delimiter: str, index: int) -> int | None:
-    """The line on which data row `index` starts (quoted fields may span lines), or None when
-    Python's csv reader cannot follow the file."""
-    rows, start = -1, 1  # the header is row -1
-    try:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.reader(f, delimiter=delimiter)
-            for record in reader:
-                if record and not (len(record) == 1 and not record[0].strip()):
-                    if rows == index:
-                        return start
-                    rows += 1
-                start = reader.line_num + 1
-    except csv.Error:
-        return None
-    return None
+def _csv_line(path: Path, dialect, index: int) -> int | None:
+    """The line on which data row `index` starts (a quoted field may span lines)."""
+    return file_rows.row_line(path, dialect, index)
 
 
 def _text_line(path: Path, index: int) -> int | None:

@@ -93,12 +93,14 @@ def _conversation_texts(d, train) -> Iterator[str]:
     """The turns' texts, the role names, and the chat template's markup (its characters must
     be in the vocabulary, or the rendered conversations hold unknown tokens)."""
     from rapidformer.data.chat import chat_template_text, messages_of, row_form, ROLES
+    from rapidformer.data.text_classification import row_place
 
     form = row_form(train.column_names, d)
     yield " ".join(ROLES)
     yield chat_template_text(d.chat_template) or ""
+    place = row_place("train", train, d)
     for index, row in enumerate(train):
-        for message in messages_of(row, form, d, f"train row {index}"):
+        for message in messages_of(row, form, d, lambda index=index: place(index)):
             yield message["content"]
 
 
