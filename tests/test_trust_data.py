@@ -62,6 +62,8 @@ UNQUOTED_TSV = [
                                    + 'so "\tb\t0\n').replace("\n", "\r\n"), 4, 'so "', 5),
     ("a doubled quote inside a quoted field", PAIRS_TSV + '"say ""hi"""\tb\t1\n' + rows(1, "\t"),
      0, '"say ""hi"""', 2),
+    ("quotes and old Mac line ends (CR only)", (PAIRS_TSV + '"q\tb\t1\n' + rows(3, "\t")
+                                               + 'r "\tc\t0\n').replace("\n", "\r"), 4, 'r "', 5),
 ]
 
 
@@ -104,6 +106,14 @@ RUNAWAY = [
      {"train.csv": PAIRS + rows(4), "validation.csv": PAIRS + "\n\n" + '"open,b,1\n'
       + rows(6) + 'ends",b,0\n'},
      {}, "validation.csv line 4: a quote opens a field there and runs on to line 11"),
+    ("csv: the rows it swallows hold quoted fields and a blank line",
+     {"train.csv": PAIRS + rows(5) + '"open,b,1\n"x, y",b,1\n\n"p, q",c,0\nend",b,0\n'},
+     {}, "train.csv line 7: a quote opens a field there and is closed only on line 8"),
+    ("csv: text and string labels, 30 rows before the quote",
+     {"train.csv": "text,label\n" + "".join(f"row {i},{'pos' if i % 2 else 'neg'}\n"
+                                            for i in range(30))
+      + '"open,pos\nswallowed a,neg\nswallowed b,pos\nend",neg\n' + "row 9,pos\n"},
+     {}, "train.csv line 32: a quote opens a field there and runs on to line 35"),
     ("quoted tsv (data.quoting=csv): the issue's file",
      {"train.tsv": MRPC_RUNAWAY}, {"quoting": "csv"},
      "train.tsv line 5: a quote opens a field there and runs on to line 60"),
@@ -170,6 +180,9 @@ JSON_LINES = [
     ("one JSON array in a .jsonl file",
      {"train.jsonl": "[" + json.dumps(PAIR) + ",\n" + json.dumps(PAIR) + "]\n"},
      "train.jsonl line 1 starts a JSON array that ends on line 2"),
+    ("an array cut into lines, its commas left",
+     {"train.jsonl": json.dumps(PAIR) + ",\n" + json.dumps(PAIR) + "\n"},
+     "train.jsonl line 1 has ',' after its object"),
     ("a line that is a string",
      {"train.jsonl": jsonl(PAIR) + '"a cat"\n' + jsonl(PAIR)},
      "train.jsonl line 2 holds a string, not a JSON object"),

@@ -394,6 +394,10 @@ def _json_line_problem(path: Path, fmt: str, number: int, text: str,
     rule = ONE_PER_LINE if fmt == "jsonl" else \
         "a .json file holds one JSON array of objects, or one object per line"
     if exc.msg == "Extra data":
+        rest = text[exc.pos:].strip()
+        if rest in (",", "]", "],"):  # an array's punctuation, left when it was cut into lines
+            return (f"{path} line {number} has {rest!r} after its object; {rule}, with nothing "
+                    f"between them (no commas, no enclosing [ ]){_as_json(fmt)}")
         return (f"{path} line {number} holds more than one JSON value (the second starts at "
                 f"column {exc.colno}); {rule}: put each object on a line of its own")
     ends = _object_end(path, number)

@@ -229,9 +229,10 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def _non_empty_lines(path: Path, enough: int = 2) -> int:
-    """Non-blank lines, counted up to `enough`."""
+    """Non-blank lines, counted up to `enough` (a line ends at \\n, \\r\\n or \\r, as for
+    the csv builder)."""
     count = 0
-    with open(path, "rb") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             count += bool(line.strip())
             if count >= enough:
