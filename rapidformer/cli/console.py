@@ -156,7 +156,8 @@ TRAIN_VERBS = ("run", "train")
 def not_a_verb(word: str) -> str | None:
     """The message for a first word that looks like a verb but is none (an override has `=`,
     a flag starts with `-`, a group option is `group=option`)."""
-    if not word or not word.replace("-", "").replace("_", "").isalnum() or "=" in word:
+    if not word or word[0] in "-+" or "=" in word or \
+            not word.replace("-", "").replace("_", "").isalnum():
         return None
     from rapidformer.config.compose import OPTION_GROUPS, group_options
     from rapidformer.config.typed import closest

@@ -1,5 +1,7 @@
 """The rows `rapidformer predict` reads and writes: jsonl (one JSON object a line) or csv/tsv (a
-header line), told apart by the file's extension. Lists and objects in a csv cell are JSON text."""
+header line), told apart by the file's extension. Lists and objects in a csv cell are JSON text.
+Quotes follow the training data's convention (data.quoting, docs/data.md): a tsv is unquoted
+(`"` is text, as in GLUE's files), a csv quoted."""
 from __future__ import annotations
 
 import csv
@@ -22,8 +24,9 @@ def format_of(path: Path, flag: str) -> str:
     return fmt
 
 
-def read_rows(path: Path) -> tuple[list[dict], list[int], list[str]]:
-    """(rows, the line each row starts on, the columns), or one error naming the file and line."""
+def read_rows(path: Path, quoting: str = "auto") -> tuple[list[dict], list[int], list[str]]:
+    """(rows, the line each row starts on, the columns), or one error naming the file and line.
+    `quoting`: the run's data.quoting (auto: a tsv unquoted, a csv quoted)."""
     fmt = format_of(path, "--input")
     if not path.is_file():
         raise InputError(f"--input {path}: no such file")
@@ -50,7 +53,9 @@ def read_rows(path: Path) -> tuple[list[dict], list[int], list[str]]:
             lines.append(number)
             columns.update(dict.fromkeys(row))
     else:
-        reader = csv.DictReader(text.splitlines(), delimiter="\t" if fmt == "tsv" else ",")
+        quoted = quoting == "csv" or (quoting == "auto" and fmt == "csv")
+        reader = csv.DictReader(text.splitlines(), delimiter="\t" if fmt == "tsv" else ",",
+                                quoting=csv.QUOTE_MINIMAL if quoted else csv.QUOTE_NONE)
         columns = dict.fromkeys(reader.fieldnames or [])
         for row in reader:
             if None in row:

@@ -143,7 +143,7 @@ def predict(run_dir: Path, input_path: Path, output_path: Path, choice: str | No
     if output_path.resolve() == input_path.resolve():
         raise InputError(f"--output {output_path} is the input file; give another name (the "
                          f"input is not overwritten)")
-    rows, lines, columns = row_files.read_rows(input_path)
+    rows, lines, columns = row_files.read_rows(input_path, cfg.data.quoting)
     row_files.require(input_path, rows, lines, columns, wanted)
     clashes = [c for c in predictors.OUTPUT_COLUMNS[cfg.task.name] if c in columns]
     if clashes:
