@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import logging
 import os
 import stat
@@ -150,8 +151,10 @@ def read_file(path: Path, fmt: str, quoting: str = "auto"):
     builder = {"tsv": "csv", "jsonl": "json"}.get(fmt, fmt)
     try:
         with quiet_libraries():
-            dataset = load_dataset(builder, data_files={"data": str(path)}, split="data",
-                                   **kwargs)
+            # the builders read data_files as glob patterns: a run directory named with
+            # brackets or a star ([x]) would match nothing
+            dataset = load_dataset(builder, data_files={"data": glob.escape(str(path))},
+                                   split="data", **kwargs)
     except Exception as exc:  # the builders wrap the real cause in their own error types
         said = file_rows.json_failure(path) if fmt in ("json", "jsonl") else None
         if said:
