@@ -105,29 +105,98 @@ class CheckpointProtocol:
         return problems
 
     def locate(self, choice: str | None) -> Path | None:
-        """The checkpoint trainer.resume=`choice` names, verified (collective)."""
+        """The checkpoint trainer.resume=`choice` names, verified (collective). `auto`: the
+        newest intact one in this run's checkpoints (a fresh start when there is none); a
+        run directory: the newest intact one in it; a checkpoint directory: that one. Where
+        checkpoints exist and none can be read, refused, naming each damaged file: nothing is
+        loaded, and nothing pruned or replaced because it could not be read."""
         if not choice:
             return None
         if choice == "auto":
-            found = checkpoint.latest(self.root, self.verified)
-            if found is None:
-                log.info("trainer.resume=auto: no complete checkpoint in %s; starting fresh",
-                         self.root)
+            return self._newest_intact(self.root, "trainer.resume=auto", self.root.parent)
+        path, given = Path(choice), f"trainer.resume={choice}"
+        if not path.exists() and not path.is_symlink():
+            raise InputError(f"{given}: no such checkpoint directory; use trainer.resume=auto "
+                             f"or a path to a step_NNNNNNNN directory")
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        if path.name.startswith(checkpoint.TEMP):
+            raise InputError(f"{given} is not a checkpoint: {checkpoint.interrupted_save(path)}; "
+                             f"resume from a step_NNNNNNNN directory beside it (`rapidformer "
+                             f"verify {run_dir}` lists the intact ones) or with "
+                             f"trainer.resume=auto")
+        if checkpoint.NAME.match(path.name) or (path / checkpoint.MANIFEST).is_file():
+            checkpoint.require_intact(
+                path, self.verified(path), given,
+                f"resume from an intact one (`rapidformer verify {run_dir}` lists them) with "
+                f"trainer.resume=PATH or trainer.resume=auto, or start fresh (a new "
+                f"trainer.output_dir, or trainer.overwrite=true without trainer.resume)")
+            return path
+        if path.is_dir():
+            for root in (path / "checkpoints", path):
+                if checkpoint.Survey(root).steps:
+                    return self._newest_intact(root, given, path, fresh=False)
+            if (path / "checkpoints").is_dir():
+                left = checkpoint.Survey(path / "checkpoints").interrupted
+                raise InputError(f"{given}: no checkpoint under {path / 'checkpoints'}"
+                                 + (f" (only interrupted saves: "
+                                    f"{', '.join(p.name for p in left)})" if left else "")
+                                 + "; give a step_NNNNNNNN directory, or start fresh")
+        aside = (" (a damaged checkpoint that a later save of its step set aside)"
+                 if checkpoint.SET_ASIDE.match(path.name) else "")
+        raise InputError(f"{given} is not a checkpoint{aside}: neither a step_NNNNNNNN directory "
+                         f"nor a run directory with checkpoints under checkpoints/; give one of "
+                         f"those, or trainer.resume=auto")
+
+    def _newest_intact(self, root: Path, given: str, run_dir: Path, fresh: bool = True
+                       ) -> Path | None:
+        """The newest checkpoint under `root` whose every byte matches its manifest (damaged
+        newer ones are reported and left as they are); None (start fresh) when `fresh` and
+        `root` holds no checkpoint at all, not even a damaged one; otherwise refused."""
+        survey = checkpoint.Survey(root)
+        for path in survey.interrupted:
+            log.warning("ignoring %s: %s (the next save removes it)", path,
+                        checkpoint.interrupted_save(path))
+        for path in survey.strays:
+            log.info("%s: leaving %s alone: not a checkpoint (they are named step_NNNNNNNN)",
+                     given, path)
+        for path in survey.set_aside:
+            log.info("%s: leaving %s alone: a damaged checkpoint that a later save of its step "
+                     "set aside", given, path)
+        found, damaged = None, []
+        for path in reversed(survey.steps):
+            problems = self.verified(path)
+            if not problems:
+                found = path
+                break
+            damaged.append((path, problems))
+        if found is not None:
+            for path, problems in damaged:
+                log.warning("ignoring damaged checkpoint %s: %s; resuming from the older %s, "
+                            "and leaving it as it is (a save of its step sets it aside as "
+                            "%s.damaged)", path, "; ".join(problems), found.name, path.name)
+            for path in survey.steps[:survey.steps.index(found)]:  # older: sizes only, no read
+                if problems := checkpoint.verify(path, read_bytes=False):
+                    log.warning("damaged checkpoint %s (older than %s, which is resumed): %s; "
+                                "left as it is (trainer.keep_last removes it by age, as it "
+                                "would an intact one)", path, found.name, "; ".join(problems))
             return found
-        path = Path(choice)
-        if path.is_dir() and not checkpoint.NAME.match(path.name):
-            found = (checkpoint.latest(path / "checkpoints", self.verified)
-                     or checkpoint.latest(path, self.verified))
-            if found is not None:
-                return found
-        if not path.exists():
-            raise InputError(f"trainer.resume={choice}: no such checkpoint directory; use "
-                             f"trainer.resume=auto or a path to a step_NNNNNNNN directory")
-        if not checkpoint.is_complete(path):
-            raise InputError(f"trainer.resume={choice} is not a complete checkpoint (its "
-                             f"{checkpoint.MANIFEST} is missing or does not match its files)")
-        checkpoint.require_intact(path, self.verified(path), f"trainer.resume={choice}")
-        return path
+        if damaged:
+            interrupted = (f" (and {len(survey.interrupted)} interrupted save(s): "
+                           f"{', '.join(p.name for p in survey.interrupted)})"
+                           if survey.interrupted else "")
+            report = "; ".join(f"{path}: {', '.join(why)}" for path, why in damaged)
+            raise InputError(
+                f"{given}: no checkpoint in {root} can be resumed, {len(damaged)} damaged"
+                f"{interrupted}: {report}. Nothing was loaded, "
+                f"removed or replaced. Check them with `rapidformer verify {run_dir}`; then "
+                f"resume from a copy you trust with trainer.resume=PATH, or discard this run's "
+                f"checkpoints and start fresh with trainer.overwrite=true (without "
+                f"trainer.resume)")
+        if not fresh:  # the callers ask only of a directory with checkpoints
+            raise InputError(f"{given}: no checkpoint under {root}")
+        log.info("%s: no checkpoint in %s%s; starting fresh", given, root,
+                 " (only interrupted saves)" if survey.interrupted else "")
+        return None
 
 
 def _attempt(write) -> BaseException | None:

@@ -46,6 +46,11 @@ does not belong to the vocabulary, files that are not UTF-8, JSON or a vocabular
 `--tokenizer-type` needs, a tokenizer directory that does not load) are named with the fix.
 These are `InputError`s: exit code 2, no traceback.
 
+A run one of whose outputs is one of its inputs (`--input`, `--vocab-file`, `--merge-file`, the
+files of `--tokenizer-model`) is refused before any work, however the two are named (a relative
+or `..` path, a linked folder, a link either way, a hard link, another `--json-keys` key), and
+so is an input named like one of the prefix's temporary files: exit code 2, nothing written.
+
 The output is written under a hidden temporary name next to the prefix
 (`.tmp-{name}-{pid}.bin/.idx`) and renamed at the end: a failed or interrupted run leaves
 nothing under the output name. SIGTERM or SIGINT (Ctrl-C) stops the run, removes its temporary

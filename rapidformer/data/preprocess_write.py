@@ -99,6 +99,8 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
     source = Path(args.input)
     if not source.is_file():
         raise PreprocessError(f"--input {source}: no such file")
+    level = LEVELS[1] if args.split_sentences else LEVELS[0]
+    refuse_outputs_over_inputs(args, level)  # before any work: nothing read, nothing written
     # built here first so that a bad vocabulary fails at once, not inside a worker
     tokenizer, eod, vocab_size = build_tokenizer(args.tokenizer_type, args.vocab_file,
                                                  args.merge_file, args.tokenizer_model,
@@ -113,7 +115,6 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
               + ("Megatron-LM's BERT end of document; --bert-eod sep ends them with [SEP]"
                  if args.bert_eod == "eos" else "--bert-eod eos ends them with Megatron-LM's [EOS]"),
               file=sys.stderr)
-    level = LEVELS[1] if args.split_sentences else LEVELS[0]
     out_dir = Path(args.output_prefix).parent
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -191,6 +192,78 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
                     Path(temp + ext).unlink(missing_ok=True)
     _progress(done, size, started, final=True, skipped=skipped)
     return [Path(finals[k]) for k in args.json_keys]
+
+
+def _inputs(args) -> list[tuple[str, Path]]:
+    """(option, file) for every file the run reads: the corpus, the tokenizer files (a
+    --tokenizer-model directory: each file in it)."""
+    inputs = [("--input", Path(args.input))]
+    for option, value in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        if value:
+            inputs.append((option, Path(value)))
+    if args.tokenizer_model and Path(args.tokenizer_model).is_dir():
+        inputs += [("--tokenizer-model", p) for p in sorted(Path(args.tokenizer_model).rglob("*"))
+                   if p.is_file()]
+    return inputs
+
+
+def _entry(path: Path) -> str:
+    """The directory entry `path` names, its folder resolved (links, `..`, a relative path),
+    its own name not: what os.replace replaces."""
+    absolute = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _same(output: Path, given: Path) -> str | None:
+    """How writing or replacing `output` would reach the file `given` (None: it would not)."""
+    out_entry, in_entry = _entry(output), _entry(given)
+    in_file = os.path.realpath(given)
+    if out_entry == in_entry:
+        if str(output) == str(given):
+            return "the same path"
+        return "the same file, by another path (a relative path, '..' or a linked folder)"
+    if out_entry == in_file or os.path.realpath(output) == in_file:
+        return "the same file, through a symbolic link"
+    try:
+        if os.path.samefile(output, given):
+            return "the same file, through a hard link"
+    except OSError:  # the output is not there yet
+        pass
+    return None
+
+
+def refuse_outputs_over_inputs(args, level: str) -> None:
+    """Refuse a run one of whose outputs is one of its inputs: the output would replace it
+    (its .bin/.idx, renamed over the input at the end), the temporary file would truncate it,
+    or the clean-up of an earlier stopped run's temporary files would delete it."""
+    prefix = Path(args.output_prefix)
+    out_dir, name = prefix.parent, prefix.name
+    outputs = []
+    for key in args.json_keys:
+        final = f"{args.output_prefix}_{key}_{level}"
+        outputs += [(Path(final + ext), f"writes {final}{ext}") for ext in (".bin", ".idx")]
+        temp = out_dir / f".tmp-{Path(final).name}-{os.getpid()}"
+        outputs += [(Path(f"{temp}{ext}"), f"writes its temporary file {temp}{ext}")
+                    for ext in (".bin", ".idx")]
+    stale = re.compile(r"\.tmp-(?:" + "|".join(re.escape(f"{name}_{k}_{lv}")
+                                               for k in args.json_keys for lv in LEVELS)
+                       + r")-\d+\.(?:bin|idx)")
+    for option, given in _inputs(args):
+        for output, what in outputs:
+            how = _same(output, given)
+            if how:
+                raise PreprocessError(
+                    f"{option} {given} is also an output of this run: --output-prefix "
+                    f"{args.output_prefix} with --json-keys {' '.join(args.json_keys)} {what}, "
+                    f"which is {given} ({how}); the run would overwrite its own input. Choose "
+                    f"another --output-prefix (or move the input); nothing was written")
+        places = {Path(_entry(given)), Path(os.path.realpath(given))}
+        if any(stale.fullmatch(place.name) and os.path.realpath(out_dir) == str(place.parent)
+               for place in places):
+            raise PreprocessError(
+                f"{option} {given} has the name of a temporary file of this --output-prefix "
+                f"({args.output_prefix}): a run removes such files when their writer is gone. "
+                f"Rename the input, or choose another --output-prefix; nothing was written")
 
 
 def _check_not_empty(source: Path, args, done: int, tokens: int) -> None:
