@@ -484,8 +484,6 @@ def test_export_names_the_changed_file(saved_run, tmp_path, capsys):
     assert code == 2 and f"is damaged: {expected}" in err, err[-3000:]
 
 
-@pytest.mark.xfail(strict=True, reason="rapidformer/cli/verbs/export.py asks store.is_complete "
-                   "before store.verify, and its own message names no file")
 def test_export_names_the_truncated_file(saved_run, tmp_path, capsys):
     run = copy_of(saved_run, tmp_path)
     newest = run / "checkpoints" / "step_00000003"

@@ -94,11 +94,13 @@ def test_checkpoint_is_atomic_and_an_interrupted_one_is_ignored(tmp_path):
     assert torch.equal(checkpoint.load(root / "step_00000005", "w.pt")["w"], torch.ones(3))
     manifest = json.loads((root / "step_00000005" / checkpoint.MANIFEST).read_text())
     assert manifest["step"] == 5 and manifest["files"]["w.pt"]["bytes"] > 0
-    # the next sealed save clears what interrupted ones left (a partial 17 GB checkpoint must
-    # not stay on the disk), and keeps the complete ones
+    # the next sealed save clears what interrupted saves left (a partial 17 GB checkpoint must
+    # not stay on the disk) and keeps the complete ones; a damaged step directory goes only
+    # where an intact one would (pruning by age), so step 7 stays for `rapidformer verify`
     checkpoint.save(root, 10, {"w.pt": {"w": torch.ones(3)}}, {"step": 10}, keep_last=5)
     complete, broken = checkpoint.scan(root)
-    assert [p.name for p in complete] == ["step_00000005", "step_00000010"] and not broken
+    assert [p.name for p in complete] == ["step_00000005", "step_00000010"]
+    assert [p.name for p in broken] == ["step_00000007"]
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):

@@ -180,8 +180,8 @@ def _stash_outputs(path: Path) -> list[str]:
     checkpoints = path / "checkpoints"
     if checkpoints.is_dir():
         for entry in checkpoints.iterdir():
-            if store.NAME.match(entry.name) or entry.name.startswith(".tmp-") or \
-                    entry.name == store.BEST:
+            if store.NAME.match(entry.name) or store.SET_ASIDE.match(entry.name) or \
+                    entry.name.startswith(".tmp-") or entry.name == store.BEST:
                 stash(path, entry)
         moved.append("checkpoints")
     for name in RUN_OUTPUTS:

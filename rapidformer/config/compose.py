@@ -151,7 +151,8 @@ def override(key: str, value) -> str:
     """`key=value` as an override that Hydra reads back as `value` (quoted where the value holds
     what the override syntax reads itself): what a printed command writes."""
     text = str(value)
-    if not any(c in SPECIAL or not c.isascii() or c.isspace() for c in text) and text:
+    # a space is Hydra's as it is (the shell's quoting covers it); an empty value is quoted
+    if not any(c in SPECIAL or not c.isascii() for c in text) and text:
         return f"{key}={text}"
     return f"{key}='" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 

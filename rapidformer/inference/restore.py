@@ -135,10 +135,6 @@ def choose_checkpoint(run_dir: Path, choice: str | None) -> Path:
             raise InputError(f"--checkpoint {choice} is not a checkpoint (a directory named "
                              f"step_NNNNNNNN under the run's checkpoints/); give one, or last or "
                              f"best")
-    if not store.is_complete(path):
-        raise InputError(f"checkpoint {path} is not complete (its {store.MANIFEST} is "
-                         f"missing or does not match its files: an interrupted save); choose "
-                         f"another with --checkpoint PATH")
     problems = store.verify(path)
     if problems:
         raise InputError(f"checkpoint {path} is damaged: {'; '.join(problems)}; choose another "

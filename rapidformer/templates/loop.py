@@ -211,7 +211,8 @@ class LoopControl:
             raise
 
     def _saved(self, step: int) -> bool:
-        return (self.engine.checkpoint_root / f"step_{step:08d}").is_dir()
+        # a damaged directory of this step is not a save of it (the save sets it aside)
+        return store.is_complete(self.engine.checkpoint_root / f"step_{step:08d}")
 
     def evaluated(self, state, metrics: dict) -> None:
         """An evaluation ran at state.step and gave `metrics`: it is recorded (the final

@@ -46,9 +46,6 @@ def locate(path: Path, step: int | None) -> tuple[Path, Path]:
                              f"give a run directory (trainer.output_dir) or a step_NNNNNNNN "
                              f"directory")
         ckpt = complete[-1]
-    if not store.is_complete(ckpt):
-        raise InputError(f"{ckpt} is not a complete checkpoint (its {store.MANIFEST} is "
-                         f"missing or does not match its files); choose another step")
     store.require_intact(ckpt, store.verify(ckpt), "rapidformer export")
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"{run_dir}/config.yaml is missing: export needs the run's resolved "
