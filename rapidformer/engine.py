@@ -71,6 +71,7 @@ class RapidformerEngine:
         self.resume_checkpoint = self.checkpoints.locate(cfg.trainer.resume)
         self.model = self.optimizer = self.lr_scheduler = self.num_parameters = None
         self._kv_cache_was_on = False  # set by compose
+        self.padding_batch = False  # an evaluation loader's padding batch is being read
         ENGINES_CREATED += 1
 
     @property
@@ -191,8 +192,9 @@ class RapidformerEngine:
         return batch
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate `tensor` from every rank along dim 0 (sizes may differ between ranks)."""
-        return gather_rows(tensor, self.world_size)
+        """Concatenate `tensor` from every rank along dim 0 (sizes may differ between ranks;
+        while a padding batch of an evaluation loader is read, this rank adds no row)."""
+        return gather_rows(tensor[:0] if self.padding_batch else tensor, self.world_size)
 
     def barrier(self) -> None:
         if self.world_size > 1:

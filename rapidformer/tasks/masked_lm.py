@@ -12,7 +12,7 @@ import torch
 
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
-from rapidformer.tasks.base import TaskFinetuner
+from rapidformer.tasks.base import TaskFinetuner, mean
 
 
 class MaskedLMFinetuner(TaskFinetuner):
@@ -28,15 +28,27 @@ class MaskedLMFinetuner(TaskFinetuner):
 
         def encode(batch):
             texts = [str(x) for x in batch[d.text_column] if x and str(x).strip()]
+            if not texts:  # rows of no text only: none is kept (a tokenizer refuses no text)
+                return {key: [] for key in tokenizer("x", return_offsets_mapping=whole_words)}
             return tokenizer(texts, truncation=True, max_length=d.max_seq_length,
                              return_offsets_mapping=whole_words)
 
         encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names)
                    for name, ds in splits.items()}
+        self.require_examples(encoded, {k: len(v) for k, v in splits.items()},
+                              f"no text in data.text_column={d.text_column}",
+                              f"fill the rows' {d.text_column} column, or set data.text_column "
+                              f"to the column that holds the text")
         masking = DataCollatorForLanguageModeling(tokenizer, mlm_probability=d.mask_prob,
                                                   whole_word_mask=whole_words)
         scored = {name: masked_once(ds, masking, self.cfg.trainer.seed)
                   for name, ds in encoded.items() if name != "train"}
+        for name, ds in scored.items():  # a masked token to score, or nothing to evaluate
+            if not any(label != -100 for row in ds["labels"] for label in row):
+                raise self.empty_split(
+                    name, len(ds), fix="add examples or raise data.mask_prob",
+                    what=f"none of its {len(ds)} examples has a token masked at data.mask_prob="
+                         f"{d.mask_prob}, and a perplexity of no token is no number")
         collate = self.shape_batches(MaskOrPad(masking, tokenizer), masked_lm=True)
         return encoded["train"], scored.get("validation"), scored.get("test"), collate
 
@@ -52,12 +64,13 @@ class MaskedLMFinetuner(TaskFinetuner):
         loss_sum = masked = 0.0
         for batch in eval_dataloader:
             count = int((batch["labels"] != -100).sum())
-            loss = float(model(**batch).loss)  # every rank's forward runs (sharded weights)
-            if count:  # a small batch can have no masked token: its mean loss is NaN
+            loss = float(model(**batch).loss)  # every rank's, padding too: maybe a collective
+            # a small batch can have no masked token: its mean loss is NaN
+            if count and not self.padding_batch:
                 loss_sum += loss * count
                 masked += count
         loss_sum, masked = self.sum_over_ranks(loss_sum, masked)
-        loss = loss_sum / max(masked, 1)
+        loss = mean(loss_sum, masked)
         return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
 

@@ -7,24 +7,33 @@ run's tokenizer (the one the data was made with), megatron-core datasets, a Hugg
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils.data import default_collate
 
 from rapidformer.compat import mpu
-from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets
+from rapidformer.config.splits import parse_split
+from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets, open_indexed
 from rapidformer.models.hf import build_pretraining_model
 from rapidformer.transforms.liger import fuses_the_loss
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
 from rapidformer.tasks.batching import Batching
+from rapidformer.templates.finetuner import NO_EVALUATION
 from rapidformer.templates.pretrainer import PreTrainer
 from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 from rapidformer.errors import InputError
 
+log = logging.getLogger("rapidformer")
 BERT_KEYS = ["input_ids", "attention_mask", "token_type_ids", "labels", "next_sentence_label"]
 GPT_KEYS = ["input_ids", "labels", "position_ids"]
 
 
 class _MegatronDataPretrainer(PreTrainer):
+    # why this run trains without evaluation (None: it evaluates); recorded once in metrics.jsonl
+    without_evaluation: str | None = None
+    _noted = False
+
     def _tokenizer(self):
         # the data decides a BERT vocabulary's end-of-document entries (Megatron's [BOS]/[EOS])
         tokenizer = load_pretraining_tokenizer(self.cfg.model, self.cfg.data.path)
@@ -47,6 +56,37 @@ class _MegatronDataPretrainer(PreTrainer):
             return type(self).build_megatron_model(self.cfg, tokenizer.vocab_size), None, None
         return build_pretraining_model(self.cfg.model, self.cfg.task.name, tokenizer), None, None
 
+    def _evaluated(self, datasets: tuple) -> tuple:
+        """The rule of the evaluated splits (rapidformer/tasks/base.py) for Megatron's: a
+        validation or test share of data.split that holds no whole document, evaluated
+        (trainer.eval_iters > 0), is an error; a share of 0 or trainer.eval_iters=0 trains
+        without evaluation, said now and recorded at the first evaluation point."""
+        d, t = self.cfg.data, self.cfg.trainer
+        shares = parse_split(d.split)
+        for index, name in ((1, "validation"), (2, "test")):
+            if datasets[index] is None and shares[index] > 0 and t.eval_iters > 0:
+                documents = _documents(d.path)
+                counted = f" of its {documents} documents" if documents else ""
+                raise InputError(
+                    f"data.split={d.split} gives the {name} split {shares[index]:.2%} of "
+                    f"data.path's documents, which is not one whole document{counted}: every "
+                    f"{name} evaluation would score nothing. Give it a larger share (or add "
+                    f"documents), or a share of 0 (or trainer.eval_iters=0) to train without it")
+        if datasets[1] is None:
+            why = ("trainer.eval_iters=0" if t.eval_iters == 0 else
+                   f"data.split={d.split} gives validation no share")
+            self.without_evaluation = (f"training without evaluation: {why}; give validation a "
+                                       f"share of data.split and trainer.eval_iters >= 1 to "
+                                       f"evaluate")
+            log.warning("%s", self.without_evaluation)
+        return datasets
+
+    def _evaluate(self, name, model, data_iterator, state, sink):
+        if name == "validation" and self.without_evaluation and not self._noted:
+            sink.write(state.step, {NO_EVALUATION: self.without_evaluation})  # the summary's
+            self._noted = True
+        return super()._evaluate(name, model, data_iterator, state, sink)
+
 
 class BertPretrainer(_MegatronDataPretrainer):
     build_megatron_model = build_megatron_bert
@@ -59,11 +99,11 @@ class BertPretrainer(_MegatronDataPretrainer):
             self.batching = Batching(self.cfg, tokenizer.hf, self.engine.transforms,
                                      masked_lm=True)
             self.collate_fn = self.batching.pretraining_collate(default_collate)
-        return build_bert_datasets(d.path, tokenizer, d.split,
-                                   train_val_test_num_samples, d.max_seq_length, d.mask_prob,
-                                   d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
-                                   skip_warmup=not d.mmap_warmup,
-                                   path_to_cache=self.engine.run_dir / "data_index_cache")
+        return self._evaluated(build_bert_datasets(
+            d.path, tokenizer, d.split, train_val_test_num_samples, d.max_seq_length,
+            d.mask_prob, d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
+            skip_warmup=not d.mmap_warmup,
+            path_to_cache=self.engine.run_dir / "data_index_cache"))
 
     def model_optimizer_lr_scheduler_provider(self):
         model, optimizer, scheduler = super().model_optimizer_lr_scheduler_provider()
@@ -83,12 +123,11 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         d = self.cfg.data  # data.impl is checked with the config
-        return build_gpt_datasets(d.path, self._tokenizer(), d.split, train_val_test_num_samples,
-                                  d.max_seq_length, self.cfg.trainer.seed,
-                                  eod_mask_loss=d.eod_mask_loss,
-                                  reset_position_ids=d.reset_position_ids,
-                                  skip_warmup=not d.mmap_warmup,
-                                  path_to_cache=self.engine.run_dir / "data_index_cache")
+        return self._evaluated(build_gpt_datasets(
+            d.path, self._tokenizer(), d.split, train_val_test_num_samples, d.max_seq_length,
+            self.cfg.trainer.seed, eod_mask_loss=d.eod_mask_loss,
+            reset_position_ids=d.reset_position_ids, skip_warmup=not d.mmap_warmup,
+            path_to_cache=self.engine.run_dir / "data_index_cache"))
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(GPT_KEYS, next(data_iterator), torch.int64)
@@ -108,6 +147,17 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
         # Hugging Face's own LM loss; -100 marks the masked positions (EOD, padding)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
                                                  data["labels"].flatten(), ignore_index=-100)
+
+
+def _documents(data_path) -> int | None:
+    """The documents data.split divides (a blend's smallest prefix's, as megatron-core counts
+    them), or None where the files cannot say."""
+    parts = data_path.split() if isinstance(data_path, str) else [str(p) for p in data_path]
+    try:
+        return min(len(open_indexed(prefix)) for prefix in (parts[1::2] if len(parts) > 1
+                                                              else parts))
+    except Exception:  # the data's own errors were raised while the datasets were built
+        return None
 
 
 def check_pretrained_vocabulary(m, tokenizer) -> None:

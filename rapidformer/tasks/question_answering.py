@@ -4,6 +4,8 @@ turns start/end logits into answer texts and scores them with SQuAD's exact matc
 (rapidformer/data/qa.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rapidformer.data.qa import best_answers, eval_features, exact_match, f1_score, train_features
@@ -36,6 +38,7 @@ class QuestionAnsweringFinetuner(TaskFinetuner):
                 self.examples += [{"context": row[d.context_column],
                                    "answers": list(row[d.answers_column]["text"])} for row in ds]
                 offset += len(ds)
+        self.require_examples(evaluated, {k: len(v) for k, v in splits.items()})
         return train, evaluated.get("validation"), evaluated.get("test"), default_data_collator
 
     def model_optimizer_lr_scheduler_provider(self):
@@ -49,17 +52,21 @@ class QuestionAnsweringFinetuner(TaskFinetuner):
         starts, ends, examples, offsets = [], [], [], []
         for batch in eval_dataloader:
             example_index, offset_mapping = batch.pop("example_index"), batch.pop("offset_mapping")
-            outputs = model(**batch)
+            outputs = model(**batch)  # every rank's, padding too: it may be a collective
+            # every window of every rank (a padding batch's gather adds no row): an example's
+            # windows may fall on several ranks, its answer is chosen over all of them
             starts.append(self.gather(outputs.start_logits.float()))
             ends.append(self.gather(outputs.end_logits.float()))
             examples.append(self.gather(example_index))
             offsets.append(self.gather(offset_mapping))
+        if not examples or not sum(len(part) for part in examples):  # no window to score
+            return {"exact_match": math.nan, "f1": math.nan}
         examples_cat = torch.cat(examples).cpu()
         predictions = best_answers(torch.cat(starts).cpu(), torch.cat(ends).cpu(), examples_cat,
                                    torch.cat(offsets).cpu().tolist(),
                                    [e["context"] for e in self.examples], t.n_best_size,
                                    t.max_answer_length)
-        scored = sorted(set(examples_cat.tolist()))
+        scored = sorted(set(examples_cat.tolist()))  # each example once, however many windows
         return self._scores([(predictions[i], self.examples[i]["answers"]) for i in scored])
 
     @staticmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
-from rapidformer.tasks.base import TaskFinetuner
+from rapidformer.tasks.base import TaskFinetuner, mean
 
 
 class Seq2SeqFinetuner(TaskFinetuner):
@@ -30,6 +30,7 @@ class Seq2SeqFinetuner(TaskFinetuner):
 
         encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names)
                    for name, ds in splits.items()}
+        self.require_examples(encoded, {k: len(v) for k, v in splits.items()})
         collate = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, return_tensors="pt")
         return encoded["train"], encoded.get("validation"), encoded.get("test"), collate
 
@@ -51,13 +52,19 @@ class Seq2SeqFinetuner(TaskFinetuner):
             # the mean over the batch's target tokens, weighted by them: the mean over every
             # target token, however they fall into batches and ranks
             count = int((batch["labels"] != -100).sum())
-            loss = float(wrapped(**batch).loss)  # every rank's forward runs (sharded weights)
-            if count:
-                loss_sum += loss * count
-                targets += count
+            loss = float(wrapped(**batch).loss)  # every rank's, padding too: maybe a collective
+            # a padding batch generates too when generation is a collective (synced_gpus keeps
+            # each rank's decode going until every rank's is done)
+            if self.padding_batch and not synced:
+                continue
             generated = generator.generate(
                 input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 num_beams=t.num_beams, max_new_tokens=t.max_target_length, synced_gpus=synced)
+            if self.padding_batch:
+                continue
+            if count:
+                loss_sum += loss * count
+                targets += count
             labels = batch["labels"].masked_fill(batch["labels"] == -100, tokenizer.pad_token_id)
             predictions = tokenizer.batch_decode(generated, skip_special_tokens=True)
             references = tokenizer.batch_decode(labels, skip_special_tokens=True)
@@ -67,4 +74,4 @@ class Seq2SeqFinetuner(TaskFinetuner):
                 rows += 1
         rouge_sum, rows, loss_sum, targets = self.sum_over_ranks(rouge_sum, rows, loss_sum,
                                                                  targets)
-        return {"rougeL": rouge_sum / max(rows, 1), "loss": loss_sum / max(targets, 1)}
+        return {"rougeL": mean(rouge_sum, rows), "loss": mean(loss_sum, targets)}

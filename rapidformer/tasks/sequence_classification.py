@@ -5,6 +5,8 @@ group, a tokenizer, a Hugging Face `AutoModelForSequenceClassification`, accurac
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torchmetrics.functional.classification import (binary_f1_score, multiclass_accuracy,
                                                     multiclass_f1_score)
@@ -12,7 +14,7 @@ from torchmetrics.functional.classification import (binary_f1_score, multiclass_
 from rapidformer.data.text_classification import load_classification_data, tokenize_splits
 from rapidformer.data.tokenizers import build_tokenizer, training_texts
 from rapidformer.models.hf import build_sequence_classifier
-from rapidformer.tasks.base import TaskFinetuner
+from rapidformer.tasks.base import TaskFinetuner, mean
 
 
 def classification_metrics(predictions: torch.Tensor, labels: torch.Tensor, num_labels: int) -> dict:
@@ -40,6 +42,7 @@ class SequenceClassificationFinetuner(TaskFinetuner):
             m, lambda: training_texts("sequence_classification", d, data.splits["train"]),
             tokenizer_dir, d.max_seq_length)
         encoded = tokenize_splits(data, d, self.tokenizer)
+        self.require_examples(encoded, {k: len(v) for k, v in data.splits.items()})
         collate_fn = self.shape_batches(DataCollatorWithPadding(self.tokenizer, return_tensors="pt"))
         return encoded["train"], encoded.get("validation"), encoded.get("test"), collate_fn
 
@@ -56,14 +59,17 @@ class SequenceClassificationFinetuner(TaskFinetuner):
         predictions, labels = [], []
         loss_sum = 0.0
         for batch in eval_dataloader:
-            outputs = model(**batch)
-            predictions.append(self.gather(outputs.logits.argmax(dim=-1)))
+            outputs = model(**batch)  # every rank's, padding too: it may be a collective
+            predictions.append(self.gather(outputs.logits.argmax(dim=-1)))  # padding: no rows
             labels.append(self.gather(batch["labels"]))
-            # the batch's mean loss weighted by its examples: batches differ in size between
-            # ranks (and from one process's), the mean over examples does not
-            loss_sum += float(outputs.loss) * len(batch["labels"])
+            if not self.padding_batch:
+                # the batch's mean loss weighted by its examples: batches differ in size between
+                # ranks (and from one process's), the mean over examples does not
+                loss_sum += float(outputs.loss) * len(batch["labels"])
+        loss_sum, = self.sum_over_ranks(loss_sum)
+        if not labels or not sum(len(part) for part in labels):  # no example to score
+            return {"accuracy": math.nan, "f1": math.nan, "loss": math.nan}
         predictions, labels = torch.cat(predictions), torch.cat(labels)
         metrics = classification_metrics(predictions, labels, self.num_labels)
-        loss_sum, = self.sum_over_ranks(loss_sum)
-        metrics["loss"] = loss_sum / max(len(labels), 1)  # labels: every rank's, gathered
+        metrics["loss"] = mean(loss_sum, len(labels))  # labels: every rank's, gathered
         return metrics

@@ -15,7 +15,7 @@ from rapidformer.data.lengths import IGNORE
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.errors import InputError
 from rapidformer.models.hf import build_task_model
-from rapidformer.tasks.base import TaskFinetuner
+from rapidformer.tasks.base import TaskFinetuner, mean
 
 log = logging.getLogger("rapidformer")
 GENERATIONS_FILE = "generations.jsonl"
@@ -33,15 +33,15 @@ class SFTFinetuner(TaskFinetuner):
         for name, ds in splits.items():
             counts = EncodeCounts()
             encoded[name] = encode_rows(ds, tokenizer, d, t.loss_on, name, counts)
-            log.info("task=sft, %s split: %d examples, %d cut to data.max_seq_length=%d, %d "
-                     "dropped (no %s token left to learn from)", name, counts.examples,
-                     counts.truncated, d.max_seq_length, counts.dropped,
-                     "assistant" if t.loss_on == "response" else "second")
-        if len(encoded["train"]) == 0:
-            raise InputError(f"task=sft: no training example has a token to learn from (each "
-                             f"needs an assistant turn within data.max_seq_length="
-                             f"{d.max_seq_length} tokens); raise data.max_seq_length or check "
-                             f"the data")
+            # examples dropped: a warning that counts them; all of a split's: an error
+            (log.warning if counts.dropped else log.info)(
+                "task=sft, %s split: %d examples, %d cut to data.max_seq_length=%d, %d dropped "
+                "(no %s token left to learn from)", name, counts.examples, counts.truncated,
+                d.max_seq_length, counts.dropped,
+                "assistant" if t.loss_on == "response" else "second")
+            if not len(encoded[name]):
+                raise self.empty_split(name, counts.examples, dropped_why(counts, d, t),
+                                       dropped_fix(counts, d, t))
         self.prompts = (generation_prompts(splits["validation"], tokenizer, d, t.sample_generations)
                         if "validation" in splits else [])
         collate = self.shape_batches(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE,
@@ -71,12 +71,13 @@ class SFTFinetuner(TaskFinetuner):
             # the model's loss is the mean over its shifted labels: weighted by their count, the
             # mean over every labelled token however they fall into batches and ranks
             count = int((batch["labels"][:, 1:] != IGNORE).sum())
-            loss = float(self.run_forward_step(batch, wrapped))  # every rank (sharded weights)
-            if count:
+            # every rank's forward, padding too: it may be a collective (sharded weights, DDP)
+            loss = float(self.run_forward_step(batch, wrapped))
+            if count and not self.padding_batch:
                 loss_sum += loss * count
                 targets += count
         loss_sum, targets = self.sum_over_ranks(loss_sum, targets)
-        loss = loss_sum / max(targets, 1)
+        loss = mean(loss_sum, targets)
         metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
         if self.prompts:
             metrics["answer_match"] = self._sample_generations()
@@ -114,6 +115,24 @@ class SFTFinetuner(TaskFinetuner):
                 for record in records:
                     f.write(json.dumps(record) + "\n")
         return matched / len(self.prompts)
+
+
+def dropped_why(counts: EncodeCounts, d, t) -> str:
+    """Why every example of a split was dropped (each had no token to learn from)."""
+    learnt = "an assistant token" if t.loss_on == "response" else "a token past the first"
+    cut = counts.truncated
+    parts = [f"{cut} cut to data.max_seq_length={d.max_seq_length} tokens before {learnt}"
+             if cut else "",
+             (f"{counts.examples - cut} with no assistant turn" if t.loss_on == "response"
+              else f"{counts.examples - cut} of one token") if counts.examples - cut else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def dropped_fix(counts: EncodeCounts, d, t) -> str:
+    fixes = [f"raise data.max_seq_length (now {d.max_seq_length})" if counts.truncated else "",
+             "give the rows an assistant turn (a prompt/response or messages row with the "
+             "assistant's answer)" if counts.examples > counts.truncated else ""]
+    return " or ".join(f for f in fixes if f)
 
 
 def ready_for_chat(tokenizer, template: str | None) -> None:

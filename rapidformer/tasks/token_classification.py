@@ -5,12 +5,13 @@ rapidformer/data/token_labels.py; entity precision, recall and F1 (seqeval's rul
 accuracy at every evaluation."""
 from __future__ import annotations
 
+import math
 
 from rapidformer.data.token_labels import (align_labels, entity_counts, load_token_data,
                                            precision_recall_f1)
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
-from rapidformer.tasks.base import TaskFinetuner
+from rapidformer.tasks.base import TaskFinetuner, mean
 
 
 class TokenClassificationFinetuner(TaskFinetuner):
@@ -35,6 +36,7 @@ class TokenClassificationFinetuner(TaskFinetuner):
 
         encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names)
                    for name, ds in splits.items()}
+        self.require_examples(encoded, {k: len(v) for k, v in splits.items()})
         collate = self.shape_batches(DataCollatorForTokenClassification(tokenizer,
                                                                         return_tensors="pt"))
         return encoded["train"], encoded.get("validation"), encoded.get("test"), collate
@@ -52,7 +54,9 @@ class TokenClassificationFinetuner(TaskFinetuner):
         model = model[0]
         correct = n_pred = n_gold = right_tokens = tokens = loss_sum = 0
         for batch in eval_dataloader:
-            outputs = model(**batch)
+            outputs = model(**batch)  # every rank's, padding too: it may be a collective
+            if self.padding_batch:
+                continue
             predicted, gold = outputs.logits.argmax(dim=-1).cpu(), batch["labels"].cpu()
             keep = gold != -100
             right_tokens += int((predicted[keep] == gold[keep]).sum())
@@ -66,7 +70,10 @@ class TokenClassificationFinetuner(TaskFinetuner):
             loss_sum += float(outputs.loss) * int(keep.sum()) if keep.any() else 0.0
         correct, n_pred, n_gold, right_tokens, tokens, loss_sum = self.sum_over_ranks(
             correct, n_pred, n_gold, right_tokens, tokens, loss_sum)
+        if not tokens:  # no labelled token to score
+            return {"precision": math.nan, "recall": math.nan, "f1": math.nan,
+                    "accuracy": math.nan, "loss": math.nan}
         metrics = precision_recall_f1(correct, n_pred, n_gold)
-        metrics["accuracy"] = right_tokens / max(tokens, 1)
-        metrics["loss"] = loss_sum / max(tokens, 1)
+        metrics["accuracy"] = mean(right_tokens, tokens)
+        metrics["loss"] = mean(loss_sum, tokens)
         return metrics

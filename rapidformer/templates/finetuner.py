@@ -56,6 +56,14 @@ class Finetuner(TemplateLoop):
 
     Set `self.train_collate_fn` in the first to give training batches a collate function of
     their own (e.g. packed rows); evaluation and test use the one the method returns.
+
+    Validation: a validation dataset of None trains without evaluation (said at the start and
+    recorded in metrics.jsonl); an empty one is an error. On several processes each rank
+    evaluates its share of the examples, in the same number of batches as every other rank: a
+    rank whose share runs out first evaluates padding batches (a copy of one example) to stay in
+    step with the others' collectives. `self.gather` leaves out a padding batch's rows, and
+    `self.padding_batch` says whether the batch being evaluated is one: add nothing of it to a
+    sum (run its forward all the same).
     """
 
     def __init__(self, engine):
@@ -84,7 +92,14 @@ class Finetuner(TemplateLoop):
 
     # --- helpers the seed exposes ------------------------------------------------------------------
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s rows from every rank, concatenated (a padding batch's rows left out)."""
         return self.engine.gather(tensor)
+
+    @property
+    def padding_batch(self) -> bool:
+        """Whether the evaluation batch being read is padding (build_data_loader): its forward
+        runs, as every rank's does, but it counts for nothing."""
+        return self.engine.padding_batch
 
     def _lengths(self, dataset) -> list[int] | None:
         """Token counts for data.group_by_length, from the dataset's input_ids column."""
@@ -99,30 +114,27 @@ class Finetuner(TemplateLoop):
 
     def build_data_loader(self, dataset, shuffle: bool = False, collate_fn=None,
                           batch_size: int | None = None):
-        """A loader over this rank's share of `dataset` whose batches arrive on the device."""
+        """A loader over this rank's share of `dataset` whose batches arrive on the device.
+        Unshuffled (evaluation) on several processes: every example once over all ranks and
+        the same number of batches on every rank, padding batches included (even_eval_batches)."""
         engine = self.engine
-        if engine.world_size > 1 and shuffle:
+        batch_size = batch_size or self.cfg.trainer.micro_batch_size
+        common = dict(collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
+                      pin_memory=engine.device.type == "cuda", worker_init_fn=loader_worker_init())
+        if engine.world_size > 1 and not shuffle:
+            planned = even_eval_batches(len(dataset), engine.rank, engine.world_size, batch_size)
+            loader = DataLoader(dataset, batch_sampler=[rows for rows, _ in planned], **common)
+            return _DeviceLoader(loader, engine, [padding for _, padding in planned])
+        if engine.world_size > 1:
             sampler = DistributedSampler(dataset, engine.world_size, engine.rank, shuffle=True,
                                          seed=self.cfg.trainer.seed)
-        elif engine.world_size > 1:
-            batches = even_eval_batches(len(dataset), engine.rank, engine.world_size,
-                                        batch_size or self.cfg.trainer.micro_batch_size)
-            loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn,
-                                num_workers=self.cfg.data.num_workers,
-                                pin_memory=self.engine.device.type == "cuda",
-                                worker_init_fn=loader_worker_init())
-            return _DeviceLoader(loader, self.engine)
         elif shuffle:
             sampler = RandomSampler(dataset,
                                     generator=torch.Generator().manual_seed(self.cfg.trainer.seed))
         else:
             sampler = SequentialSampler(dataset)
-        loader = DataLoader(dataset, batch_size=batch_size or self.cfg.trainer.micro_batch_size,
-                            sampler=sampler, collate_fn=collate_fn,
-                            num_workers=self.cfg.data.num_workers,
-                            pin_memory=self.engine.device.type == "cuda",
-                            worker_init_fn=loader_worker_init())
-        return _DeviceLoader(loader, self.engine)
+        return _DeviceLoader(DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                                        **common), engine)
 
     # --- the loop ----------------------------------------------------------------------------------
     def train(self):
@@ -135,6 +147,11 @@ class Finetuner(TemplateLoop):
                 self, "train_valid_test_datasets_provider",
                 self.train_valid_test_datasets_provider(),
                 "(train_dataset, valid_dataset, test_dataset, collate_fn)", count=4)
+        if valid_ds is not None and len(valid_ds) == 0:
+            raise InputError(f"{type(self).__name__}.train_valid_test_datasets_provider returned "
+                             f"an empty validation dataset: every evaluation would score "
+                             f"nothing. Give it examples, or return None for it to train "
+                             f"without evaluation")
         model, optimizer, lr_scheduler = provided(
             self, "model_optimizer_lr_scheduler_provider",
             self.model_optimizer_lr_scheduler_provider(),
@@ -146,7 +163,7 @@ class Finetuner(TemplateLoop):
         train_loader = self._train_loader(train_ds, sampler,
                                           self.train_collate_fn or collate_fn)
         eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
-                        for name, ds in (("validation", valid_ds),) if ds is not None and len(ds)}
+                        for name, ds in (("validation", valid_ds),) if ds is not None}
         if t.best_metric and not eval_loaders:
             raise ConfigError([f"trainer.best_metric={t.best_metric} needs evaluations, but "
                                f"there is no validation data; give a validation split (or a "
@@ -231,6 +248,15 @@ class Finetuner(TemplateLoop):
         return False
 
 
+# the metrics record of a run that trains without evaluation (the end-of-run summary reads it):
+# {"step": 0, "no_evaluation": "why"}; written once per run, at its first point of evaluation
+NO_EVALUATION = "no_evaluation"
+WITHOUT_VALIDATION = ("training without evaluation: the data has no validation split (no "
+                      "validation file, or a white-box provider's validation dataset is None); "
+                      "give one (data.validation_file=FILE, or a validation/dev file beside "
+                      "the training file) to evaluate")
+
+
 class EpochCourse(Course):
     """A Finetuner's run over epochs of `steps_per_epoch` steps: the validation loaders after
     every epoch (or trainer.eval_interval steps), the test split at the end."""
@@ -239,6 +265,7 @@ class EpochCourse(Course):
                  collate_fn):
         self.finetuner, self.steps_per_epoch = finetuner, steps_per_epoch
         self.eval_loaders, self.test_ds, self.collate_fn = eval_loaders, test_ds, collate_fn
+        self.noted = False  # the record of training without evaluation is written
 
     def log_start(self, total_iters: int, state: TrainState) -> None:
         engine, cfg = self.finetuner.engine, self.finetuner.cfg
@@ -246,6 +273,8 @@ class EpochCourse(Course):
                  "precision=%s, device=%s", total_iters, self.steps_per_epoch,
                  engine.accumulation, cfg.trainer.micro_batch_size, cfg.precision.dtype,
                  engine.device)
+        if not self.eval_loaders:
+            log.warning("%s", WITHOUT_VALIDATION)
 
     def advance(self, state: TrainState) -> Advanced:
         """One more step of the epoch (the step's record names its epoch); the epoch's last
@@ -258,6 +287,9 @@ class EpochCourse(Course):
         return advanced
 
     def validate(self, model, sink, state: TrainState) -> dict:
+        if not self.eval_loaders and not self.noted:  # once: the summary says it
+            sink.write(state.step, {NO_EVALUATION: WITHOUT_VALIDATION})
+            self.noted = True
         return self.finetuner._evaluate(model, self.eval_loaders, sink, state)
 
     def test(self, model, sink, state: TrainState) -> None:
@@ -279,30 +311,40 @@ def _epochs(loader, sampler, state):
                                    f"{sampler.steps_per_epoch} yields no training batch")
 
 
-def even_eval_batches(size: int, rank: int, world_size: int, batch_size: int) -> list[list[int]]:
-    """This rank's evaluation batches: every example exactly once over all ranks (strided, not
-    padded: gather takes unequal sizes), and the same number of batches on every rank — with
-    sharded weights (ZeRO-3, FSDP2) each forward is a collective, so a rank with one batch more
-    would wait for the others forever. A rank with fewer examples splits a batch in two."""
+def even_eval_batches(size: int, rank: int, world_size: int, batch_size: int
+                      ) -> list[tuple[list[int], bool]]:
+    """This rank's evaluation batches, each (example indices, whether it is padding): every
+    example exactly once over all ranks (strided, not padded: gather takes unequal sizes), and
+    the same number of batches on every rank. Each forward may be a collective (sharded weights
+    gather, DDP broadcasts buffers), and so is every gather of metrics: a rank with a batch
+    fewer would leave the others waiting forever. A rank whose share runs out first (fewer
+    examples than ranks, or one example fewer than rank 0 at a batch's edge) evaluates padding
+    batches of one example (example 0) that count for nothing."""
     mine = list(range(rank, size, world_size))
-    batches = [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
-    most = max(-(-len(range(r, size, world_size)) // batch_size) for r in range(world_size))
-    while len(batches) < most and any(len(b) > 1 for b in batches):
-        last = max(i for i, b in enumerate(batches) if len(b) > 1)
-        batches[last:last + 1] = [batches[last][:-1], batches[last][-1:]]
-    return batches
+    batches = [(mine[i:i + batch_size], False) for i in range(0, len(mine), batch_size)]
+    most = -(-len(range(0, size, world_size)) // batch_size)  # rank 0's share is the largest
+    return batches + [([0], True)] * (most - len(batches))
 
 
 class _DeviceLoader:
-    """A DataLoader whose batches are moved to the engine's device."""
+    """A DataLoader whose batches are moved to the engine's device; with `padding` (a flag per
+    batch), the engine knows while a padding batch is read (its gather leaves its rows out)."""
 
-    def __init__(self, loader, engine):
-        self.loader, self.engine = loader, engine
+    def __init__(self, loader, engine, padding: list[bool] | None = None):
+        self.loader, self.engine, self.padding = loader, engine, padding
 
     def __iter__(self):
-        for batch in self.loader:
-            yield self.engine.to_device(batch)
+        if self.padding is None:
+            for batch in self.loader:
+                yield self.engine.to_device(batch)
+            return
+        try:
+            for batch, padding in zip(self.loader, self.padding, strict=True):
+                self.engine.padding_batch = padding
+                yield self.engine.to_device(batch)
+                self.engine.padding_batch = False
+        finally:  # a loop left early (break, an error) leaves no padding flag behind
+            self.engine.padding_batch = False
 
     def __len__(self):
         return len(self.loader)
-
