@@ -437,8 +437,8 @@ def test_a_white_box_empty_validation_dataset_is_an_error_before_training(tmp_pa
 
 def test_data_without_a_validation_split_trains_without_evaluation_and_says_so(tmp_path):
     from rapidformer import __main__ as module_main
-    from rapidformer.observability.records import read_metrics
-    from rapidformer.templates.finetuner import NO_EVALUATION
+    from rapidformer.cli.summary import summary_lines
+    from rapidformer.observability.records import NO_EVALUATION, read_metrics
 
     write_jsonl(tmp_path / "data" / "train.jsonl", SFT_TRAIN)
     run = tmp_path / "run"
@@ -453,6 +453,9 @@ def test_data_without_a_validation_split_trains_without_evaluation_and_says_so(t
     notes = [r for r in records if NO_EVALUATION in r]
     assert len(notes) == 1 and notes[0][NO_EVALUATION].startswith("training without evaluation")
     assert not any(k.startswith("validation/") for r in records for k in r)
+    shown = [line.split(None, 1)[1] for line in summary_lines(run)
+             if line.strip().startswith("evaluation ")]
+    assert shown == [f"none: {notes[0][NO_EVALUATION]}"]
 
 
 def test_pretraining_validation_share_of_no_document_is_an_error(tmp_path, corpus):
@@ -473,7 +476,7 @@ def test_pretraining_validation_share_of_no_document_is_an_error(tmp_path, corpu
     (["trainer.eval_iters=0"], "trainer.eval_iters=0"),
 ])
 def test_pretraining_without_validation_says_so_once(tmp_path, corpus, caplog, overrides, why):
-    from rapidformer.templates.finetuner import NO_EVALUATION
+    from rapidformer.observability.records import NO_EVALUATION
     from rapidformer.templates.pretrainer import PretrainState
 
     class Sink:

@@ -18,6 +18,7 @@ Printed once, by the process that started the run (the launcher of a multi-proce
 """
 from __future__ import annotations
 
+import glob
 import shlex
 import sys
 from pathlib import Path
@@ -27,7 +28,8 @@ import yaml
 from rapidformer.checkpoint import store
 from rapidformer.config.compose import override, override_key
 from rapidformer.observability.format import format_value
-from rapidformer.observability.records import STOPPED, planned_stop, read_metrics
+from rapidformer.observability.records import (NO_EVALUATION, STOPPED, planned_stop,
+                                               read_metrics)
 from rapidformer.templates.best import inferred_mode
 
 # overrides the resume command sets itself (the same directory, resumed), and the stop it goes on
@@ -47,11 +49,46 @@ def run_overrides(run_dir: Path, argv: list[str] | None = None) -> list[str]:
     return [a for a in argv if not a.startswith("-")]
 
 
+def _hydra_record(run_dir: Path) -> dict:
+    recorded = run_dir / ".hydra" / "hydra.yaml"
+    try:
+        return (yaml.safe_load(recorded.read_text()) or {}).get("hydra") or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def _config_dirs(hydra: dict) -> list[str]:
+    """The run's own config folders (--config-dir, hydra.searchpath), as Hydra recorded them."""
+    return [entry[len("file://"):] for entry in hydra.get("searchpath") or []
+            if isinstance(entry, str) and entry.startswith("file://")]
+
+
+def _from_anywhere(item: str, start: Path) -> str:
+    """`key=value` with a value that names a path relative to the folder the run started in
+    made absolute, so that the printed command runs from any folder."""
+    key, sep, value = item.partition("=")
+    text, name = value.strip("'\""), override_key(item)
+    # a group's option (model=bert_tiny) is a name, not a path, even where a folder shares it
+    if not sep or ("." not in name and name != "user_script") or name.startswith("hydra.") or \
+            not text or Path(text).is_absolute() or "," in text or text.startswith(("${", "[")):
+        return item
+    named = start / text
+    reads = named.exists() if not any(c in text for c in "*?[") else bool(glob.glob(
+        str(named)))
+    return override(key, start / text) if reads else item
+
+
 def resume_command(run_dir: Path, argv: list[str] | None = None) -> str:
-    """`python -m rapidformer <the run's overrides> trainer.output_dir=RUN_DIR
-    trainer.resume=auto`, quoted for a POSIX shell."""
-    kept = [o for o in run_overrides(run_dir, argv) if override_key(o) not in RUN_DIR_KEYS]
-    return shlex.join(["python", "-m", "rapidformer", *kept,
+    """`python -m rapidformer [--config-dir DIR] <the run's overrides>
+    trainer.output_dir=RUN_DIR trainer.resume=auto`, quoted for a POSIX shell, runnable from
+    any folder: the run's config folders and the paths its overrides name are absolute."""
+    run_dir = Path(run_dir).absolute()
+    hydra = _hydra_record(run_dir)
+    start = Path((hydra.get("runtime") or {}).get("cwd") or Path.cwd())
+    last = {override_key(o): o for o in run_overrides(run_dir, argv)}  # a key set twice: the last
+    kept = [_from_anywhere(o, start) for o in last.values() if override_key(o) not in RUN_DIR_KEYS]
+    folders = [part for d in _config_dirs(hydra) for part in ("--config-dir", d)]
+    return shlex.join(["python", "-m", "rapidformer", *folders, *kept,
                        override("trainer.output_dir", run_dir), "trainer.resume=auto"])
 
 
@@ -84,10 +121,13 @@ def _best(records: list[dict]) -> str | None:
 
 
 def summary_lines(run_dir: Path, argv: list[str] | None = None) -> list[str]:
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()  # every line holds for any folder it is used from
     records = read_metrics(run_dir)
     root = run_dir / "checkpoints"
     rows = [("final", _final(records)), ("best", _best(records))]
+    unevaluated = next((r[NO_EVALUATION] for r in records if NO_EVALUATION in r), None)
+    if unevaluated and not any(k.startswith("validation/") for r in records for k in r):
+        rows.append(("evaluation", f"none: {unevaluated}"))
     marker = store.read_best(root) if root.is_dir() else None
     if marker is not None:
         kept = root / f"step_{marker['step']:08d}"

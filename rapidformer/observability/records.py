@@ -34,6 +34,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 # the record a run writes when it stops as asked before its last step (trainer.exit_interval):
 # {"step": 10, "stopped": {"by": "trainer.exit_interval=10", "of": 100}}
 STOPPED = "stopped"
+# the record of a run that trains without evaluation, written once at its first point of
+# evaluation: {"step": 0, "no_evaluation": "why"} (the end-of-run summary says why)
+NO_EVALUATION = "no_evaluation"
 
 
 def planned_stop(records: list[dict]) -> dict | None:

@@ -21,6 +21,9 @@ def pick_device(choice: str) -> torch.device:
             raise ConfigError(["trainer.device=cuda but no CUDA GPU is visible; use "
                                "trainer.device=cpu or auto"])
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    # transformers imports DeepSpeed where it is installed, whatever the run's memory option,
+    # and DeepSpeed warns on its first use that it found no GPU: on a CPU run it is told
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     return torch.device("cpu")
 
 

@@ -19,7 +19,7 @@ from rapidformer.models.hf import build_pretraining_model
 from rapidformer.transforms.liger import fuses_the_loss
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
 from rapidformer.tasks.batching import Batching
-from rapidformer.templates.finetuner import NO_EVALUATION
+from rapidformer.observability.records import NO_EVALUATION
 from rapidformer.templates.pretrainer import PreTrainer
 from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
 from rapidformer.errors import InputError

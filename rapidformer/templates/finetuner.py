@@ -15,6 +15,7 @@ from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
 from rapidformer.observability.format import format_metrics
 from rapidformer.observability.metrics import MetricsSink
+from rapidformer.observability.records import NO_EVALUATION
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator
 from rapidformer.templates.skeleton import Advanced, Course, TemplateLoop
@@ -248,9 +249,6 @@ class Finetuner(TemplateLoop):
         return False
 
 
-# the metrics record of a run that trains without evaluation (the end-of-run summary reads it):
-# {"step": 0, "no_evaluation": "why"}; written once per run, at its first point of evaluation
-NO_EVALUATION = "no_evaluation"
 WITHOUT_VALIDATION = ("training without evaluation: the data has no validation split (no "
                       "validation file, or a white-box provider's validation dataset is None); "
                       "give one (data.validation_file=FILE, or a validation/dev file beside "

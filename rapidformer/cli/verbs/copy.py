@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from pathlib import Path
 
 from rapidformer.config.compose import OPTION_GROUPS, option_text, shipped_options
@@ -83,8 +84,8 @@ def cp_command(argv: list[str]) -> int:
     file.write_text(_renamed(option_text(group, option), group, option, name, folder),
                     encoding="utf-8")
     print(f"wrote {file} (a copy of {group} {option}); edit it, then run:")
-    if group == "recipe":
-        print(f"  python -m rapidformer --config-dir {folder} +recipe={name}")
-    else:
-        print(f"  python -m rapidformer --config-dir {folder} {group}={name}")
+    # the folder absolute: the printed command runs from any folder
+    where = shlex.quote(str(Path(folder).absolute()))
+    selector = f"+recipe={name}" if group == "recipe" else f"{group}={name}"
+    print(f"  python -m rapidformer --config-dir {where} {selector}")
     return 0
