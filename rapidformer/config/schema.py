@@ -408,6 +408,10 @@ class PeftConfig:
     # qlora: the 4-bit data type of the base weights, and a second quantization of their scales
     quant_type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
+    # the dtype the frozen base is held in under precision=bf16: auto is bf16 where no value
+    # changes (a bf16 checkpoint's weights; qlora's base) and fp32 otherwise; bf16 also rounds
+    # an fp32 base (the export then holds the rounded base); fp32 always
+    base_dtype: Literal["auto", "bf16", "fp32"] = "auto"
 
 
 @dataclass

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from rapidformer.config.schema import ENCODER_DECODER_ARCHS, ModelConfig
 from rapidformer.data.tokenizers import unreachable_model_message
 from rapidformer.errors import InputError
@@ -24,6 +26,12 @@ AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
                 "seq2seq_lm": "AutoModelForSeq2SeqLM",
                 "sft": "AutoModelForCausalLM"}
 
+# the weights a run trains are fp32 masters whatever the checkpoint's dtype (transformers 5 loads
+# a bf16 checkpoint in bf16, and AdamW on bf16 weights drops every update below their
+# resolution); precision=bf16 autocasts, and peft's frozen base goes back to bf16 where no value
+# changes (peft.base_dtype)
+TRAINING_DTYPE = torch.float32
+
 
 def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_names=()):
     return build_task_model(m, "sequence_classification", tokenizer,
@@ -39,7 +47,7 @@ def build_task_model(m: ModelConfig, task: str, tokenizer, **extra):
     if m.source == "pretrained":
         try:
             model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation,
-                                         **extra)
+                                         dtype=TRAINING_DTYPE, **extra)
         except OSError as exc:
             raise InputError(unreachable_model_message(m.name_or_path)) from exc
         check_shape(m, model.config)
@@ -106,7 +114,8 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
     auto = AutoModelForPreTraining if task == "bert_pretraining" else AutoModelForCausalLM
     if m.source == "pretrained":
         try:
-            model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation)
+            model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation,
+                                         dtype=TRAINING_DTYPE)
         except OSError as exc:
             raise InputError(unreachable_model_message(m.name_or_path)) from exc
         check_shape(m, model.config)

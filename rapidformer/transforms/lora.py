@@ -33,7 +33,8 @@ from rapidformer.errors import EXIT_NOT_AVAILABLE, ConfigError, Problem
 from rapidformer.transforms.base import ApplyContext, ModelTransform, StateFilter
 from rapidformer.runtime.packages import installed
 from rapidformer.transforms.lora_layers import (BNB_INSTALL, INSTALL, base_fingerprint,
-                                                check_names, import_peft, in_modules,
+                                                check_names, frozen_base_dtype,
+                                                hold_frozen_base, import_peft, in_modules,
                                                 linear_layer_names, lora_config, module_names,
                                                 quantize_blocks, target_modules, task_type,
                                                 trained_in_full)
@@ -164,19 +165,18 @@ def attach(model: nn.Module, cfg: RunConfig, run_dir: Path | None = None
         keep_base(model, fingerprint, run_dir)
     if p.name == "qlora":
         quantize_blocks(model, p, cfg.precision.dtype)
-        # casts what is left in half precision to fp32 and freezes the base; recompute is the
-        # strategy's (trainer.checkpoint_activations), non-reentrant: it needs no input grads
-        model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     try:
         model = peft.get_peft_model(model, config)
     except ValueError as exc:  # a target of a kind LoRA cannot adapt, in peft's words
         raise ConfigError([f"peft.target_modules={targets}: {exc}"]) from exc
+    held = hold_frozen_base(model, frozen_base_dtype(model, p, cfg.precision.dtype))
     trainable, total = model.get_nb_trainable_parameters()
     model_state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()
                             if t.requires_grad)
-    log.info("peft=%s: %s of %s parameters train (%.2f%%): r=%d adapters on %s%s", p.name,
-             f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1), p.r,
-             ", ".join(targets), f"; in full: {', '.join(full)}" if full else "")
+    log.info("peft=%s: %s of %s parameters train (%.2f%%): r=%d adapters on %s%s; the frozen "
+             "base is held in %s", p.name, f"{trainable:,}", f"{total:,}",
+             100 * trainable / max(total, 1), p.r, ", ".join(targets),
+             f"; in full: {', '.join(full)}" if full else "", held)
     adapters = Adapters(p.name, model.peft_config["default"], type(model.get_base_model()).__name__,
                         base_config, source, BASE_COPY if copied else None, full, fingerprint,
                         trainable, total,
@@ -249,6 +249,10 @@ class LoRA(ModelTransform):
             p.append(f"{what} with trainer.unpad=true: not combined here; the unpadded path "
                      f"replaces BERT's forward, which peft's task wrappers do not pass its packed "
                      f"inputs to; set trainer.unpad=false")
+        if pe.base_dtype == "bf16" and cfg.precision.dtype != "bf16":
+            p.append(f"peft.base_dtype=bf16 with precision={cfg.precision.dtype}: a bf16 base "
+                     f"computes under bf16 autocast only; use precision=bf16, or "
+                     f"peft.base_dtype=auto")
         if pe.name == "qlora":
             p.extend(_qlora_problems(cfg))
         return p

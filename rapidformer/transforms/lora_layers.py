@@ -186,3 +186,34 @@ def _four_bit(bnb, layer: nn.Linear, q) -> nn.Module:
     if layer.bias is not None:
         four.bias = nn.Parameter(layer.bias.data, requires_grad=False)
     return four
+
+
+def frozen_base_dtype(model: nn.Module, p: PeftConfig, precision_dtype: str) -> torch.dtype:
+    """The dtype the frozen base is held in (peft.base_dtype). Under bf16 autocast a frozen
+    fp32 weight is cast to bf16 by every forward anyway, so holding it in bf16 computes the same
+    and halves its memory; it also keeps the residual stream and what is saved for the backward
+    in bf16 (fp32 embeddings or norms make every activation after them fp32). `auto` holds it in
+    bf16 where no value changes: a base whose frozen weights are all bf16 values (a bf16
+    checkpoint, as most LLMs are published), and qlora's base, whose block weights are 4-bit
+    already. fp16 keeps fp32: a half-precision residual stream can overflow."""
+    if p.base_dtype == "fp32" or precision_dtype != "bf16":
+        return torch.float32
+    if p.base_dtype == "bf16" or p.name == "qlora":
+        return torch.bfloat16
+    frozen = [t for t in model.parameters() if not t.requires_grad and t.is_floating_point()]
+    exact = all(t.dtype == torch.bfloat16 or torch.equal(t.detach().to(torch.bfloat16).to(t.dtype),
+                                                         t.detach()) for t in frozen)
+    return torch.bfloat16 if exact else torch.float32
+
+
+def hold_frozen_base(model: nn.Module, dtype: torch.dtype) -> str:
+    """Every frozen floating-point parameter in `dtype` (4-bit weights and the parameters that
+    train, which the optimizer keeps in fp32, stay as they are); the dtype's name, for the
+    log."""
+    for t in model.parameters():
+        if not t.requires_grad and t.is_floating_point() and t.dtype != dtype:
+            t.data = t.data.to(dtype)
+    for t in model.parameters():
+        if t.requires_grad and t.is_floating_point() and t.dtype != torch.float32:
+            t.data = t.data.float()  # a bf16 checkpoint's trained-in-full modules: fp32 masters
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
