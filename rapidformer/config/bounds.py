@@ -80,6 +80,7 @@ BOUNDS: dict[str, Bound] = {
     "model.intermediate_size": Bound(1, null=PRETRAINED_OWN, example="3072"),
     "model.max_position_embeddings": Bound(1, null=PRETRAINED_OWN, example="512"),
     "model.vocab_size": Bound(1, null=PRETRAINED_OWN, example="30522"),
+    "model.embedding_rows": Bound(1, null="one per token of the tokenizer", example="128256"),
     "model.hidden_dropout": Bound(0, 1, high_open=True, example="0.1",
                                   note="a probability; 0 turns dropout off"),
     "model.attention_dropout": Bound(0, 1, high_open=True, example="0.1",

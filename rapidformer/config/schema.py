@@ -90,6 +90,10 @@ class ModelConfig:
     initializer_range: float = 0.02
     # config-built models: the vocabulary size of the WordPiece tokenizer trained on the data
     vocab_size: Optional[int] = 2000
+    # config-built models: the rows of the input embeddings and the output layer; null: one per
+    # token of the tokenizer; more keeps rows no token uses, as a real model's vocabulary does
+    # beside a smaller tokenizer (Llama 3: 128256), so the output layer costs what it costs there
+    embedding_rows: Optional[int] = None
     # null: the pretrained model's own tokenizer, or one trained on the training split for a
     # config-built model; else a tokenizer directory or a WordPiece vocab.txt
     tokenizer: Optional[str] = None
@@ -190,6 +194,10 @@ class DataConfig:
     synthetic_train_size: int = 4000
     synthetic_eval_size: int = 400
     synthetic_seed: int = 1234
+    # task=sft's generated chats: short (a few dozen words, for tests and quick runs) or
+    # instruction (the lengths of real instruction data: log-normal, mean about 250 words, up to
+    # 4,096; data/synthetic_tasks.py says where the distribution comes from)
+    synthetic_lengths: Literal["short", "instruction"] = "short"
 
 
 @dataclass

@@ -44,6 +44,10 @@ def check_values(cfg: RunConfig) -> list[str]:
     p: list[str] = range_problems(cfg)
     t, s, m, d = cfg.trainer, cfg.scheduler, cfg.model, cfg.data
 
+    if m.is_megatron and m.embedding_rows is not None:
+        p.append(f"model.embedding_rows with model={m.name}: megatron-core models pad their "
+                 f"vocabulary themselves (to a multiple of 128 x tensor-parallel size); drop the "
+                 f"override")
     if t.epochs is None and t.train_iters is None:
         p.append("trainer.epochs and trainer.train_iters are both null; set one of them, "
                  "e.g. trainer.epochs=3")

@@ -6,12 +6,15 @@ tasks, so each runs with no download (tests, smoke runs, `data=synthetic`).
 writes DIR/train.jsonl and DIR/validation.jsonl in the layout each task reads by default:
 ner (tokens, ner_tags: CoNLL-style BIO names), squad (id, question, context, answers:
 {text, answer_start}), text (text), summaries (document, summary), chat (messages: a list of
-{role, content}) and instructions (prompt, response): questions with fixed, learnable answers.
+{role, content}) and instructions (prompt, response): questions with fixed, learnable answers;
+instruction_chat: chats of the lengths of real instruction data (about 250 words on average, up
+to 4,096), each answer first, then the rest of the reply.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from pathlib import Path
 
@@ -103,6 +106,42 @@ def chat_example(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
+# Conversation lengths of real instruction data, in words (about a token each with the
+# WordPiece vocabulary trained on them): log-normal, as published length statistics are (the
+# Llama-Nemotron post-training set in ShareGPT form: median 393 tokens, mean 528, so a log-normal
+# sigma of about 0.77, 80 % of the tokens in the assistant's turns), here scaled to a mean of
+# about 250 (between single-turn sets such as Alpaca and multi-turn chats), cut at 4,096
+LENGTH_MEDIAN, LENGTH_SIGMA, LENGTH_RANGE = 180, 0.8, (24, 4096)
+ASSISTANT_SHARE = 0.8
+
+
+def _sentences(rng: random.Random, words: int) -> str:
+    """Generated sentences of about `words` words in all (none for fewer than one sentence)."""
+    out: list[str] = []
+    while sum(len(x.split()) for x in out) < words - 4:
+        out.append(sentence(rng))
+    return " ".join(out)
+
+
+def instruction_chat_example(rng: random.Random) -> dict:
+    """A conversation of the lengths of real instruction data (LENGTH_*): each user turn is a
+    passage and a question about a person's city or employer, each assistant turn begins with the
+    fixed answer (what a fine-tuned model learns) and goes on for most of the words."""
+    low, high = LENGTH_RANGE
+    words = min(high, max(low, int(rng.lognormvariate(math.log(LENGTH_MEDIAN), LENGTH_SIGMA))))
+    turns = 1 if rng.random() < 0.7 else 2
+    messages = ([{"role": "system", "content": "answer first , then explain ."}]
+                if rng.random() < 0.3 else [])
+    for _ in range(turns):
+        question, answer = _question(rng)
+        share = words / turns
+        passage = _sentences(rng, int(share * (1 - ASSISTANT_SHARE)))
+        messages += [{"role": "user", "content": f"{passage} {question}".strip()},
+                     {"role": "assistant", "content": f"{answer} . "
+                      f"{_sentences(rng, int(share * ASSISTANT_SHARE))}".strip()}]
+    return {"messages": messages}
+
+
 def instruction_example(rng: random.Random) -> dict:
     question, answer = _question(rng)
     return {"prompt": f"question : {question} answer :", "response": f" {answer}"}
@@ -110,6 +149,7 @@ def instruction_example(rng: random.Random) -> dict:
 
 KINDS = {"ner": lambda rng, i: ner_example(rng), "squad": squad_example,
          "chat": lambda rng, i: chat_example(rng),
+         "instruction_chat": lambda rng, i: instruction_chat_example(rng),
          "instructions": lambda rng, i: instruction_example(rng),
          "text": lambda rng, i: {"text": sentence(rng)},
          "summaries": lambda rng, i: summary_example(rng)}
@@ -131,10 +171,15 @@ def write_task_dataset(kind: str, root: str | Path, train_size: int, eval_size: 
         tmp.rename(root / f"{split}.jsonl")  # complete or absent
 
 
-def writer_for(task: str):
+# data.synthetic_lengths=instruction: the kind of the task's data with real instruction lengths
+INSTRUCTION_LENGTH_KINDS = {"sft": "instruction_chat"}
+
+
+def writer_for(task: str, lengths: str = "short"):
     """`write(root, train_size, eval_size, seed)` for a task's generated data."""
+    kind = INSTRUCTION_LENGTH_KINDS[task] if lengths == "instruction" else TASK_KINDS[task]
     return lambda root, train, evaluation, seed: write_task_dataset(
-        TASK_KINDS[task], root, train, evaluation, seed)
+        kind, root, train, evaluation, seed)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,12 +60,23 @@ def build_task_model(m: ModelConfig, task: str, tokenizer, **extra):
     return auto.from_config(config, attn_implementation=m.attn_implementation)
 
 
+def embedding_rows(m: ModelConfig, tokens: int) -> int:
+    """model.embedding_rows, or one row per token of a tokenizer of `tokens` entries."""
+    if m.embedding_rows is None:
+        return tokens
+    if m.embedding_rows < tokens:
+        raise InputError(f"model.embedding_rows={m.embedding_rows} is fewer than the tokenizer's "
+                         f"{tokens} tokens; set it to at least {tokens}, or to null (one row per "
+                         f"token)")
+    return m.embedding_rows
+
+
 def _shape(m: ModelConfig, tokenizer) -> dict:
     """The model group's shape in the config keys of the architecture's family."""
     if m.arch in ENCODER_DECODER_ARCHS:  # T5: its own key names; the decoder starts from padding
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None \
             else tokenizer.sep_token_id
-        return {"vocab_size": len(tokenizer), "d_model": m.hidden_size,
+        return {"vocab_size": embedding_rows(m, len(tokenizer)), "d_model": m.hidden_size,
                 "d_kv": m.hidden_size // m.num_attention_heads, "d_ff": m.intermediate_size,
                 "num_layers": m.num_layers, "num_heads": m.num_attention_heads,
                 "dropout_rate": m.hidden_dropout, "initializer_factor": m.initializer_range / 0.02,
@@ -75,14 +86,15 @@ def _shape(m: ModelConfig, tokenizer) -> dict:
     ends = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.bos_token_id}
     if m.arch in LLAMA_ARCHS:
-        return {"vocab_size": len(tokenizer), **_llama_shape(m), **ends}
+        return {"vocab_size": embedding_rows(m, len(tokenizer)), **_llama_shape(m), **ends}
     if m.arch == "gpt2":
-        return {"vocab_size": len(tokenizer), "n_embd": m.hidden_size, "n_layer": m.num_layers,
+        return {"vocab_size": embedding_rows(m, len(tokenizer)), "n_embd": m.hidden_size,
+                "n_layer": m.num_layers,
                 "n_head": m.num_attention_heads, "n_inner": m.intermediate_size,
                 "n_positions": m.max_position_embeddings, "resid_pdrop": m.hidden_dropout,
                 "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
                 "initializer_range": m.initializer_range, **ends}
-    return {"vocab_size": len(tokenizer), "hidden_size": m.hidden_size,
+    return {"vocab_size": embedding_rows(m, len(tokenizer)), "hidden_size": m.hidden_size,
             "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
             "intermediate_size": m.intermediate_size,
             "max_position_embeddings": m.max_position_embeddings,
@@ -129,14 +141,15 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
             raise InputError(f"task=bert_pretraining builds a BERT; model.arch={m.arch} is not "
                              f"one (use model=bert_tiny or model=bert_base)")
         config = BertConfig(
-            vocab_size=tokenizer.vocab_size, hidden_size=m.hidden_size,
+            vocab_size=embedding_rows(m, tokenizer.vocab_size), hidden_size=m.hidden_size,
             num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
             intermediate_size=m.intermediate_size, max_position_embeddings=m.max_position_embeddings,
             hidden_dropout_prob=m.hidden_dropout, attention_probs_dropout_prob=m.attention_dropout,
             initializer_range=m.initializer_range, pad_token_id=tokenizer.hf_pad)
     elif m.arch == "gpt2":
         config = GPT2Config(
-            vocab_size=tokenizer.vocab_size, n_embd=m.hidden_size, n_layer=m.num_layers,
+            vocab_size=embedding_rows(m, tokenizer.vocab_size), n_embd=m.hidden_size,
+            n_layer=m.num_layers,
             n_head=m.num_attention_heads, n_inner=m.intermediate_size,
             n_positions=m.max_position_embeddings, resid_pdrop=m.hidden_dropout,
             embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
@@ -144,7 +157,8 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
             eos_token_id=tokenizer.eod)
     elif m.arch in LLAMA_ARCHS:
         # input and output embeddings apart, as in Llama 2 and Llama 3 from 8B on
-        config = LlamaConfig(vocab_size=tokenizer.vocab_size, **_llama_shape(m),
+        config = LlamaConfig(vocab_size=embedding_rows(m, tokenizer.vocab_size),
+                             **_llama_shape(m),
                              bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod,
                              tie_word_embeddings=False)
     else:

@@ -67,6 +67,8 @@ def vocab_size(cfg: RunConfig) -> int:
     from pathlib import Path
 
     m = cfg.model
+    if m.source == "config" and m.embedding_rows is not None:
+        return m.embedding_rows
     if cfg.task.is_pretraining and m.tokenizer_type and m.tokenizer \
             and Path(m.tokenizer).exists():
         from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
@@ -104,7 +106,7 @@ def trained_vocab_size(cfg: RunConfig) -> int:
         if d.source == "synthetic" and not d.path else None
     if key in _GENERATED_VOCAB:
         return _GENERATED_VOCAB[key]
-    write = writer_for(task) if task in TASK_KINDS else write_dataset
+    write = writer_for(task, d.synthetic_lengths) if task in TASK_KINDS else write_dataset
     with tempfile.TemporaryDirectory(prefix="rapidformer-plan-") as tmp:
         train = load_splits(d, Path(tmp), write_synthetic=write)["train"]
         size = len(wordpiece_vocabulary(training_texts(task, d, train), m.vocab_size,

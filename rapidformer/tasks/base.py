@@ -32,7 +32,8 @@ class TaskFinetuner(Finetuner):
 
     def load_splits(self) -> dict:
         task = self.cfg.task.name
-        write = writer_for(task) if task in TASK_KINDS else None
+        write = writer_for(task, self.cfg.data.synthetic_lengths) if task in TASK_KINDS \
+            else None
         splits, self.split_files = _load_splits_and_files(
             self.cfg.data, self.engine.run_dir, **({"write_synthetic": write} if write else {}))
         require_columns(splits, {f"data.{key}": getattr(self.cfg.data, key)
