@@ -114,9 +114,11 @@ def claim_problems(run_dir, resume: str | None, overwrite: bool,
     path = Path(run_dir).absolute()
     if not path.is_dir():
         return []
-    # the lock is the claim's own (a claim refused under it leaves it behind)
+    # the lock is the claim's own (a claim refused under it leaves it behind), when it is one:
+    # a file of that name holding anything else, a link or a directory is the user's
     foreign = sorted(p.name for p in path.iterdir()
-                     if p.name not in IGNORED | expected | {LOCK})
+                     if p.name not in IGNORED | expected | {LOCK} or
+                     (p.name == LOCK and not _is_our_lock(p)))
     if foreign and not is_run_directory(path):
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         return [f"trainer.output_dir={run_dir} holds files that no rapidformer run wrote "
@@ -126,6 +128,18 @@ def claim_problems(run_dir, resume: str | None, overwrite: bool,
                 f"metrics); add trainer.resume=auto to continue it, trainer.overwrite=true to "
                 f"discard it and start fresh there, or choose a new trainer.output_dir"]
     return []
+
+
+def _is_our_lock(lock: Path) -> bool:
+    """`.lock` as a claim leaves it: a regular file (not a link), empty or holding the
+    holder's record (_record_holder)."""
+    try:
+        if lock.is_symlink() or not lock.is_file():
+            return False
+        text = lock.read_text(encoding="utf-8")
+        return not text.strip() or set(json.loads(text)) == {"pid", "host", "started"}
+    except (OSError, ValueError, TypeError, UnicodeDecodeError):
+        return False
 
 
 def _holds_a_run(path: Path) -> bool:
@@ -138,9 +152,14 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
            expected: frozenset[str]) -> int:
     if problems := claim_problems(run_dir, resume, overwrite, expected):
         raise InputError(problems[0])
+    if (path / LOCK).is_symlink():
+        raise InputError(f"{path / LOCK} is a symbolic link, not the lock file a run holds: "
+                         f"a run would write into what it points to; remove the link, or "
+                         f"choose another trainer.output_dir")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a link: the file it names is not the run's
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
         raise InputError(f"trainer.output_dir={run_dir} cannot be written: "
                          f"{exc.strerror or exc}; choose a writable directory") from exc
