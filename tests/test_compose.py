@@ -33,6 +33,8 @@ MEGATRON_GPT = ["task=causal_lm", *BERT_PRETRAINING, *GPT_PRETRAINING[1:], "trai
 REQUIRED.update({
     ("model", "megatron_gpt"): [*MEGATRON_GPT, "model=megatron_gpt"],
     ("model", "megatron_gpt_tiny"): [*MEGATRON_GPT, "model=megatron_gpt_tiny"],
+    ("model", "megatron_llama"): [*MEGATRON_GPT, "model=megatron_llama"],
+    ("model", "megatron_llama_tiny"): [*MEGATRON_GPT, "model=megatron_llama_tiny"],
     ("model", "megatron_bert"): ["task=bert_pretraining", *BERT_PRETRAINING, "model=megatron_bert"],
     ("model", "megatron_bert_tiny"): ["task=bert_pretraining", *BERT_PRETRAINING,
                                       "model=megatron_bert_tiny"],

@@ -49,9 +49,10 @@ class MegatronStrategy(Strategy):
         m, par, p = cfg.model, cfg.parallelism, []
         tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
         tasks = {"megatron_gpt": ("causal_lm", "a GPT", "gpt_pretrain"),
+                 "megatron_llama": ("causal_lm", "a Llama-family decoder", "gpt_pretrain"),
                  "megatron_bert": ("bert_pretraining", "a BERT", "bert_pretrain")}
         if m.arch not in tasks:
-            p.append(f"model.arch={m.arch}: the Megatron models are {' and '.join(tasks)}")
+            p.append(f"model.arch={m.arch}: the Megatron models are {', '.join(tasks)}")
         elif cfg.task.name != tasks[m.arch][0] and not cfg.user_script:
             task, what, recipe = tasks[m.arch]
             p.append(f"model={m.name} is {what}: use task={task} (or +recipe={recipe})")
@@ -63,6 +64,15 @@ class MegatronStrategy(Strategy):
                      f"tensor-parallel ranks: it needs a Megatron model with "
                      f"parallelism.tensor_model_parallel_size >= 2 (this run: model={m.name}, "
                      f"{tp})")
+        kv = m.num_key_value_heads
+        if m.arch == "megatron_llama" and tp >= 1 and kv and kv % tp:
+            p.append(f"model.num_key_value_heads={kv} does not divide by "
+                     f"parallelism.tensor_model_parallel_size={tp}: each tensor-parallel rank "
+                     f"holds whole key/value heads")
+        if m.arch == "megatron_llama" and cfg.data.reset_position_ids:
+            p.append("data.reset_position_ids=true with model=megatron_llama: megatron-core's "
+                     "rotary embedding numbers the positions of a sequence 0..s-1 whatever the "
+                     "position ids; set data.reset_position_ids=false")
         world = launched_world_size(cfg)
         if tp >= 1 and pp >= 1 and world % (tp * pp):
             p.append(f"the world size ({world}) is not divisible by tensor x pipeline parallel "
@@ -223,20 +233,21 @@ class MegatronStrategy(Strategy):
         return megatron_optimizer.unwrap(model)
 
     def export_model(self, model, tokenizer, checkpoint_dir):
-        """megatron-core GPT -> Hugging Face GPT-2, gathered on rank 0 (collective)."""
-        from rapidformer.models.megatron_export import gather_full_state, to_hf_gpt2
+        """megatron-core GPT -> Hugging Face GPT-2, megatron_llama -> its Llama-family class,
+        gathered on rank 0 (collective)."""
+        from rapidformer.models.megatron_export import EXPORTED_ARCHS, gather_full_state, to_hf
 
-        if self.cfg.model.arch != "megatron_gpt":
+        if self.cfg.model.arch not in EXPORTED_ARCHS:
             log.warning("trainer.export_hf: converting model.arch=%s to a Hugging Face model is "
-                        "not built (only megatron_gpt -> GPT-2); its weights are in the "
-                        "checkpoints", self.cfg.model.arch)
+                        "not built (only %s); its weights are in the checkpoints",
+                        self.cfg.model.arch, ", ".join(f"{arch} -> {hf}" for arch, hf
+                                                        in EXPORTED_ARCHS.items()))
             return None
         full = gather_full_state(self.unwrap(model), self.cfg.model.num_layers)
         if full is None:
             return None
-        vocab = full["embedding.word_embeddings.weight"].shape[0]
         eod = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        return to_hf_gpt2(full, self.cfg, vocab, eod), None
+        return to_hf(full, self.cfg, eod), None
 
     @classmethod
     def read_weights(cls, checkpoint_dir: Path) -> dict:
@@ -244,4 +255,4 @@ class MegatronStrategy(Strategy):
             f"export of a Megatron checkpoint ({checkpoint_dir}) is not built: it needs the "
             f"run's tensor/pipeline layout; the run itself writes "
             f"{Path(checkpoint_dir).parent.parent}/hf_model at its end (trainer.export_hf=true, "
-            f"megatron_gpt -> GPT-2)")
+            f"megatron_gpt -> GPT-2, megatron_llama -> its Llama-family class)")

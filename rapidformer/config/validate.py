@@ -74,7 +74,7 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"model.hidden_dropout={m.hidden_dropout}: a Llama-shaped model has no hidden "
                  f"dropout (only model.attention_dropout); set model.hidden_dropout=0")
     kv = m.num_key_value_heads
-    if m.source == "config" and kv is not None and m.arch != "llama":
+    if m.source == "config" and kv is not None and m.arch not in ("llama", "megatron_llama"):
         p.append(f"model.num_key_value_heads={kv} with model.arch={m.arch}: only a Llama-shaped "
                  f"model has grouped-query attention here; drop the key or use model=llama_tiny "
                  f"/ llama_1b")
@@ -88,10 +88,11 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"task=sft fine-tunes a Hugging Face causal LM; model={m.name} (model.arch="
                  f"{m.arch}) is not one: use model=llama_tiny, model=gpt2_tiny, or a pretrained "
                  f"decoder with model=hf model.name_or_path=DIR")
-    if m.init_from_hf and m.arch != "megatron_gpt":
+    if m.init_from_hf and m.arch not in ("megatron_gpt", "megatron_llama"):
         p.append(f"model.init_from_hf={m.init_from_hf} with model.arch={m.arch}: only "
                  f"model=megatron_gpt starts from a Hugging Face GPT-2 checkpoint; use "
-                 f"model=megatron_gpt, or load a Hugging Face model as it is with model=hf "
+                 f"model=megatron_gpt (model=megatron_llama for a Llama, Mistral or Qwen2 "
+                 f"checkpoint), or load a Hugging Face model as it is with model=hf "
                  f"model.name_or_path={m.init_from_hf}")
     if m.source == "config" and d.max_seq_length > m.max_position_embeddings:
         p.append(f"data.max_seq_length={d.max_seq_length} is above "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import zlib
 
 import torch
@@ -30,8 +29,7 @@ def transformer_config(cfg: RunConfig):
     elif cfg.trainer.checkpoint_activations:  # attention's core (scores, softmax) only
         recompute = {"recompute_granularity": "selective"}
     return TransformerConfig(
-        activation_func=gelu_tanh if mlp_activation(cfg) == "gelu_new" else F.gelu,
-        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        **architecture_settings(cfg), num_layers=m.num_layers, hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads, ffn_hidden_size=m.intermediate_size,
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.initializer_range,
@@ -41,6 +39,23 @@ def transformer_config(cfg: RunConfig):
         # what stages send each other: the weights' dtype (Float16Module casts to bf16/fp16);
         # a mismatch would make the receiving stage wait for bytes that never come
         pipeline_dtype=DTYPES[cfg.precision.dtype], use_cpu_initialization=True, **recompute)
+
+
+def architecture_settings(cfg: RunConfig) -> dict:
+    """What the block computes: GPT-2's (LayerNorm, biases, a GELU MLP) for megatron_gpt and
+    megatron_bert; for megatron_llama the Llama family's (RMSNorm, SwiGLU, no biases but
+    Qwen2's on q/k/v, grouped-query attention), its norm epsilon and biases the checkpoint's
+    for model.init_from_hf."""
+    m = cfg.model
+    if m.arch != "megatron_llama":
+        return {"activation_func": gelu_tanh if mlp_activation(cfg) == "gelu_new" else F.gelu}
+    from rapidformer.models.megatron_llama import llama_settings
+
+    settings = llama_settings(cfg)
+    return {"activation_func": F.silu, "gated_linear_unit": True, "normalization": "RMSNorm",
+            "add_bias_linear": False, "add_qkv_bias": settings.qkv_bias,
+            "layernorm_epsilon": settings.norm_eps,
+            "num_query_groups": m.num_key_value_heads or m.num_attention_heads}
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -72,18 +87,30 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
             param.sequence_parallel = config.sequence_parallel
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """SequenceParallelLayerNorm's RMSNorm (megatron_llama): the same gradient all-reduce."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
 def layer_spec(config, local_spec):
     """Transformer Engine's layers when installed; else megatron-core's local layers, whose
-    norms become SequenceParallelLayerNorm under sequence parallelism."""
+    norms become SequenceParallelLayerNorm (or SequenceParallelRMSNorm) under sequence
+    parallelism."""
     from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
 
     if not config.sequence_parallel:
         return local_spec
+    norm = (SequenceParallelRMSNorm if config.normalization == "RMSNorm"
+            else SequenceParallelLayerNorm)
     for name in ("input_layernorm", "pre_mlp_layernorm"):
-        setattr(local_spec.submodules, name, SequenceParallelLayerNorm)
+        setattr(local_spec.submodules, name, norm)
     return TransformerBlockSubmodules(layer_specs=[local_spec] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelLayerNorm)
+                                      layer_norm=norm)
 
 
 def core_attention(m: ModelConfig):
@@ -145,10 +172,59 @@ def build_megatron_gpt(cfg: RunConfig, vocab_size: int):
     return model
 
 
+def build_megatron_llama(cfg: RunConfig, vocab_size: int):
+    """A Llama-family decoder of megatron-core's local layers (no Transformer Engine):
+    RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, an output layer of
+    its own; the core attention of model.attn_implementation. Weights the same whatever the
+    layout: random, or model.init_from_hf's Llama, Mistral or Qwen2 checkpoint (whose norm
+    epsilon, tied embeddings, q/k/v biases and Llama 3 rotary scaling it then takes)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from rapidformer.models import megatron_llama
+
+    m: ModelConfig = cfg.model
+    settings = megatron_llama.llama_settings(cfg)
+    # a checkpoint's embedding may be larger than its tokenizer (Qwen2's 151,936 rows for
+    # 151,665 ids): the rows beyond the tokenizer are kept
+    vocab = padded_vocab_size(max(vocab_size, settings.vocab_size or 0),
+                              cfg.parallelism.tensor_model_parallel_size)
+    if m.init_from_hf:  # a checkpoint megatron_llama does not compute is refused first
+        megatron_llama.check_checkpoint(cfg, vocab_size)
+    config = transformer_config(cfg)
+    spec = layer_spec(config, with_core_attention(
+        gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm"), core_attention(m)))
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
+                     max_sequence_length=m.max_position_embeddings,
+                     pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=settings.tied,
+                     position_embedding_type="rope", rotary_percent=1.0,
+                     rotary_base=settings.rope_theta)
+    megatron_llama.scale_rotary(model, settings)
+    model = _initialized(model, f"Llama-family ({settings.family})", m, vocab, vocab_size,
+                         False)
+    if m.init_from_hf:
+        loaded = megatron_llama.load_weights(model, cfg, vocab)
+        log.info("model.init_from_hf: weights of %s (%s), %d values on this rank (pipeline "
+                 "stage %d, tensor shard %d)", m.init_from_hf, settings.family, loaded,
+                 ps.get_pipeline_model_parallel_rank() + 1,
+                 ps.get_tensor_model_parallel_rank() + 1)
+    return model
+
+
+def build_megatron_decoder(cfg: RunConfig, vocab_size: int):
+    """task=causal_lm's megatron-core model: model=megatron_gpt or model=megatron_llama."""
+    if cfg.model.arch == "megatron_llama":
+        return build_megatron_llama(cfg, vocab_size)
+    return build_megatron_gpt(cfg, vocab_size)
+
+
 def build_megatron_bert(cfg: RunConfig, vocab_size: int):
-    """megatron-core's BERT (masked LM head and the next-sentence binary head over the pooled
-    first token, token-type embeddings, output layer tied to the word embedding as in
-    Megatron-LM's BERT) with the core attention of model.attn_implementation, weights the same
+    """megatron-core's BERT (masked LM head and, unless task.binary_head=false, the
+    next-sentence binary head over the pooled first token, token-type embeddings, output layer
+    tied to the word embedding as in Megatron-LM's BERT) with the core attention of model.attn_implementation, weights the same
     whatever the layout."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.bert import bert_layer_specs
@@ -170,7 +246,8 @@ def build_megatron_bert(cfg: RunConfig, vocab_size: int):
                       vocab_size=vocab, max_sequence_length=m.max_position_embeddings,
                       pre_process=ps.is_pipeline_first_stage(),
                       post_process=ps.is_pipeline_last_stage(),
-                      share_embeddings_and_output_weights=True, add_binary_head=True)
+                      share_embeddings_and_output_weights=True,
+                      add_binary_head=cfg.task.binary_head)
     return _initialized(model, "BERT", m, vocab, vocab_size, have_te)
 
 
@@ -198,18 +275,15 @@ def layout_independent_init(model: torch.nn.Module, std: float, num_layers: int)
     norm weights 1, biases 0; a tied output layer gets the word embedding's values."""
     from megatron.core import parallel_state as ps
 
+    from rapidformer.models import megatron_shards as shards
+
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    offset = ps.get_pipeline_model_parallel_rank() * (num_layers //
-                                                      ps.get_pipeline_model_parallel_world_size())
-    for name, param in model.named_parameters():
-        name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
-        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights",
-                                                     False):
-            name = "embedding.word_embeddings.weight"
-        shape = list(param.shape)
-        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1
-        if dim >= 0:
-            shape[dim] *= tp
+    offset = shards.stage_offset(num_layers)
+    tied = getattr(model, "share_embeddings_and_output_weights", False)
+    glu = bool(getattr(getattr(model, "config", None), "gated_linear_unit", False))
+    for local_name, param in model.named_parameters():
+        name = shards.global_name(local_name, offset, tied)
+        shape = shards.full_shape(name, param, tp)
         generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         if "norm" in name and name.endswith("weight"):
             full = torch.ones(shape)
@@ -217,10 +291,8 @@ def layout_independent_init(model: torch.nn.Module, std: float, num_layers: int)
             full = torch.randn(shape, generator=generator) * std
         else:
             full = torch.zeros(shape)
-        if dim >= 0:
-            full = full.chunk(tp, dim)[tp_rank]
         with torch.no_grad():
-            param.copy_(full)
+            param.copy_(shards.cut(full, name, shards.partition_dim(param), tp, tp_rank, glu))
 
 
 def prepare_for_compile() -> None:

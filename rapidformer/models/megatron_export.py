@@ -8,30 +8,28 @@ embeddings. The vocabulary keeps its padding (rows that no token uses).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.distributed as dist
 
 from rapidformer.config.schema import RunConfig
+from rapidformer.models import megatron_shards as shards
 
 
 def gather_full_state(model: torch.nn.Module, num_layers: int) -> dict | None:
     """{global name: full tensor} on rank 0 (collective over every rank; None elsewhere)."""
     from megatron.core import parallel_state as ps
 
-    pp = ps.get_pipeline_model_parallel_world_size()
-    offset = ps.get_pipeline_model_parallel_rank() * (num_layers // pp)
-    shards = None
+    offset = shards.stage_offset(num_layers)
+    glu = bool(getattr(getattr(model, "config", None), "gated_linear_unit", False))
+    mine = None
     if ps.get_data_parallel_rank() == 0:  # replicas hold the same weights
-        shards = {"tp_rank": ps.get_tensor_model_parallel_rank(), "params": {}}
+        mine = {"tp_rank": ps.get_tensor_model_parallel_rank(), "params": {}}
         for name, param in model.named_parameters():
-            name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
-            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1
-            shards["params"][name] = (param.detach().float().cpu(), dim)
+            mine["params"][shards.global_name(name, offset)] = (param.detach().float().cpu(),
+                                                               shards.partition_dim(param))
     world = dist.get_world_size()
     gathered = [None] * world if dist.get_rank() == 0 else None
-    dist.gather_object(shards, gathered, dst=0)
+    dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
     pieces: dict[str, list] = {}
@@ -41,8 +39,7 @@ def gather_full_state(model: torch.nn.Module, num_layers: int) -> dict | None:
     full = {}
     for name, parts in pieces.items():
         parts.sort(key=lambda part: part[0])
-        dim = parts[0][2]
-        full[name] = torch.cat([t for _, t, _ in parts], dim) if dim >= 0 else parts[0][1]
+        full[name] = shards.join([t for _, t, _ in parts], name, parts[0][2], glu)
     return full
 
 
@@ -97,3 +94,19 @@ def to_hf_gpt2(full: dict, cfg: RunConfig, vocab_size: int, tokenizer_eod: int |
         raise RuntimeError(f"megatron GPT -> GPT-2: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model
+
+
+# the megatron-core decoders a run exports, and the Hugging Face class each becomes
+EXPORTED_ARCHS = {"megatron_gpt": "GPT-2", "megatron_llama": "its Llama-family class"}
+
+
+def to_hf(full: dict, cfg: RunConfig, tokenizer_eod: int | None):
+    """The Hugging Face causal LM of the gathered weights: megatron_gpt -> GPT2LMHeadModel
+    (its padded vocabulary kept), megatron_llama -> LlamaForCausalLM, or the class of the
+    checkpoint it started from (Qwen2ForCausalLM, MistralForCausalLM)."""
+    if cfg.model.arch == "megatron_llama":
+        from rapidformer.models.megatron_llama import to_hf_llama
+
+        return to_hf_llama(full, cfg, tokenizer_eod)
+    vocab = full["embedding.word_embeddings.weight"].shape[0]
+    return to_hf_gpt2(full, cfg, vocab, tokenizer_eod)

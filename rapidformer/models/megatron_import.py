@@ -16,10 +16,10 @@ import re
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
+from rapidformer.models.megatron_shards import copy_shards, load_global_state  # noqa: F401 (copy_shards: its callers' name for it here)
 from rapidformer.models.megatron_vocab import VOCAB_MULTIPLE
 
 # GPT-2 configs' activation_function -> the name megatron_gpt computes it under: exact GELU, or
@@ -183,59 +183,12 @@ def megatron_state(gpt2: dict, num_layers: int, heads: int, padded_vocab: int) -
     return state
 
 
-def copy_shards(model: torch.nn.Module, state: dict, num_layers: int) -> tuple[set, list, int]:
-    """Each of this rank's parameters set from its global tensor, cut to this rank's
-    tensor-parallel shard: (the global names used, the problems, the values copied)."""
-    from megatron.core import parallel_state as ps
-
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    offset = ps.get_pipeline_model_parallel_rank() * (num_layers //
-                                                      ps.get_pipeline_model_parallel_world_size())
-    tied = getattr(model, "share_embeddings_and_output_weights", False)
-    used, problems, copied = set(), [], 0
-    for local_name, param in model.named_parameters():
-        name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.",
-                      local_name)
-        if tied and name == "output_layer.weight":  # the last stage's copy of the embedding
-            name = "embedding.word_embeddings.weight"
-        if name in used:
-            problems.append(f"{name} would be set twice on this rank")
-            continue
-        if name not in state:
-            problems.append(f"megatron parameter {local_name} ({name}) has no tensor in the "
-                            f"checkpoint")
-            continue
-        full = state[name]
-        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else -1
-        shard = full.chunk(tp, dim)[tp_rank] if dim >= 0 else full
-        if shard.shape != param.shape:
-            problems.append(f"{name}: the checkpoint's shard is {tuple(shard.shape)}, the "
-                            f"parameter {tuple(param.shape)}")
-            continue
-        with torch.no_grad():
-            param.copy_(shard)
-        used.add(name)
-        copied += param.numel()
-    return used, problems, copied
-
-
 def load_gpt2_weights(model: torch.nn.Module, cfg: RunConfig, padded_vocab: int) -> int:
     """model.init_from_hf's weights in this rank's parameters (collective over every rank, so
     that a problem on one rank stops them all); the number of values copied here."""
     m = cfg.model
     state = megatron_state(read_gpt2_state(m.init_from_hf), m.num_layers,
                            m.num_attention_heads, padded_vocab)
-    used, problems, copied = copy_shards(model, state, m.num_layers)
-    everyone = [(used, problems)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (used, problems))
-    problems = [f"rank {rank}: {problem}" if len(everyone) > 1 else problem
-                for rank, (_, theirs) in enumerate(everyone) for problem in theirs]
-    left_over = set(state).difference(*(names for names, _ in everyone))
-    if left_over:
-        problems.append(f"checkpoint tensors no rank's parameter took: {sorted(left_over)}")
-    if problems:
-        raise InputError(f"model.init_from_hf={m.init_from_hf}: the GPT-2 weights do not fit "
-                         f"the megatron-core GPT: {'; '.join(problems)}")
-    return copied
+    return load_global_state(model, state, m.num_layers,
+                             f"model.init_from_hf={m.init_from_hf}: the GPT-2 weights do not fit "
+                             f"the megatron-core GPT")

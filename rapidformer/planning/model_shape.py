@@ -59,6 +59,16 @@ def megatron_parameters(layers: int, hidden: int, ffn: int, vocab: int, position
     return total, block
 
 
+def llama_parameters(layers: int, hidden: int, ffn: int, vocab: int, heads: int,
+                     kv_heads: int) -> tuple[int, int]:
+    """(total, per block) of megatron_llama with random weights: no biases, two RMSNorms per
+    block, q/k/v with kv_heads key/value heads, SwiGLU's three matrices, an untied output
+    layer."""
+    kv = hidden // heads * kv_heads
+    block = hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * ffn + 2 * hidden
+    return layers * block + 2 * vocab * hidden + hidden, block
+
+
 def vocab_size(cfg: RunConfig) -> int:
     """Pretraining: the size of the tokenizer the data was made with, when its files are here.
     A config-built fine-tuning model: the WordPiece vocabulary training builds from the
@@ -126,11 +136,17 @@ def model_shape(cfg: RunConfig) -> ModelShape:
         from rapidformer.models.megatron import padded_vocab_size
 
         vocab = padded_vocab_size(vocab_size(cfg), cfg.parallelism.tensor_model_parallel_size)
-        total, block = megatron_parameters(m.num_layers, m.hidden_size, m.intermediate_size,
-                                           vocab, m.max_position_embeddings,
-                                           m.arch == "megatron_gpt")
+        if m.arch == "megatron_llama":
+            total, block = llama_parameters(m.num_layers, m.hidden_size, m.intermediate_size,
+                                            vocab, m.num_attention_heads,
+                                            m.num_key_value_heads or m.num_attention_heads)
+        else:
+            total, block = megatron_parameters(m.num_layers, m.hidden_size, m.intermediate_size,
+                                               vocab, m.max_position_embeddings,
+                                               m.arch == "megatron_gpt")
         return ModelShape(total, block, m.num_layers, m.hidden_size, m.num_attention_heads,
-                          m.intermediate_size, vocab, lm_head)
+                          m.intermediate_size, vocab, lm_head,
+                          activation="silu" if m.arch == "megatron_llama" else "gelu")
     model = _meta_model(cfg)
     config = model.config
     blocks = _blocks(model)

@@ -17,7 +17,7 @@ from rapidformer.config.splits import parse_split
 from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets, open_indexed
 from rapidformer.models.hf import build_pretraining_model
 from rapidformer.transforms.liger import fuses_the_loss
-from rapidformer.models.megatron import build_megatron_bert, build_megatron_gpt
+from rapidformer.models.megatron import build_megatron_bert, build_megatron_decoder
 from rapidformer.tasks.batching import Batching
 from rapidformer.observability.records import NO_EVALUATION
 from rapidformer.templates.pretrainer import PreTrainer
@@ -119,7 +119,7 @@ class BertPretrainer(_MegatronDataPretrainer):
 
 
 class CausalLMPretrainer(_MegatronDataPretrainer):
-    build_megatron_model = build_megatron_gpt
+    build_megatron_model = build_megatron_decoder  # megatron_gpt or megatron_llama
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples):
         d = self.cfg.data  # data.impl is checked with the config
