@@ -7,19 +7,14 @@ does not import transformers.
 from __future__ import annotations
 
 import importlib
-import logging
 
 __version__ = "0.1.0"
 
-# transformers imports torchao when it is installed (the fp8 extra), whatever the run's
-# precision; torchao then reports each of its CUDA extensions that cannot load here (a CPU,
-# another GPU architecture) and torch reports torchao's pytree registrations as deprecated.
-# Neither says anything about the run: only errors from them are shown.
-for _name in ("torchao", "torch.utils._pytree"):
-    logging.getLogger(_name).setLevel(logging.ERROR)
-# megatron-core's import and dataset builder log every step at INFO (which FSDP flavour it
-# found, each index it builds): its warnings and errors only, wherever it is first imported
-logging.getLogger("megatron").setLevel(logging.WARNING)
+# third-party lines that say nothing to the user, silenced in every process that imports
+# rapidformer; RAPIDFORMER_DEBUG=1 shows them. Each filter, and why: observability/quiet.py
+from rapidformer.observability import quiet as _quiet  # noqa: E402
+
+_quiet.install()
 
 _EXPORTS = {
     "RapidformerEngine": "rapidformer.engine",

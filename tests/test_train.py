@@ -214,7 +214,7 @@ def test_multirun_runs_every_job_and_summarizes(tmp_path):
     assert len(ok) == 2 and all(r["final_loss"] and r["samples_per_s"] for r in ok)
     assert len(failed) == 2 and all("trainer.lr=-1.0 must not be negative" in r["error"]
                                     for r in failed)
-    assert "sweep summary (4 jobs, 2 failed)" in result.stdout
+    assert "sweep summary (4 jobs, 2 failed)" in result.stderr  # where a run's summary is
     assert (sweep / "summary.md").read_text().startswith("| job | overrides | status")
 
 

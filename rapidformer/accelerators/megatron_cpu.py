@@ -30,6 +30,9 @@ def enable() -> None:
         raise RuntimeError("megatron_cpu.enable() is for CPU-only runs; a GPU is visible")
     from megatron.core.tensor_parallel import random as mrandom
 
+    from rapidformer.observability import quiet
+
+    quiet.megatron_on_cpu()  # its advice about CUDA's device connections
     for owner, names in ((torch.cuda, ("current_device", "synchronize", "manual_seed",
                                        "get_rng_state", "_lazy_init")),
                          (mrandom, ("_get_cuda_rng_state", "_set_cuda_rng_state")),

@@ -2,8 +2,9 @@
 
 Hydra runs the jobs one after another, each in its own sub-directory (and, with several
 processes, its own process group on a fresh port). At the end this callback prints a table —
-job, overrides, status, final loss, eval metric, samples/s — and writes it to the sweep
-directory as summary.md (with PNG curves of every job under plots/, linked) and summary.json.
+job, overrides, status, final loss, eval metric, samples/s — on stderr, where a single run
+prints its summary, and writes it to the sweep directory as summary.md (with PNG curves of
+every job under plots/, linked) and summary.json.
 A failed job is a row with its status and the first line of its error; the sweep goes on to the
 next job. When every job has run, a sweep with a failed (or stopped) job exits with code 1
 (`EXIT_SWEEP_FAILED`), after the table and one line naming those jobs; a sweep whose jobs all
@@ -93,8 +94,9 @@ class SweepSummary(Callback):
         (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
         # a job that stopped as asked (trainer.exit_interval) did what it was told
         failed = [r for r in rows if r["status"] not in ("ok", "stopped")]
+        # on stderr as a single run's summary is (the log lines are on stdout in both)
         print(f"\nsweep summary ({len(rows)} jobs, {len(failed)} failed) - {sweep_dir}/summary.md"
-              f"\n{table}", flush=True)
+              f"\n{table}", file=sys.stderr, flush=True)
         if failed:
             # not "rapidformer: error": each failed job has printed its own
             named = ", ".join(f"{r['job']}: {r['status']}" for r in failed)

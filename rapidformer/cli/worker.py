@@ -11,7 +11,7 @@ import yaml
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import build_run_config
-from rapidformer.errors import RapidformerError, debug_enabled
+from rapidformer.errors import Preempted, RapidformerError, debug_enabled
 from rapidformer.factory import run
 from rapidformer.runtime.fast_exit import install as exit_fast
 from rapidformer.runtime.launch import die_with_launcher, is_collective_timeout, resume_after_restart
@@ -23,7 +23,9 @@ def worker_main(config_file: str) -> None:
     die_with_launcher()
     exit_fast()  # the error exits; a finished run leaves through os._exit below
     rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+    # log lines on stdout, as Hydra's console handler has them in the launcher and in a
+    # single-process run or sweep; rapidformer's own messages go to stderr in all of them
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s")
     resolved = yaml.safe_load(Path(config_file).read_text())
     cfg = build_run_config(resolved)
@@ -53,7 +55,9 @@ def _run_worker(cfg: RunConfig, run_dir: Path, resolved: dict, rank: int) -> Non
     except RapidformerError as exc:
         if debug_enabled():
             raise
-        print(f"rapidformer: error (rank {rank}): {exc}", file=sys.stderr)
+        # a stop that was asked for (SIGTERM, SIGINT) is not an error
+        kind = "stopped" if isinstance(exc, Preempted) else "error"
+        print(f"rapidformer: {kind} (rank {rank}): {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except Exception as exc:
         if debug_enabled() or not is_collective_timeout(exc):

@@ -330,12 +330,15 @@ class WorkerFailed(RapidformerError):
 
 
 def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:
-    logs = sorted((run_dir / "logs").glob(f"node*/*/attempt_*/{local_rank}/stderr.log"),
-                  key=lambda p: p.stat().st_mtime)
-    if not logs:
-        return ""
-    text = logs[-1].read_text(errors="replace").strip().splitlines()
-    return "\n".join(f"  | {line}" for line in text[-lines:])
+    """The end of the worker's stderr (its traceback or error), or of its stdout (its log
+    lines) when it wrote nothing there: a rank killed by a signal."""
+    for stream in ("stderr", "stdout"):
+        logs = sorted((run_dir / "logs").glob(f"node*/*/attempt_*/{local_rank}/{stream}.log"),
+                      key=lambda p: p.stat().st_mtime)
+        text = logs[-1].read_text(errors="replace").strip().splitlines() if logs else []
+        if text:
+            return "\n".join(f"  | {line}" for line in text[-lines:])
+    return ""
 
 
 def resume_after_restart(cfg: RunConfig, run_dir: Path, restart: int) -> None:

@@ -2,9 +2,9 @@
 
 Writes loss.png, lr.png, throughput.png (tokens/s) and, when runs evaluated, eval.png (their
 validation metric: accuracy, else f1, exact_match or loss; the axis and title name it) into
---out (default: the first run directory's `plots/`), one line per run, labelled with the run's
-overrides for a multirun job and its directory name otherwise. A sweep does this itself at its
-end (summary.md links the pictures).
+--out (default: the first run directory's `plots/`), one line per run, labelled with the
+overrides a multirun job varied in its sweep and its directory name otherwise. A sweep does
+this itself at its end (summary.md links the pictures).
 """
 from __future__ import annotations
 
@@ -33,13 +33,35 @@ def axis_label(keys: list[str], meaning: str) -> str:
     return named if all(k.startswith(meaning + "/") for k in keys) else f"{meaning} ({named})"
 
 
-def run_label(run_dir: Path) -> str:
+def job_overrides(run_dir: Path) -> list[str] | None:
+    """A multirun job's overrides as typed (no recipe, no `++` rapidformer adds); None for a
+    run that is not a sweep's job."""
     overrides = run_dir / ".hydra" / "overrides.yaml"
-    if overrides.is_file() and run_dir.name.isdigit():  # a multirun job: say what it varied
-        chosen = [o for o in yaml.safe_load(overrides.read_text()) or []
-                  if not o.startswith("+recipe=")]
-        return f"{run_dir.name}: {' '.join(chosen)}" if chosen else run_dir.name
-    return run_dir.name
+    if not (overrides.is_file() and run_dir.name.isdigit()):
+        return None
+    return [o.removeprefix("++") for o in yaml.safe_load(overrides.read_text()) or []
+            if not o.startswith("+recipe=")]
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """A multirun job says what it varied: its overrides less those every job of its sweep
+    shares (a sweep's fixed settings would make the legend wider than the picture); another
+    run its directory's name."""
+    shared: dict[Path, set[str]] = {}
+    labels = []
+    for run_dir in run_dirs:
+        overrides = job_overrides(run_dir)
+        if overrides is None:
+            labels.append(run_dir.name)
+            continue
+        sweep = run_dir.parent
+        if sweep not in shared:
+            jobs = [o for job in sweep.iterdir() if job.is_dir()
+                    for o in [job_overrides(job)] if o is not None]
+            shared[sweep] = set.intersection(*map(set, jobs)) if len(jobs) > 1 else set(overrides)
+        varied = [o for o in overrides if o not in shared[sweep]]
+        labels.append(f"{run_dir.name}: {' '.join(varied)}" if varied else run_dir.name)
+    return labels
 
 
 def run_metrics(run_dir: Path) -> list[dict]:
@@ -55,7 +77,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> list[Path]:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    runs = [(run_label(d), run_metrics(d)) for d in run_dirs]
+    runs = list(zip(run_labels(run_dirs), [run_metrics(d) for d in run_dirs]))
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for filename, (keys, meaning) in CURVES.items():
