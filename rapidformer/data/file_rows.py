@@ -160,6 +160,7 @@ def check_delimited(path: Path, dialect: Dialect) -> int:
                 raise InputError(_broken_quote(path, dialect, span))
         if header is None:
             header = rec
+            _refuse_a_name_twice(path, dialect, rec.start)
             continue
         if rec.fields != header.fields:
             where = rec.spans[0].opens if rec.spans else rec.start
@@ -169,6 +170,27 @@ def check_delimited(path: Path, dialect: Dialect) -> int:
         rows += 1
     _refuse_earlier_runaway(path, dialect, header, spans, None)
     return rows
+
+
+def _refuse_a_name_twice(path: Path, dialect: Dialect, line: int) -> None:
+    """Refuse a header that names a column twice: the builders read one of the two under the
+    name and rename the other (`label.1`), so a task reads one of two columns silently."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        for number, text in enumerate(f, start=1):
+            if number == line:
+                break
+    names = next(csv.reader([text.rstrip("\r\n")], delimiter=dialect.delimiter,
+                            quoting=csv.QUOTE_MINIMAL if dialect.quoted else csv.QUOTE_NONE),
+                 [])
+    seen: dict[str, int] = {}
+    for column, name in enumerate(names, start=1):
+        if name.strip() and name in seen:
+            raise InputError(
+                f"{path} line {line}: the header names the column {name!r} twice (columns "
+                f"{seen[name]} and {column}); the file would be read with one of them under "
+                f"that name and the other renamed ({name}.1), so a task would read one of the "
+                f"two without a word: rename or remove one of them")
+        seen.setdefault(name, column)
 
 
 def _refuse_earlier_runaway(path: Path, dialect: Dialect, header: Record | None, spans: list,
@@ -351,13 +373,43 @@ def check_json(path: Path, fmt: str) -> int:
         raise
 
 
+def once(pairs: list) -> dict:
+    """json's object_pairs_hook: the object, or KeyError naming a key it gives twice (the
+    builders keep one of the two silently)."""
+    keys = [k for k, _ in pairs]
+    twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if twice is not None:
+        raise KeyError(twice)
+    return dict(pairs)
+
+
 def _json_array(path: Path) -> int:
+    text = path.read_text(encoding="utf-8-sig")
     try:
-        value = json.loads(path.read_text(encoding="utf-8-sig"))
+        value = json.loads(text, object_pairs_hook=once)
     except json.JSONDecodeError as exc:
         raise InputError(f"{path} line {exc.lineno}, column {exc.colno}: not valid JSON "
                          f"({exc.msg}); fix the file") from None
+    except KeyError as exc:  # the builder keeps the last of the two silently
+        row, line = _item_with_a_key_twice(text)
+        raise InputError(f"{path} line {line}: row {row} of its array gives the key "
+                         f"{exc.args[0]!r} twice in one object; keep one of them") from None
     return len(value)
+
+
+def _item_with_a_key_twice(text: str) -> tuple[int, int]:
+    """(row from 1, line from 1 where it starts) of the array's first item that gives a key
+    twice."""
+    decoder = json.JSONDecoder(object_pairs_hook=once)
+    i, row = text.index("[") + 1, 0
+    while True:
+        while text[i] in " \t\r\n,":
+            i += 1
+        row, start = row + 1, i
+        try:
+            _, i = decoder.raw_decode(text, i)
+        except KeyError:
+            return row, text.count("\n", 0, start) + 1
 
 
 def _one_json_object(path: Path) -> bool:
@@ -450,13 +502,6 @@ def _as_json(fmt: str) -> str:
 def json_failure(path: Path) -> str | None:
     """Why the builder could not read a JSON file whose lines are each an object (or an array
     of them), where a line says: a key given twice in one object; or no key in any row."""
-    def once(pairs):
-        keys = [k for k, _ in pairs]
-        twice = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
-        if twice is not None:
-            raise KeyError(twice)
-        return dict(pairs)
-
     keys = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):

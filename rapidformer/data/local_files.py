@@ -90,9 +90,11 @@ def directory_problem(root: Path) -> str | None:
 
 
 def find_split_file(root: Path, split: str, given: str | None, fmt: str) -> Path | None:
-    """The file of `split` under `root`: `given` (data.<split>_file), else the first
-    `<alias>.<ext>` that is a readable file; a name that exists but cannot be read, with no
-    readable one beside it, is refused with what is wrong with it."""
+    """The file of `split` under `root`: `given` (data.<split>_file), else the one
+    `<alias>.<ext>` that is a readable file (two, e.g. train.csv and train.jsonl, or
+    validation.csv and dev.csv, are refused: which one is meant is not said); a name that
+    exists but cannot be read, with no readable one beside it, is refused with what is wrong
+    with it."""
     if given:
         path = root / given
         problem = path_problem(path)
@@ -105,7 +107,7 @@ def find_split_file(root: Path, split: str, given: str | None, fmt: str) -> Path
         return path
     extensions = list(FORMATS) if fmt == "auto" else [
         ext for ext, name in FORMATS.items() if name == fmt]
-    unusable = []
+    unusable, found = [], []
     for stem in SPLIT_ALIASES[split]:
         for ext in extensions:
             path = root / f"{stem}{ext}"
@@ -113,7 +115,14 @@ def find_split_file(root: Path, split: str, given: str | None, fmt: str) -> Path
             if problem:
                 unusable.append((path, problem))
             elif path.is_file():
-                return path
+                found.append(path)
+    if len(found) > 1:  # reading one would leave the others' rows out without a word
+        names = ", ".join(p.name for p in found)
+        raise InputError(f"{root} (data.path) holds {len(found)} files for the {split} split "
+                         f"({names}); a run reads one: keep one of them there, or name it "
+                         f"with data.{split}_file=NAME")
+    if found:
+        return found[0]
     if unusable:
         path, problem = unusable[0]
         raise InputError(f"{path} {problem}: it cannot be read as the {split} split; put the "
