@@ -50,15 +50,20 @@ def finish_speed_rows(args, rows: list[dict], baseline: str) -> None:
                       "command": portable_command(" ".join(sys.argv)), "rows": rows})
 
 
-def run_cli(row: str, command: list[str], work: Path):
+def run_cli(row: str, command: list[str], work: Path, timeout: float | None = None):
     """One row's rapidformer command run: (the row's record so far, the finished process, its
     metrics.jsonl log windows: those with tokens_per_s). The record carries the error instead
-    when the command failed (the windows are then None)."""
+    when the command failed or ran past `timeout` seconds (the windows are then None)."""
     import subprocess
     import time
 
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        result = subprocess.CompletedProcess(command, -9, _text(exc.stdout), _text(exc.stderr))
+        keep_log(row, result)
+        return {"row": row, "error": f"ran past its {timeout:.0f} s limit"}, result, None
     keep_log(row, result)
     base = {"row": row, "process_wall_s": round(time.perf_counter() - started, 1),
             "command": portable_command(" ".join(command[1:]), {str(work): "WORK"})}
@@ -68,6 +73,10 @@ def run_cli(row: str, command: list[str], work: Path):
     out = Path(next(a for a in command if a.startswith("trainer.output_dir=")).split("=", 1)[1])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return base, result, [r for r in records if "tokens_per_s" in r]
+
+
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def keep_log(name: str, result, lines: int = 60) -> None:

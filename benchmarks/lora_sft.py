@@ -1,21 +1,26 @@
-"""LoRA supervised fine-tuning speed and memory: rapidformer through its CLI (`+recipe=llama_lora`
-on a Llama 3.2 1B-shaped model, bf16) unpacked, packed (data.packing=true) and with QLoRA's
-4-bit base (peft=qlora, GPU only), against a plain Hugging Face + peft loop on the same
-conversations (padded to the longest in each batch, as transformers' collators do), in one call.
+"""LoRA supervised fine-tuning speed and memory on a realistic SFT workload: rapidformer through
+its CLI (`+recipe=llama_lora` on a Llama 3.2 1B-shaped model, bf16) unpacked, packed
+(data.packing=true) and with QLoRA's 4-bit base (peft=qlora, GPU only), each with the frozen base
+held in bf16 (what peft.base_dtype=auto gives a bf16 checkpoint) and in fp32 (the earlier
+behaviour), against TRL's SFTTrainer (padded, and packed: its BFD packing, padding-free) and a
+plain Hugging Face + peft loop, on the same conversations, in one call.
 
-Data: the project's generated chats (rapidformer's synthetic `chat` data, short turns of a few
-to a few dozen tokens), its WordPiece vocabulary, loss on the assistant's tokens. Every system:
-LoRA r=16, alpha=32 on q/k/v/o/gate/up/down, the base frozen, AdamW at a constant lr, clipping
-1.0, micro batch --batch rows. The base's weights are random (throughput does not depend on
-them) and its vocabulary is the generated data's, far smaller than a real model's 128k: the
-output head costs less here than in a real 1B model.
+Workload: generated chats of the lengths of real instruction data
+(data.synthetic_lengths=instruction: log-normal, mean about 250 words, a tail to 4k, cut at
+--seq), the WordPiece vocabulary trained on them, and Llama 3's output size
+(model.embedding_rows=128256): the output layer costs what it costs in the real model. Loss on
+the assistant's tokens. Every system: LoRA r=16, alpha=32, dropout 0.05 on
+q/k/v/o/gate/up/down, the base frozen in bf16 (random weights: throughput does not depend on
+them), bf16 autocast, fused AdamW at a constant lr 2e-4, clipping 1.0, no activation
+checkpointing (TRL's default turns it on; off here, as in the other rows). Unpacked rows take
+--batch conversations a step, packed rows --packed-batch rows of --seq tokens.
 
     python benchmarks/lora_sft.py                      # GPU: every row
-    python benchmarks/lora_sft.py --rows rf-lora hf-peft --iters 100
+    python benchmarks/lora_sft.py --rows rf-lora-packed trl-packed --iters 60
     python benchmarks/lora_sft.py --smoke              # CPU, tiny, a few steps
 
-Each row: real (non-pad) tokens/s and samples/s over the log windows after step SKIP, peak GB,
-the padding fraction and the loss at the end. Writes docs/benchmarks/lora_sft.json.
+Each row: real (non-pad) tokens/s over the steps after SKIP, peak GB, the padding fraction, the
+loss at the end and the process wall seconds. Writes docs/benchmarks/lora_sft.json.
 """
 from __future__ import annotations
 
@@ -29,69 +34,85 @@ from pathlib import Path
 
 from _report import finish_speed_rows, keep_log, run_cli
 
-RF_ROWS = {"rf-lora": [], "rf-lora-packed": ["data.packing=true"],
-           "rf-qlora-packed": ["peft=qlora", "data.packing=true"]}
-HF_ROWS = ("hf-peft",)
-LOG_INTERVAL = 10
-SKIP = 10  # the first windows (warm-up, allocator growth) are not in the means
+PACKED = ["data.packing=true"]
+RF_ROWS = {"rf-lora": ["peft.base_dtype=bf16"],
+           "rf-lora-packed": [*PACKED, "peft.base_dtype=bf16"],
+           "rf-lora-packed-fp32base": [*PACKED, "peft.base_dtype=fp32"],
+           "rf-qlora-packed": ["peft=qlora", *PACKED],
+           "rf-qlora-packed-fp32base": ["peft=qlora", *PACKED, "peft.base_dtype=fp32"]}
+CHILD_ROWS = {"hf-peft": "plain Hugging Face LlamaForCausalLM (bf16) + peft LoRA, a loop by "
+                         "hand, padded to the longest in each batch",
+              "trl-padded": "TRL SFTTrainer, peft LoRA on the bf16 model, padded batches",
+              "trl-packed": "TRL SFTTrainer, packing=True (BFD, padding-free), peft LoRA"}
+LOG_INTERVAL = 5
+SKIP = 10  # the first steps (warm-up, allocator growth) are not in the means
+ROW_TIMEOUT = 420
 
 
 def common(args, work: Path) -> list[str]:
+    workload = ["data.synthetic_lengths=instruction", f"model.embedding_rows={args.embedding_rows}"]
     return ["+recipe=llama_lora", f"model={args.model}", "peft.modules_to_save=null",
             f"data.path={work / 'data'}", f"data.max_seq_length={args.seq}",
+            f"model.max_position_embeddings={max(args.seq, 128)}", *workload,
             f"data.synthetic_train_size={args.examples}", "data.synthetic_eval_size=16",
             "trainer.epochs=null", f"trainer.train_iters={args.iters}",
-            f"trainer.micro_batch_size={args.batch}", f"trainer.global_batch_size={args.batch}",
             "trainer.lr=2e-4", "scheduler=constant", "scheduler.warmup_iters=0",
             f"trainer.log_interval={LOG_INTERVAL}", f"trainer.eval_interval={args.iters}",
             "task.sample_generations=0", "trainer.export_hf=false", "trainer.save_last=false",
             "trainer.progress_bar=false", *args.overrides]
 
 
+def micro_batch(args, packed: bool) -> int:
+    return args.packed_batch if packed else args.batch
+
+
 def rapidformer_row(row: str, args, work: Path) -> dict:
     out = work / row
+    batch = micro_batch(args, "data.packing=true" in RF_ROWS[row])
     command = [sys.executable, "-m", "rapidformer", *common(args, work), *RF_ROWS[row],
+               f"trainer.micro_batch_size={batch}", f"trainer.global_batch_size={batch}",
                f"trainer.output_dir={out}"]
-    base, _, windows = run_cli(row, command, work)
+    base, _, windows = run_cli(row, command, work, timeout=ROW_TIMEOUT)
     if windows is None:
         return base
     later = [r for r in windows if r["step"] > SKIP] or windows
     mean = lambda key: sum(r.get(key) or 0 for r in later) / len(later)
-    return {**base, "tokens_per_s": round(mean("tokens_per_s")),
+    return {**base, "micro_batch": batch, "tokens_per_s": round(mean("tokens_per_s")),
             "samples_per_s": round(mean("samples_per_s"), 1),
             "padding_frac": round(mean("padding_frac"), 3),
             "peak_mem_gb": round(max(r.get("peak_mem_gb", 0) for r in windows), 2),
             "loss_at_end": round(windows[-1]["loss"], 4), "tokenizer": str(out / "tokenizer")}
 
 
-def hf_row(row: str, args, work: Path, tokenizer_dir: str) -> dict:
-    command = [sys.executable, __file__, "--hf-child", "--work", str(work),
+def child_row(row: str, args, work: Path, tokenizer_dir: str) -> dict:
+    command = [sys.executable, __file__, "--child", row, "--work", str(work),
                "--tokenizer", tokenizer_dir, "--iters", str(args.iters),
-               "--batch", str(args.batch), "--seq", str(args.seq), "--model", args.model,
+               "--batch", str(args.batch), "--packed-batch", str(args.packed_batch),
+               "--seq", str(args.seq), "--model", args.model,
+               "--embedding-rows", str(args.embedding_rows),
                "--examples", str(args.examples), *(["--smoke"] if args.smoke else [])]
-    result = subprocess.run(command, capture_output=True, text=True)
+    base = {"row": row, "command": CHILD_ROWS[row]}
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=ROW_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"ran past its {ROW_TIMEOUT} s limit"}
     keep_log(row, result)
-    base = {"row": row, "command": "plain Hugging Face LlamaForCausalLM + peft LoRA, the same "
-                                   "conversations, padded to the longest in each batch"}
     if result.returncode != 0:
         return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}
-    return {**base, **json.loads(result.stdout.strip().splitlines()[-1])}
+    return {**base, "process_wall_s": round(time.perf_counter() - started, 1),
+            **json.loads(result.stdout.strip().splitlines()[-1])}
 
 
-def hf_child(args) -> None:
-    """The loop a user writes with transformers and peft: the rapidformer run's tokenizer and
-    token/label rows (the same conversations, the same masks), a padding collator, bf16
-    autocast, fused AdamW over the adapters."""
-    import contextlib
-
+def _model_and_rows(args):
+    """The rapidformer run's tokenizer and token/label rows (the same conversations, the same
+    masks) and the same model, random, its base in bf16 (a bf16 checkpoint as loaded)."""
     import torch
     from datasets import load_dataset
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from rapidformer.config.compose import compose, resolve
     from rapidformer.data.chat import EncodeCounts, encode_rows
-    from rapidformer.data.lengths import IGNORE
     from rapidformer.tasks.sft import ready_for_chat
 
     work = Path(args.work)
@@ -100,19 +121,82 @@ def hf_child(args) -> None:
     ready_for_chat(tokenizer, cfg.data.chat_template)  # what the sft task does to it
     rows = load_dataset("json", data_files=str(work / "data" / "train.jsonl"), split="train")
     rows = encode_rows(rows, tokenizer, cfg.data, "response", "train", EncodeCounts())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m = cfg.model
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_key_value_heads,
-        intermediate_size=m.intermediate_size, max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta, tie_word_embeddings=False, use_cache=False,
-        attn_implementation="sdpa"))
-    model = get_peft_model(model, LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"])).to(device)
+        vocab_size=m.embedding_rows or len(tokenizer), hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
+        max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa"))
+    return tokenizer, rows, model.to(torch.bfloat16)
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"])
+
+
+def trl_child(args, packed: bool) -> None:
+    """TRL's SFTTrainer on the same token/label rows (a processed dataset: input_ids and labels,
+    which it takes as they are), its own collator and packing."""
+    import torch
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer, rows, model = _model_and_rows(args)
+    rows = rows.select_columns(["input_ids", "labels"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    clock = {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            if state.global_step in (SKIP, args.iters):
+                sync()
+                clock[state.global_step] = time.perf_counter()
+
+    batch = micro_batch(args, packed)
+    config = SFTConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=args.iters,
+        learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+        bf16=True, use_cpu=device == "cpu", logging_steps=LOG_INTERVAL, report_to=[],
+        save_strategy="no", packing=packed, max_length=args.seq, gradient_checkpointing=False,
+        dataloader_num_workers=2, optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",
+        seed=0, dataset_num_proc=4)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=rows,
+                         processing_class=tokenizer, peft_config=lora_config(),
+                         callbacks=[Clock()])
+    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    real_per_row = sum(lengths) / len(lengths)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    elapsed = clock[args.iters] - clock[SKIP]
+    steps = args.iters - SKIP
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print(json.dumps({
+        "micro_batch": batch, "tokens_per_s": round(real_per_row * batch * steps / elapsed),
+        "samples_per_s": None if packed else round(batch * steps / elapsed, 1),
+        "real_tokens_per_row": round(real_per_row, 1),
+        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if device == "cuda" else None, "loss_at_end": round(float(losses[-1]), 4)}))
+
+
+def hf_child(args) -> None:
+    """The loop a user writes with transformers and peft: a padding collator, bf16 autocast,
+    fused AdamW over the adapters."""
+    import torch
+    from peft import get_peft_model
+
+    from rapidformer.data.lengths import IGNORE
+
+    tokenizer, rows, model = _model_and_rows(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = get_peft_model(model, lora_config()).to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=2e-4, fused=device.type == "cuda")
     pad = tokenizer.pad_token_id
@@ -131,8 +215,7 @@ def hf_child(args) -> None:
     loader = torch.utils.data.DataLoader(rows, batch_size=args.batch, shuffle=True,
                                          collate_fn=collate, num_workers=2, pin_memory=True,
                                          generator=torch.Generator().manual_seed(0))
-    autocast = (contextlib.nullcontext() if args.smoke
-                else torch.autocast(device.type, dtype=torch.bfloat16))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     model.train()
     tokens = samples = slots = 0
@@ -167,47 +250,50 @@ def hf_child(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", nargs="+", default=[*RF_ROWS, *HF_ROWS],
-                        choices=[*RF_ROWS, *HF_ROWS])
+    parser.add_argument("--rows", nargs="+", default=[*RF_ROWS, *CHILD_ROWS],
+                        choices=[*RF_ROWS, *CHILD_ROWS])
     parser.add_argument("--model", default="llama_1b")
-    parser.add_argument("--iters", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--examples", type=int, default=40000)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=16, help="conversations a step, unpacked")
+    parser.add_argument("--packed-batch", type=int, default=4, help="rows of --seq, packed")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--embedding-rows", type=int, default=128256)
+    parser.add_argument("--examples", type=int, default=6000)
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU: llama_tiny, seq 128, fp32, no QLoRA")
+                        help="CPU: llama_tiny, seq 512, 4096 output rows, no QLoRA")
     parser.add_argument("--out", default="docs/benchmarks/lora_sft.json")
     parser.add_argument("--overrides", nargs="*", default=[])
-    parser.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=list(CHILD_ROWS), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.overrides = ["precision=bf16", *args.overrides]
     if args.smoke:
-        args.model, args.seq = "llama_tiny", 128
-        if not args.hf_child:
-            args.overrides = [*args.overrides, "trainer.device=cpu", "precision=fp32"]
-            args.iters, args.batch, args.examples = 30, 8, 2000
+        args.model, args.seq, args.embedding_rows = "llama_tiny", 512, 4096
+        if not args.child:
+            args.overrides = [*args.overrides, "trainer.device=cpu"]
+            args.iters, args.batch, args.packed_batch, args.examples = SKIP + 4, 4, 1, 300
             args.rows = [r for r in args.rows if "qlora" not in r]
-    else:
-        args.overrides = ["precision=bf16", *args.overrides]
-    if args.hf_child:
+    if args.child == "hf-peft":
         return hf_child(args)
+    if args.child:
+        return trl_child(args, packed=args.child == "trl-packed")
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-lora-sft-") as temp:
         work = Path(temp)
         # the first rapidformer row generates the data and trains the vocabulary the others use
         order = sorted(args.rows, key=lambda r: r not in RF_ROWS)
         for row in order:
-            if row in HF_ROWS:
+            if row in CHILD_ROWS:
                 made = next((r["tokenizer"] for r in rows if "tokenizer" in r), None)
-                rows.append(hf_row(row, args, work, made) if made else
+                rows.append(child_row(row, args, work, made) if made else
                             {"row": row, "error": "needs a rapidformer row first (its data)"})
             else:
                 rows.append(rapidformer_row(row, args, work))
             print(json.dumps(rows[-1]), flush=True)
     for r in rows:
         r.pop("tokenizer", None)
-    finish_speed_rows(args, rows, "hf-peft")
+    finish_speed_rows(args, rows, "trl-padded")
 
 
 if __name__ == "__main__":
