@@ -3,6 +3,10 @@ DotProductAttention against rapidformer's SDPAttention, eager and with each laye
 
     python benchmarks/megatron_attention.py --out megatron_attention.json   # GPT 1.3B, one GPU
     python benchmarks/megatron_attention.py --smoke --out smoke.json         # CPU, seconds
+    python benchmarks/megatron_attention.py --model megatron_llama --layers 16 --hidden 2048 \
+        --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --variants sdpa sdpa_compile \
+        --out megatron_llama_1b.json                 # Llama 3.2 1B's shape, one GPU
+    python benchmarks/megatron_attention.py --model megatron_llama --smoke --out smoke.json
 
 The model is rapidformer's megatron-core GPT (rapidformer/models/megatron.py: local layers,
 layout-independent weights, GPT-2's vocabulary padded to 50,304), 24 layers x hidden 2048 x 16
@@ -22,6 +26,12 @@ over the timed steps (after --warmup steps, which hold torch.compile's compile),
 per token, 6 x parameters + attention, rapidformer/observability/flops.py, against the GPU's
 dense bf16 peak), peak GPU memory (GiB, torch.cuda.max_memory_allocated) and the losses of the
 first and last steps.
+
+`--model megatron_llama` measures the Llama-family decoder instead (RMSNorm, SwiGLU, rotary
+positions, --kv-heads key/value heads, an untied output layer, no dropout by default). Its MFU
+counts the weights a token multiplies through: every block and the output layer, not the input
+embedding, which is a lookup (with Llama 3's untied 128,256-entry vocabulary, counting it would
+add 17 % to a 1B model's MFU); `parameters` in the row is every parameter.
 
 Needs torch and megatron-core only (no Hydra or OmegaConf: the run config is rapidformer's
 dataclass schema filled in here); rapidformer is imported from this checkout. --smoke: a 2-layer
@@ -56,9 +66,11 @@ def run_config(args, attention: str, compiled: bool):
 
     cfg = RunConfig()
     m = cfg.model
-    m.name, m.arch, m.source = "megatron_gpt", "megatron_gpt", "config"
+    m.name, m.arch, m.source = args.model, args.model, "config"
     m.hidden_size, m.num_layers, m.num_attention_heads = args.hidden, args.layers, args.heads
-    m.intermediate_size, m.max_position_embeddings = 4 * args.hidden, args.seq
+    m.intermediate_size, m.max_position_embeddings = args.ffn, args.seq
+    if args.model == "megatron_llama":
+        m.num_key_value_heads, m.rope_theta = args.kv_heads, 500000.0  # Llama 3's base
     m.hidden_dropout = m.attention_dropout = args.dropout
     m.initializer_range = 0.02
     m.attn_implementation = attention
@@ -76,7 +88,7 @@ def measure(args, name: str) -> dict:
 
     from rapidformer.accelerators import megatron_optimizer, parallel
     from rapidformer.accelerators.graph import compile_blocks
-    from rapidformer.models.megatron import build_megatron_gpt, prepare_for_compile
+    from rapidformer.models.megatron import build_megatron_decoder, prepare_for_compile
     from rapidformer.observability.flops import flops_per_token, peak_flops
 
     attention, compiled = VARIANTS[name]
@@ -86,8 +98,11 @@ def measure(args, name: str) -> dict:
     if cuda:
         torch.cuda.set_device(device)
     parallel.initialize(cfg, device)
-    model = build_megatron_gpt(cfg, args.vocab)
+    model = build_megatron_decoder(cfg, args.vocab)
     params = parallel.count_parameters(model)
+    # FLOPs: an untied input embedding is a lookup, not a matmul (a tied one is the output layer)
+    matmul_params = params - (model.embedding.word_embeddings.weight.numel()
+                              if not model.share_embeddings_and_output_weights else 0)
     model = model.to(device)
     if compiled:
         prepare_for_compile()
@@ -132,11 +147,11 @@ def measure(args, name: str) -> dict:
     sync()
     elapsed = time.perf_counter() - start
     tokens_per_s = args.iters * args.global_batch * seq / elapsed
-    per_token = flops_per_token(params, args.layers, args.hidden, seq)
+    per_token = flops_per_token(matmul_params, args.layers, args.hidden, seq)
     peak = peak_flops(device)
     return {"variant": name, "attention": ("megatron-core DotProductAttention"
                                            if attention == "eager" else "SDPAttention"),
-            "compiled": compiled, "parameters": params,
+            "compiled": compiled, "parameters": params, "flop_parameters": matmul_params,
             "tokens_per_s": round(tokens_per_s), "step_ms": round(1000 * elapsed / args.iters, 1),
             "mfu": round(tokens_per_s * per_token / peak, 4) if peak else None,
             "peak_mem_gb": (round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
@@ -176,12 +191,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--model", default="megatron_gpt",
+                        choices=["megatron_gpt", "megatron_llama"])
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="megatron_llama's key/value heads (default: one per head)")
+    parser.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 x hidden)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--global-batch", type=int, default=None,
                         help="sequences per optimizer step (default: one micro batch)")
     parser.add_argument("--vocab", type=int, default=GPT2_VOCAB)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="hidden and attention dropout (default 0.1; megatron_llama 0)")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
@@ -196,6 +217,10 @@ def main() -> None:
     if args.smoke:
         args.layers, args.hidden, args.heads, args.seq, args.micro = 2, 64, 4, 64, 2
         args.vocab, args.warmup, args.iters = 1000, 1, 2
+        args.kv_heads, args.ffn = (2, 176) if args.model == "megatron_llama" else (None, None)
+    llama = args.model == "megatron_llama"
+    args.ffn = args.ffn or 4 * args.hidden
+    args.dropout = (0.0 if llama else 0.1) if args.dropout is None else args.dropout
     args.global_batch = args.global_batch or args.micro
     if args.global_batch % args.micro:
         parser.error("--global-batch must be a multiple of --micro")
@@ -210,8 +235,9 @@ def main() -> None:
               "device": torch.cuda.get_device_name() if cuda else "cpu",
               "versions": {"torch": torch.__version__, "megatron_core": _megatron_version()},
               "command": portable_command(" ".join(["python", *sys.argv])),
-              "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-                        "ffn": 4 * args.hidden, "seq": args.seq, "vocab": args.vocab,
+              "model": {"config": args.model, "layers": args.layers, "hidden": args.hidden,
+                        "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
+                        "ffn": args.ffn, "seq": args.seq, "vocab": args.vocab,
                         "dropout": args.dropout},
               "micro_batch": args.micro, "global_batch": args.global_batch,
               "precision": args.precision, "warmup_steps": args.warmup, "timed_steps": args.iters,

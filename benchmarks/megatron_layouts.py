@@ -5,6 +5,10 @@
         --hidden 64 --layers 4 --heads 4 --seq 64 --iters 4   # a smoke run (CPU)
     python benchmarks/megatron_layouts.py --model gpt2_small --layouts one dp2 \
         --out docs/benchmarks/ddp_scaling.json   # DDP scaling, the same shape as a HF GPT-2
+    python benchmarks/megatron_layouts.py --model megatron_llama --layouts one --layers 16 \
+        --hidden 2048 --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --seq 2048 \
+        --micro 8 --global-batch 64 --iters 30 --set graph=compile \
+        --out docs/benchmarks/megatron_llama_1b.json   # Llama 3.2 1B's shape on one GPU
 
 Each layout is one real run of `python -m rapidformer +recipe=gpt_pretrain model=megatron_gpt`
 on generated document-level mmap data: one process on one GPU (the baseline), TP=2, PP=2, and
@@ -13,6 +17,12 @@ with dynamic loss scaling (`one_fp16`, `tp2_fp16`). Reads tokens/s, peak memory 
 loss from metrics.jsonl, and
 computes MFU from the model's FLOPs per token (6 x parameters + attention) against the GPU's
 dense bf16 peak. Writes docs/benchmarks/megatron_layouts.json.
+
+`--model megatron_llama` (with --kv-heads, --ffn) measures the Llama-family decoder; --vocab pads
+the generated tokenizer to a real model's output size (Llama 3's 128,256), since the output
+layer is a large share of a 1B model's step. Its FLOPs count the matrices a token multiplies
+through: every block and the output layer, not the input embedding (a lookup: with an untied
+128,256-entry vocabulary, counting it would add 17 % to a 1B model's MFU).
 """
 from __future__ import annotations
 
@@ -44,13 +54,30 @@ def gpt_parameters(layers: int, hidden: int, vocab: int) -> int:
     return 12 * layers * hidden ** 2 + vocab * hidden
 
 
+def llama_matmul_parameters(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+                            vocab: int) -> int:
+    """The weights a token multiplies through in megatron_llama: q/k/v (kv_heads key/value
+    heads), the attention output, SwiGLU's three matrices per block, and the output layer."""
+    kv = hidden // heads * kv_heads
+    return layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * ffn) \
+        + vocab * hidden
+
+
+def flop_parameters(args, vocab: int) -> int:
+    if "llama" in args.model:
+        return llama_matmul_parameters(args.layers, args.hidden, args.heads,
+                                       args.kv_heads or args.heads, args.ffn, vocab)
+    return gpt_parameters(args.layers, args.hidden, vocab)
+
+
 def run(name: str, work: Path, args, data: dict) -> dict:
     nproc, layout = LAYOUTS[name]
     out = work / f"run_{name}"
     command = [sys.executable, "-m", "rapidformer", "+recipe=gpt_pretrain",
                f"model={args.model}", f"model.hidden_size={args.hidden}",
                f"model.num_layers={args.layers}", f"model.num_attention_heads={args.heads}",
-               f"model.intermediate_size={4 * args.hidden}",
+               f"model.intermediate_size={args.ffn}",
+               *([f"model.num_key_value_heads={args.kv_heads}"] if args.kv_heads else []),
                f"model.max_position_embeddings={args.seq}", f"data.max_seq_length={args.seq}",
                f"data.path={data['prefix']}", f"model.tokenizer={data['vocab']}",
                f"model.merge_file={data['merges']}",
@@ -96,6 +123,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="key/value heads (megatron_llama); default: one per head")
+    parser.add_argument("--ffn", type=int, default=None, help="MLP width; default 4 x hidden")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="pad the generated tokenizer to this many entries (e.g. 128256)")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=16)
@@ -108,6 +140,7 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more overrides for every layout, e.g. graph=compile")
     args = parser.parse_args()
+    args.ffn = args.ffn or 4 * args.hidden
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -115,13 +148,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-megatron-") as temp:
         work = Path(temp)
-        data = gpt_mmap_data(work, args.mb)
+        data = gpt_mmap_data(work, args.mb, vocab_size=args.vocab)
         vocab_size = len(json.loads(Path(data["vocab"]).read_text()))
-        params = gpt_parameters(args.layers, args.hidden, vocab_size)
+        params = flop_parameters(args, vocab_size)
         per_token = flops_per_token(params, args.layers, args.hidden, args.seq)
         result = {"date": datetime.date.today().isoformat(), "device": device,
                   "model_config": args.model, "overrides": args.set,
                   "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                            "kv_heads": args.kv_heads or args.heads, "ffn": args.ffn,
                             "seq": args.seq, "vocab": vocab_size, "params": params},
                   "micro_batch": args.micro, "global_batch": args.global_batch,
                   "iterations": args.iters, "precision": args.precision,

@@ -107,8 +107,9 @@ class ModelConfig:
     # sdpa (torch's scaled_dot_product_attention) or eager: transformers' attention for Hugging
     # Face models; for megatron_* the local layers' core attention (eager: megatron-core's own)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    # megatron_gpt: start from a Hugging Face checkpoint directory of the matching architecture
-    # (GPT-2) instead of random weights, cut to this rank's tensor/pipeline shard
+    # megatron_gpt / megatron_llama: start from a Hugging Face checkpoint directory of the
+    # matching architecture (GPT-2; Llama, Mistral, Qwen2) instead of random weights, cut to
+    # this rank's tensor/pipeline shard
     init_from_hf: Optional[str] = None
 
     @property

@@ -1,6 +1,6 @@
-"""megatron-core models built from the model group: a GPT (`model=megatron_gpt`) and a BERT
-(`model=megatron_bert`) with megatron-core's tensor-parallel layers and this rank's share of the
-pipeline stages."""
+"""megatron-core models built from the model group: a GPT (`model=megatron_gpt`), a Llama-family
+decoder (`model=megatron_llama`) and a BERT (`model=megatron_bert`) with megatron-core's
+tensor-parallel layers and this rank's share of the pipeline stages."""
 from __future__ import annotations
 
 import copy
@@ -256,9 +256,12 @@ def _initialized(model, kind: str, m: ModelConfig, vocab: int, vocab_size: int, 
     from megatron.core import parallel_state as ps
 
     layout_independent_init(model, m.initializer_range, m.num_layers)
-    log.info("megatron-core %s: %d layers, hidden %d, %d heads, vocabulary %d (padded from %d), "
-             "%s layers%s; this rank: pipeline stage %d of %d, tensor shard %d of %d",
-             kind, m.num_layers, m.hidden_size, m.num_attention_heads, vocab, vocab_size,
+    groups = model.config.num_query_groups
+    log.info("megatron-core %s: %d layers, hidden %d, %d heads%s, vocabulary %d (padded from "
+             "%d), %s layers%s; this rank: pipeline stage %d of %d, tensor shard %d of %d",
+             kind, m.num_layers, m.hidden_size, m.num_attention_heads,
+             f" ({groups} key/value)" if groups and groups != m.num_attention_heads else "",
+             vocab, vocab_size,
              "Transformer Engine" if have_te else
              "local" + (" (megatron-core's DotProductAttention)" if m.attn_implementation == "eager"
                         else " (SDPA attention)"),
