@@ -8,7 +8,11 @@ variations through the real entry point (in-process CLI), the files before and a
   (the builders rename one, `label.1`, and a task reads the other), a .json array whose object
   gives a key twice (the last one kept), two files for one split (train.csv beside
   train.jsonl, validation.csv beside dev.csv: one was read, the other left out) are refused
-  naming the file, the line and the fix.
+  naming the file, the line and the fix;
+- another Hydra application's folders given as Hydra's own directories: hydra.run.dir (its
+  `.hydra/` and log) and hydra.sweep.dir (its multirun.yaml and job directories) are refused
+  before Hydra writes into them (the refusal came after Hydra had rewritten `.hydra/` and
+  multirun.yaml, and the run had added status.json and its log).
 """
 from __future__ import annotations
 
@@ -146,3 +150,67 @@ def test_a_split_file_named_is_read_beside_another(tmp_path, capsys):
     (tmp_path / "train.jsonl").write_text(json.dumps(JSON_ROWS[0]) + "\n")
     assert find_split_file(tmp_path, "train", "train.jsonl", "auto") == tmp_path / "train.jsonl"
     assert find_split_file(tmp_path, "train", None, "csv") == tmp_path / "train.csv"
+
+
+# --- Hydra's own directories, given on the command line --------------------------------------
+
+def _other_apps_run(root: Path) -> Path:
+    run = root / "other_run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("lr: 1\n")
+    (run / "main.log").write_text("the other app's log\n")
+    return run
+
+
+def _other_apps_sweep(root: Path) -> Path:
+    sweep = root / "other_sweep"
+    (sweep / "0" / ".hydra").mkdir(parents=True)
+    (sweep / "0" / "checkpoints").mkdir()
+    (sweep / "0" / ".hydra" / "config.yaml").write_text("lr: 1\n")
+    (sweep / "0" / "checkpoints" / "model.pt").write_text("weights")
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    return sweep
+
+
+def _a_project(root: Path) -> Path:
+    folder = root / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    return folder
+
+
+@pytest.mark.parametrize("make,argv,message", [
+    (_other_apps_run, lambda d: [f"hydra.run.dir={d}"],
+     "hydra.run.dir={d} holds files that no rapidformer run wrote (.hydra, main.log)"),
+    (_other_apps_run, lambda d: [f"hydra.run.dir={d}", "trainer.overwrite=true"],
+     "hydra.run.dir={d} holds files that no rapidformer run wrote (.hydra, main.log)"),
+    (_other_apps_sweep, lambda d: ["-m", f"hydra.sweep.dir={d}"],
+     "hydra.sweep.dir={d} holds files that no rapidformer sweep wrote (0)"),
+    (_a_project, lambda d: ["-m", f"hydra.sweep.dir={d}", "trainer.lr=1e-3,2e-3"],
+     "hydra.sweep.dir={d} holds files that no rapidformer sweep wrote (notes.txt)"),
+])
+def test_hydra_directories_of_another_app_are_refused_untouched(make, argv, message, tmp_path,
+                                                                 capsys):
+    folder = make(tmp_path)
+    before = tree(tmp_path)
+    code, err = call("rapidformer", [*argv(folder), *ONE_STEP], capsys)
+    assert code == 2, err[-2000:]
+    assert message.format(d=folder) in err, err[-2000:]
+    assert "Traceback" not in err
+    assert tree(tmp_path) == before
+
+
+def test_a_sweep_directory_of_rapidformer_is_taken(tmp_path):
+    from rapidformer.checkpoint.run_dir import RUN_MARKER, sweep_problems
+
+    (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
+    (tmp_path / "summary.md").write_text("| job |\n")
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / RUN_MARKER).write_text('{"rapidformer_run": 1}\n')
+    (tmp_path / "0" / "checkpoints").mkdir()
+    (tmp_path / "1" / ".hydra").mkdir(parents=True)  # a job refused before it ran
+    (tmp_path / "1" / "rapidformer.log").write_text("")
+    (tmp_path / "1" / "status.json").write_text('{"status": "failed"}')
+    assert sweep_problems(tmp_path, "rapidformer") == []
+    (tmp_path / "1" / "weights.pt").write_text("not ours")
+    assert sweep_problems(tmp_path, "rapidformer") != []

@@ -82,7 +82,7 @@ def hydra_job_entries(hydra_job: str | None) -> frozenset[str]:
 
 @contextlib.contextmanager
 def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, held: bool = True,
-            hydra_job: str | None = None):
+            hydra_job: str | None = None, setting: str = "trainer.output_dir"):
     """Hold `run_dir` for this process's run during the block, or raise InputError saying why
     not. Re-entered for a directory this process already holds (the entry point, then the
     Hydra job inside it), it checks nothing again; with `held` false (another process of the
@@ -97,7 +97,7 @@ def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, hel
     if path.exists() and str(path.resolve()) in _held:
         yield
         return
-    fd = _claim(path, run_dir, resume, overwrite, hydra_job_entries(hydra_job))
+    fd = _claim(path, run_dir, resume, overwrite, hydra_job_entries(hydra_job), setting)
     key = str(path.resolve())
     _held[key] = fd
     try:
@@ -108,7 +108,8 @@ def claimed(run_dir: str | os.PathLike, resume: str | None, overwrite: bool, hel
 
 
 def claim_problems(run_dir, resume: str | None, overwrite: bool,
-                   expected: frozenset[str] = frozenset()) -> list[str]:
+                   expected: frozenset[str] = frozenset(),
+                   setting: str = "trainer.output_dir") -> list[str]:
     """Why a run cannot take `run_dir`, read-only and without the lock (the refusal pass asks
     it before anything is written; `claimed` asks it again under the lock)."""
     path = Path(run_dir).absolute()
@@ -121,13 +122,43 @@ def claim_problems(run_dir, resume: str | None, overwrite: bool,
                      (p.name == LOCK and not _is_our_lock(p)))
     if foreign and not is_run_directory(path):
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-        return [f"trainer.output_dir={run_dir} holds files that no rapidformer run wrote "
+        return [f"{setting}={run_dir} holds files that no rapidformer run wrote "
                 f"({shown}); a run would overwrite them: choose a new or empty directory"]
     if not resume and not overwrite and _holds_a_run(path):
-        return [f"trainer.output_dir={run_dir} holds an earlier run (its checkpoints or "
+        return [f"{setting}={run_dir} holds an earlier run (its checkpoints or "
                 f"metrics); add trainer.resume=auto to continue it, trainer.overwrite=true to "
                 f"discard it and start fresh there, or choose a new trainer.output_dir"]
     return []
+
+
+# what a rapidformer sweep writes at the top of its directory (Hydra's record, the summary)
+SWEEP_FILES = {"multirun.yaml", "summary.md", "summary.json", "plots",
+               "optimization_results.yaml"}
+
+
+def sweep_problems(sweep_dir, hydra_job: str) -> list[str]:
+    """Why a sweep cannot write into `sweep_dir` (hydra.sweep.dir), asked before Hydra writes
+    its multirun.yaml there and a job's `.hydra/` into each job's directory: a folder holding
+    anything but a sweep's own files and job directories that a run could take (another
+    Hydra application's sweep, a project folder)."""
+    path = Path(sweep_dir).absolute()
+    if not path.is_dir():
+        return []
+    expected = hydra_job_entries(hydra_job)
+    foreign = []
+    for entry in sorted(path.iterdir(), key=lambda p: p.name):
+        if entry.name in IGNORED | SWEEP_FILES:
+            continue
+        if entry.is_dir() and not entry.is_symlink() and entry.name.isdigit() and \
+                not claim_problems(entry, "auto", False, expected):
+            continue  # a job's directory: a run's, or what Hydra or a refused job left
+        foreign.append(entry.name)
+    if not foreign:
+        return []
+    shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+    return [f"hydra.sweep.dir={sweep_dir} holds files that no rapidformer sweep wrote "
+            f"({shown}); the sweep would overwrite its multirun.yaml and its jobs' .hydra/: "
+            f"choose a new or empty hydra.sweep.dir"]
 
 
 def _is_our_lock(lock: Path) -> bool:
@@ -149,8 +180,8 @@ def _holds_a_run(path: Path) -> bool:
 
 
 def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
-           expected: frozenset[str]) -> int:
-    if problems := claim_problems(run_dir, resume, overwrite, expected):
+           expected: frozenset[str], setting: str = "trainer.output_dir") -> int:
+    if problems := claim_problems(run_dir, resume, overwrite, expected, setting):
         raise InputError(problems[0])
     if (path / LOCK).is_symlink():
         raise InputError(f"{path / LOCK} is a symbolic link, not the lock file a run holds: "
@@ -161,19 +192,19 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
         # never through a link: the file it names is not the run's
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as exc:
-        raise InputError(f"trainer.output_dir={run_dir} cannot be written: "
+        raise InputError(f"{setting}={run_dir} cannot be written: "
                          f"{exc.strerror or exc}; choose a writable directory") from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = _holder(fd)
         os.close(fd)
-        raise InputError(f"trainer.output_dir={run_dir} is in use by another run ({holder}); "
+        raise InputError(f"{setting}={run_dir} is in use by another run ({holder}); "
                          f"wait for it to end, stop it, or choose another "
                          f"trainer.output_dir") from None
     try:
         # checked again under the lock: another run may have written here meanwhile
-        if problems := claim_problems(run_dir, resume, overwrite, expected):
+        if problems := claim_problems(run_dir, resume, overwrite, expected, setting):
             raise InputError(problems[0])
         if overwrite and not resume and _holds_a_run(path):
             moved = _stash_outputs(path)

@@ -104,6 +104,28 @@ def hydra_entry(cfg: DictConfig):
         return None
 
 
+def _given(overrides: list[str], key: str, composed=None) -> str | None:
+    """The value the command line gives a Hydra setting (hydra.run.dir, hydra.sweep.dir),
+    resolved against the composed config where it interpolates; None when not given or not
+    resolvable before Hydra runs (Hydra's own ${hydra:...})."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from rapidformer.config.compose import override_key
+
+    given = [o for o in overrides if override_key(o) == key]
+    if not given:
+        return None
+    try:
+        value = OverridesParser.create().parse_overrides([given[-1]])[0].value()
+        if isinstance(value, str) and "${" in value:
+            merged = OmegaConf.merge(composed or {}, {"_rapidformer_given": value})
+            value = merged._rapidformer_given
+    except Exception:  # noqa: BLE001 - Hydra checks it itself, later
+        return None
+    return value if isinstance(value, str) and value.strip() else None
+
+
 def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
@@ -113,8 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     from rapidformer.preflight import settle
     from rapidformer.runtime import hub
     from rapidformer.runtime.fast_exit import install as exit_fast
-    from rapidformer.checkpoint.run_dir import claimed, holds_directory
+    from rapidformer.checkpoint.run_dir import claimed, holds_directory, sweep_problems
     from rapidformer.checkpoint.run_start import RunStart
+    from rapidformer.errors import InputError
 
     exit_fast()
     stack = contextlib.ExitStack()
@@ -135,6 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     prints_only = asks_help or any(f in ("--cfg", "-c") for f in flags)
     try:
         overrides = check_overrides(overrides, multirun)
+        sweep_dir = _given(overrides, "hydra.sweep.dir") if multirun and not prints_only \
+            else None
+        if sweep_dir and (problems := sweep_problems(
+                sweep_dir, _given(overrides, "hydra.job.name") or "rapidformer")):
+            # before Hydra writes its multirun.yaml and the jobs' .hydra/ there
+            raise InputError(problems[0])
         if not multirun and not asks_help:
             # validate the whole config before Hydra creates a run directory
             composed = compose(overrides, default_recipe=False)
@@ -158,10 +187,16 @@ def main(argv: list[str] | None = None) -> None:
             # goes to Hydra too, so that a timestamped default is not resolved a second later
             quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")
             overrides = [*overrides, f"++trainer.output_dir='{quoted}'"]
-            start = RunStart(output_dir)
-            stack.enter_context(claimed(output_dir, run_cfg.trainer.resume,
+            # the job's directory: hydra.run.dir where the command gives one (Hydra writes
+            # .hydra/ there, and the run its files), else trainer.output_dir
+            job_dir = _given(overrides, "hydra.run.dir", composed)
+            held_dir = job_dir or output_dir
+            start = RunStart(held_dir)
+            stack.enter_context(claimed(held_dir, run_cfg.trainer.resume,
                                         run_cfg.trainer.overwrite,
-                                        held=holds_directory(run_cfg.launcher)))
+                                        held=holds_directory(run_cfg.launcher),
+                                        setting="hydra.run.dir" if job_dir else
+                                        "trainer.output_dir"))
     except RapidformerError as exc:
         if debug_enabled():
             raise
@@ -175,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         if start is not None and exc.code in (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE) and \
                 not start.trained():
             start.put_back()  # a refusal changes nothing on disk
-            print(f"rapidformer: nothing was run; {output_dir} "
+            print(f"rapidformer: nothing was run; {held_dir} "
                   f"{'was removed' if start.created else 'is as it was'}", file=sys.stderr)
         elif start is not None and start.trained():
             start.drop_stash()
