@@ -62,6 +62,8 @@ SWITCHES = {
     "--sequence-parallel": "parallelism.sequence_parallel=true",
     # Megatron-LM's name for its distributed optimizer (memory=zero1 on Megatron models)
     "--use-distributed-optimizer": "memory=zero1",
+    # Megatron-LM's: BERT pretraining without next-sentence prediction (document-level data)
+    "--bert-no-binary-head": "task.binary_head=false",
 }
 # seed flags whose feature arrives later: refused by name, with what it needs
 NOT_YET: dict[str, str] = {}

@@ -22,6 +22,7 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "task.max_target_length": ("task.name", ("seq2seq_lm",)),
     "task.num_beams": ("task.name", ("seq2seq_lm",)),
     "task.source_prefix": ("task.name", ("seq2seq_lm",)),
+    "task.binary_head": ("task.name", ("bert_pretraining",)),
     "model.name_or_path": ("model.source", ("pretrained",)),
     "model.embedding_rows": ("model.source", ("config",)),
     "data.subset": ("data.source", ("hub",)),

@@ -41,6 +41,11 @@ class TaskConfig:
     # masked positions only (masked; the same loss, NVIDIA's and MLPerf's BERT do so) or on every
     # position (all). Hugging Face BERT models; other models run their own head
     mlm_head: Literal["masked", "all"] = "masked"
+    # bert_pretraining: next-sentence prediction beside masked LM (Megatron's binary head), on
+    # sentence-level data (preprocessed with --split-sentences); false trains masked LM alone,
+    # which document-level data (one sequence per document) needs (the seed's
+    # --bert-no-binary-head)
+    binary_head: bool = True
     # seq2seq_lm: target length (labels longer are cut), beams and new tokens at evaluation, and
     # a text put before every source (T5's "summarize: ")
     max_target_length: int = 64

@@ -352,10 +352,11 @@ def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: 
     indexed = _open_all(blend[0], tokenizer.vocab_size, skip_warmup)
     for prefix, dataset in zip(blend[0], indexed):
         if binary_head and not np.any(np.diff(dataset.document_indices) > 1):
-            raise InputError(f"{prefix} has one sentence per document, but next-sentence "
-                             f"prediction pairs sentences of a document: preprocess with "
-                             f"--split-sentences (a '_sentence' prefix), or set "
-                             f"binary_head=False")
+            raise InputError(f"{prefix} has one sentence per document (preprocessed without "
+                             f"--split-sentences), but next-sentence prediction pairs "
+                             f"sentences of a document: preprocess with --split-sentences (a "
+                             f"'_sentence' prefix), or train masked LM alone with "
+                             f"task.binary_head=false (the seed's --bert-no-binary-head)")
     config = BERTMaskedWordPieceDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend,
         split=splits_string, path_to_cache=None if path_to_cache is None else str(path_to_cache), tokenizer=tokenizer,

@@ -117,13 +117,22 @@ def _llama_shape(m: ModelConfig) -> dict:
             "attention_dropout": m.attention_dropout, "initializer_range": m.initializer_range}
 
 
-def build_pretraining_model(m: ModelConfig, task: str, tokenizer):
-    """BERT with MLM + NSP heads (bert_pretraining) or a causal LM (causal_lm): pretrained, or
-    built from the config with the pretraining tokenizer's vocabulary (a MegatronTokenizer)."""
-    from transformers import (AutoModelForCausalLM, AutoModelForPreTraining, BertConfig,
-                              GPT2Config, LlamaConfig)
+def pretraining_auto_class(task: str, binary_head: bool = True) -> str:
+    """The transformers Auto class of a pretraining task's model: BERT with its masked-LM and
+    next-sentence heads, BERT's masked-LM head alone (task.binary_head=false), or a causal LM."""
+    if task == "bert_pretraining":
+        return "AutoModelForPreTraining" if binary_head else "AutoModelForMaskedLM"
+    return "AutoModelForCausalLM"
 
-    auto = AutoModelForPreTraining if task == "bert_pretraining" else AutoModelForCausalLM
+
+def build_pretraining_model(m: ModelConfig, task: str, tokenizer, binary_head: bool = True):
+    """BERT with MLM + NSP heads (bert_pretraining; the MLM head alone without `binary_head`)
+    or a causal LM (causal_lm): pretrained, or built from the config with the pretraining
+    tokenizer's vocabulary (a MegatronTokenizer)."""
+    import transformers
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    auto = getattr(transformers, pretraining_auto_class(task, binary_head))
     if m.source == "pretrained":
         try:
             model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation,

@@ -173,7 +173,8 @@ def _meta_model(cfg: RunConfig):
     tokenizer = _VocabOnly(vocab_size(cfg))
     with torch.device("meta"):
         if cfg.task.is_pretraining:
-            return hf.build_pretraining_model(m, cfg.task.name, tokenizer)
+            return hf.build_pretraining_model(m, cfg.task.name, tokenizer,
+                                              cfg.task.binary_head)
         labels = {"num_labels": cfg.task.num_labels or 2} if cfg.task.name in (
             "sequence_classification", "token_classification") else {}
         return hf.build_task_model(m, cfg.task.name, tokenizer, **labels)
@@ -186,15 +187,15 @@ def _pretrained_on_meta(cfg: RunConfig):
     import transformers
 
     from rapidformer.data.tokenizers import unreachable_model_message
-    from rapidformer.models.hf import AUTO_CLASSES
+    from rapidformer.models.hf import AUTO_CLASSES, pretraining_auto_class
 
     try:
         config = transformers.AutoConfig.from_pretrained(cfg.model.name_or_path)
     except (OSError, ValueError) as exc:
         raise InputError(unreachable_model_message(cfg.model.name_or_path)) from exc
     task = cfg.task.name
-    name = {"bert_pretraining": "AutoModelForPreTraining",
-            "causal_lm": "AutoModelForCausalLM"}.get(task) or AUTO_CLASSES[task]
+    name = pretraining_auto_class(task, cfg.task.binary_head) if cfg.task.is_pretraining \
+        else AUTO_CLASSES[task]
     if task in ("sequence_classification", "token_classification") and cfg.task.num_labels:
         config.num_labels = cfg.task.num_labels  # the head the run gives it
     with torch.device("meta"):

@@ -3,7 +3,8 @@
 
 The same three PreTrainer methods a white-box user writes, filled in from the config: the
 run's tokenizer (the one the data was made with), megatron-core datasets, a Hugging Face model
-(`AutoModelForPreTraining` / a GPT-2- or Llama-shaped causal LM), and the seed's forward steps.
+(`AutoModelForPreTraining`, or `AutoModelForMaskedLM` with task.binary_head=false / a GPT-2- or
+Llama-shaped causal LM), and the seed's forward steps.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class _MegatronDataPretrainer(PreTrainer):
             check_pretrained_vocabulary(self.cfg.model, tokenizer)
         if self.megatron_model:
             return type(self).build_megatron_model(self.cfg, tokenizer.vocab_size), None, None
-        return build_pretraining_model(self.cfg.model, self.cfg.task.name, tokenizer), None, None
+        return build_pretraining_model(self.cfg.model, self.cfg.task.name, tokenizer,
+                                       self.cfg.task.binary_head), None, None
 
     def _evaluated(self, datasets: tuple) -> tuple:
         """The rule of the evaluated splits (rapidformer/tasks/base.py) for Megatron's: a
@@ -101,7 +103,8 @@ class BertPretrainer(_MegatronDataPretrainer):
             self.collate_fn = self.batching.pretraining_collate(default_collate)
         return self._evaluated(build_bert_datasets(
             d.path, tokenizer, d.split, train_val_test_num_samples, d.max_seq_length,
-            d.mask_prob, d.short_seq_prob, self.cfg.trainer.seed, binary_head=True,
+            d.mask_prob, d.short_seq_prob, self.cfg.trainer.seed,
+            binary_head=self.cfg.task.binary_head,
             skip_warmup=not d.mmap_warmup,
             path_to_cache=self.engine.run_dir / "data_index_cache"))
 
@@ -115,6 +118,8 @@ class BertPretrainer(_MegatronDataPretrainer):
         data = mpu.broadcast_data(keys, batch, torch.int64)
         if self.megatron_model:
             return megatron_bert_forward(model, data)
+        if not self.cfg.task.binary_head:  # a masked-LM model: no next-sentence label to take
+            data.pop("next_sentence_label", None)
         return model(**data).loss
 
 
@@ -194,8 +199,9 @@ def megatron_gpt_forward(model, data: dict):
 
 def megatron_bert_forward(model, data: dict):
     """megatron-core's (output, loss_func) for a BertModel: masked-LM loss over the masked
-    positions plus next-sentence cross entropy (Megatron-LM's pretrain_bert; the sum is what
-    Hugging Face's BertForPreTraining reports as its loss)."""
+    positions plus next-sentence cross entropy where the model has its binary head
+    (Megatron-LM's pretrain_bert; the sum is what Hugging Face's BertForPreTraining reports as
+    its loss)."""
     labels = data["labels"]
     mask = (labels != -100).float()
     output = model(data["input_ids"], data["attention_mask"],
@@ -203,10 +209,12 @@ def megatron_bert_forward(model, data: dict):
 
     def loss_func(output):
         per_token_loss, binary_logits = output
-        nsp_loss = torch.nn.functional.cross_entropy(binary_logits.float().view(-1, 2),
-                                                     data["next_sentence_label"].view(-1),
-                                                     ignore_index=-1)
-        return _reported(_masked_mean(per_token_loss, mask) + nsp_loss)
+        loss = _masked_mean(per_token_loss, mask)
+        if binary_logits is not None:  # task.binary_head=false builds the model without one
+            loss = loss + torch.nn.functional.cross_entropy(
+                binary_logits.float().view(-1, 2), data["next_sentence_label"].view(-1),
+                ignore_index=-1)
+        return _reported(loss)
 
     return output, loss_func
 
