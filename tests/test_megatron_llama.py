@@ -333,7 +333,9 @@ def _layout_worker(rank: int, port: int, directories: dict, out: str):
     dist.destroy_process_group()
 
 
-# one pair of spawned processes for the three layouts (each spawn imports megatron-core)
+# one pair of spawned processes for the three layouts (each spawn imports megatron-core):
+# 18 s measured on 2 shared cores
+@pytest.mark.slow
 def test_layouts_cut_the_checkpoint_and_gather_it_back(tmp_path, checkpoints):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -363,10 +365,12 @@ def _cli_args(data: dict) -> list[str]:
             "trainer.tensorboard=false", "trainer.save_last=false"]
 
 
-def test_cli_trains_from_a_checkpoint_and_exports_it(tmp_path, pretraining_data):
-    """A run from a Llama checkpoint (the data's tokenizer, 2 gloo ranks at TP=2 with the
-    distributed optimizer's memory mode) learns, and its hf_model loads as LlamaForCausalLM of
-    the checkpoint's config; one process gives TP=2's losses."""
+@pytest.mark.slow  # 4 runs through the CLI, 3 of them on 2 processes: 58 s measured
+def test_cli_trains_from_a_checkpoint_resumes_and_exports_it(tmp_path, pretraining_data):
+    """A run from a Llama checkpoint (the data's tokenizer) learns; 2 gloo ranks at TP=2, and
+    at DP=2 with the distributed optimizer, give one process's losses; TP=2's checkpoint
+    (megatron-core saves SwiGLU's gate and up apart) resumes on one process with the same
+    losses; the hf_model loads as LlamaForCausalLM of the checkpoint's config."""
     from transformers import LlamaForCausalLM
 
     from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
@@ -376,16 +380,27 @@ def test_cli_trains_from_a_checkpoint_and_exports_it(tmp_path, pretraining_data)
                                                  f"model.merge_file={d['merges']}"]).model,
                                            d["gpt"])
     start = _save(tmp_path / "llama", "llama", vocab_size=tokenizer.vocab_size)
+    args = [*_cli_args(d), f"model.init_from_hf={start}"]
     runs = {}
-    for name, extra in {"one": [], "tp2": ["parallelism=tp2", "launcher.nproc_per_node=2",
-                                           "memory=zero1"]}.items():
-        result = assert_ok(run_cli([*_cli_args(d), f"model.init_from_hf={start}", *extra,
-                                    f"trainer.output_dir={tmp_path / name}"], cwd=tmp_path))
+    for name, extra in {
+            "one": [],
+            "tp2": ["parallelism=tp2", "launcher.nproc_per_node=2", "trainer.save_interval=3"],
+            "resumed": ["trainer.export_hf=false",
+                        f"trainer.resume={tmp_path / 'tp2' / 'checkpoints' / 'step_00000003'}"],
+            "dp2_zero1": ["parallelism=dp", "launcher.nproc_per_node=2", "memory=zero1",
+                          "trainer.export_hf=false"],
+    }.items():
+        result = assert_ok(run_cli([*args, *extra, f"trainer.output_dir={tmp_path / name}"],
+                                   cwd=tmp_path))
         runs[name] = train_losses(tmp_path / name)
-    assert f"model.init_from_hf: weights of {start} (llama)" in result.stderr + result.stdout
+        if name == "one":
+            assert f"model.init_from_hf: weights of {start} (llama)" in result.stderr + \
+                result.stdout
     assert runs["one"][6] < runs["one"][1] - 0.3, runs["one"]
-    for step, loss in runs["one"].items():
-        assert runs["tp2"][step] == pytest.approx(loss, rel=1e-4), (step, runs)
+    assert sorted(runs["resumed"]) == [4, 5, 6], runs["resumed"]
+    for name in ("tp2", "resumed", "dp2_zero1"):
+        for step, loss in runs[name].items():
+            assert loss == pytest.approx(runs["one"][step], rel=1e-4), (name, step, runs)
     exported = LlamaForCausalLM.from_pretrained(tmp_path / "tp2" / "hf_model")
     assert exported.config.to_diff_dict() == LlamaForCausalLM.from_pretrained(
         start).config.to_diff_dict()
