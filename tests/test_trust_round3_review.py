@@ -12,7 +12,11 @@ variations through the real entry point (in-process CLI), the files before and a
 - another Hydra application's folders given as Hydra's own directories: hydra.run.dir (its
   `.hydra/` and log) and hydra.sweep.dir (its multirun.yaml and job directories) are refused
   before Hydra writes into them (the refusal came after Hydra had rewritten `.hydra/` and
-  multirun.yaml, and the run had added status.json and its log).
+  multirun.yaml, and the run had added status.json and its log);
+- `rapidformer export --to` a place a run manages (its checkpoints/ directory: a step-named
+  export was taken for a damaged checkpoint, and trainer.overwrite=true removed it; a name of
+  its outputs such as hf_model), a link leading nowhere, or a path under a file: one message,
+  exit 2, nothing written (a traceback, exit 1, for the last two).
 """
 from __future__ import annotations
 
@@ -214,3 +218,52 @@ def test_a_sweep_directory_of_rapidformer_is_taken(tmp_path):
     assert sweep_problems(tmp_path, "rapidformer") == []
     (tmp_path / "1" / "weights.pt").write_text("not ours")
     assert sweep_problems(tmp_path, "rapidformer") != []
+
+
+# --- export --to a place it must not write ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from rapidformer import __main__ as module_main
+
+    run = tmp_path_factory.mktemp("export") / "run"
+    try:
+        module_main.main([*ONE_STEP, "data.synthetic_train_size=64",
+                          "data.synthetic_eval_size=16", f"trainer.output_dir={run}"])
+    except SystemExit as exc:
+        assert exc.code in (0, None), exc.code
+    assert (run / "checkpoints").is_dir()
+    return run
+
+
+@pytest.mark.parametrize("to,message", [
+    ("{run}/checkpoints/step_00000099", "is inside the run directory {run}, at "
+     "checkpoints/step_00000099, which the run manages"),
+    ("{run}/checkpoints/exports/v1", "at checkpoints/exports/v1, which the run manages"),
+    ("{run}/hf_model", "is inside the run directory {run}, at hf_model, which the run manages"),
+    ("{tmp}/dangling", "--to {tmp}/dangling is a symbolic link (to {tmp}/nowhere)"),
+    ("{tmp}/dangling/model", "--to {tmp}/dangling/model cannot be created: {tmp}/dangling is a "
+     "symbolic link that leads nowhere"),
+    ("{tmp}/a_file/model", "--to {tmp}/a_file/model cannot be created: {tmp}/a_file is a file, "
+     "not a directory"),
+])
+def test_export_to_a_place_it_must_not_write_is_refused(to, message, finished_run, tmp_path,
+                                                        capsys):
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    (tmp_path / "a_file").write_text("mine\n")
+    where = {"run": finished_run, "tmp": tmp_path}
+    before = tree(finished_run, tmp_path)
+    code, err = call("cli", ["export", str(finished_run), "--to", to.format(**where)], capsys)
+    assert code == 2, err[-2000:]
+    assert message.format(**where) in err, err[-2000:]
+    assert "Traceback" not in err
+    assert tree(finished_run, tmp_path) == before
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_export_into_a_new_folder_of_the_run_directory_is_written(finished_run, tmp_path,
+                                                                  capsys):
+    code, err = call("cli", ["export", str(finished_run), "--to", str(finished_run / "v1")],
+                     capsys)
+    assert code == 0, err[-2000:]
+    assert (finished_run / "v1" / "config.json").is_file()

@@ -95,9 +95,9 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
 
     from rapidformer.config.validate import build_run_config
 
-    if out.exists():
-        raise InputError(f"--to {out} exists already; give a new directory (nothing is "
-                         f"overwritten)")
+    problem = out_problem(out)
+    if problem:
+        raise InputError(problem)
     ckpt, run_dir = locate(path, step)
     cfg = build_run_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
     saved = read_state(ckpt)
@@ -115,6 +115,38 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
                          f"unexpected {unexpected[:5]}")
     model.tie_weights()
     return _write(out, ckpt, saved, tokenizer, lambda tmp: model.save_pretrained(str(tmp)))
+
+
+def out_problem(out: Path) -> str | None:
+    """Why `--to out` cannot be the new directory an export writes, or None: it exists (a link
+    too, one leading nowhere included), a folder above it is a file, or it is a place a run
+    manages (its checkpoints/ directory, or an output it writes such as hf_model), where a
+    resume, pruning or trainer.overwrite=true would take it for the run's and remove it."""
+    from rapidformer.checkpoint.run_dir import RUN_OUTPUTS, is_run_directory
+
+    if out.is_symlink():
+        return (f"--to {out} is a symbolic link (to {os.readlink(out)}); give a new directory "
+                f"(nothing is overwritten)")
+    if out.exists():
+        return f"--to {out} exists already; give a new directory (nothing is overwritten)"
+    above = out.absolute().parent
+    while not above.exists() and not above.is_symlink() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        return (f"--to {out} cannot be created: {above} is "
+                f"{'a symbolic link that leads nowhere' if above.is_symlink() else 'a file'}, "
+                f"not a directory; give a new directory")
+    resolved = out.absolute().parent.resolve() / out.name
+    for folder in [resolved.parent, *resolved.parent.parents]:
+        inside = resolved.relative_to(folder).parts
+        if is_run_directory(folder) and (inside[0] == "checkpoints" or
+                                         (len(inside) == 1 and inside[0] in RUN_OUTPUTS)):
+            return (f"--to {out} is inside the run directory {folder}, at "
+                    f"{'/'.join(inside)}, which the run manages (a resume, pruning or "
+                    f"trainer.overwrite=true would take it for the run's own and remove it); "
+                    f"give a directory outside {folder}/checkpoints and not named like the "
+                    f"run's outputs")
+    return None
 
 
 def _adapter_writer(ckpt: Path, saved: CheckpointState):
