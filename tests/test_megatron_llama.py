@@ -167,6 +167,11 @@ def test_random_weights_export_as_llama_with_the_same_logits(one_rank):
     with torch.no_grad():
         theirs = exported(input_ids=_tokens()).logits
     torch.testing.assert_close(_megatron_logits(model), theirs, atol=1e-5, rtol=1e-5)
+    # megatron-core's own DotProductAttention (grouped-query too) computes the same
+    eager = build_megatron_decoder(_cfg(["model.rope_theta=500000",
+                                         "model.attn_implementation=eager"]), VOCAB).eval()
+    eager.load_state_dict(model.state_dict())
+    torch.testing.assert_close(_megatron_logits(eager), theirs, atol=1e-5, rtol=1e-5)
 
 
 # --- what is refused ---------------------------------------------------------------------------
