@@ -7,7 +7,8 @@ rotary scaling and tied embeddings, Mistral's window wider than the sequence inc
 is the checkpoint tensor for tensor, and the saved export loads with the same logits; random
 weights export as a LlamaForCausalLM with the same logits. On 2 gloo ranks: TP=2 (also with
 sequence parallelism) and PP=2 cut the checkpoint and gather it back. Through the CLI: a run from
-a checkpoint learns, TP=2 and the distributed optimizer follow one process, the export loads.
+a checkpoint learns, TP=2 and DP=2 with the distributed optimizer follow one process, TP=2's
+checkpoint resumes on one process, the export loads.
 Refused with one sentence per key: what megatron_llama does not compute."""
 from __future__ import annotations
 
