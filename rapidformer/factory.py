@@ -11,6 +11,7 @@ from pathlib import Path
 from rapidformer import engine as engine_module
 from rapidformer.templates import loop as loop_module
 from rapidformer.compat.args import activate
+from rapidformer.config.paths import user_script_problem
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import InputError, debug_enabled
 
@@ -40,9 +41,8 @@ def run(cfg: RunConfig, run_dir: str, resolved: dict):
 
 def run_user_script(path: Path):
     """Run a white-box script as `__main__`, as the seed's `--user-script` does."""
-    if not path.is_file():
-        raise InputError(f"user_script={path}: no such file; give the path to your Python "
-                         f"script (relative to the directory you run from)")
+    if problem := user_script_problem(path):
+        raise InputError(problem)
     engines, calls, loops = (engine_module.ENGINES_CREATED, engine_module.TRAINING_CALLS,
                              loop_module.LOOPS_STARTED)
     log.info("running user script %s", path)

@@ -7,7 +7,10 @@
                     -> every model transform's (transforms/)
                     -> with `environment`: what this machine lacks for the strategy and the
                        transforms (libraries, device kinds), the logger, the inductor options,
-                       a local model's shape, and the paths the run writes and resumes from
+                       the hub models it loads (offline: in the cache), a local model's shape,
+                       what it reads (data/inputs.py: data files, tokenizer files, pretraining
+                       data against its tokenizer and task), and the paths the run writes and
+                       resumes from
 
 `rapidformer validate`, `rapidformer plan`, `--cfg` and dry runs, and the run itself all go
 through `settle`, so validate says ok exactly when the run would start; each problem keeps the
@@ -73,8 +76,10 @@ def environment_problems(cfg: RunConfig, output_dir: str | None = None,
     from rapidformer.accelerators.graph import check_inductor_options
     from rapidformer.checkpoint.run_dir import claim_problems
     from rapidformer.config.paths import check_paths
+    from rapidformer.data.inputs import input_problems
     from rapidformer.models.pretrained_shape import check_local_shape
     from rapidformer.observability.loggers import check_tracker_installed
+    from rapidformer.runtime import hub
 
     device, problems = run_device(cfg)
     if not problems:  # what a device lacks, asked of the device the run has
@@ -84,11 +89,16 @@ def environment_problems(cfg: RunConfig, output_dir: str | None = None,
     if cfg.graph.name == "compile" and cfg.graph.options:
         problems += caught(check_inductor_options, cfg.graph.options)
     problems += caught(check_tracker_installed, cfg.logger.name)
+    # the hub, asked once: offline from here when it cannot be reached, and every hub model
+    # the run loads then in the cache
+    problems += caught(hub.prepare, cfg)
     problems += caught(check_local_shape, cfg.model)
     if cfg.task.is_pretraining and not cfg.user_script:
         from rapidformer.data.megatron import require_megatron_core
 
         problems += caught(require_megatron_core)
+    # what the run reads: its data's files, its tokenizer's, pretraining data against both
+    problems += input_problems(cfg)
     if output_dir is not None:
         problems += caught(check_paths, cfg, output_dir)
         if claims:

@@ -58,11 +58,24 @@ def test_the_seed_switch_is_the_key():
 
 
 def test_document_level_data_is_refused_with_nsp_and_trains_without(
-        tmp_path, pretraining_data, document_bert, capsys):
-    code, err = start(command(pretraining_data, document_bert, tmp_path / "nsp"), capsys)
+        tmp_path, pretraining_data, document_bert, capsys, monkeypatch):
+    from rapidformer import engine
+    from rapidformer.cli.verbs import run_verb
+    from rapidformer.data import megatron
+
+    refused = command(pretraining_data, document_bert, tmp_path / "nsp")
+    assert run_verb("validate", refused) == 2
+    assert KEY in capsys.readouterr().err
+    built = []
+    monkeypatch.setattr(megatron, "_build", lambda *a, **k: built.append(a))
+    engines = engine.ENGINES_CREATED
+    code, err = start(refused, capsys)
     assert code == 2, err[-3000:]
     assert "has one sentence per document" in err and KEY in err, err[-3000:]
+    # refused before any work: no engine, no dataset index, no run directory
+    assert engine.ENGINES_CREATED == engines and not built
     assert not (tmp_path / "nsp").exists()
+    monkeypatch.undo()
 
     run = tmp_path / "mlm"
     code, err = start(command(pretraining_data, document_bert, run, "task.binary_head=false"),

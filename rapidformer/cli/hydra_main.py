@@ -133,7 +133,6 @@ def main(argv: list[str] | None = None) -> None:
                                             with_default_recipe)
     from rapidformer.config.search import take_config_dirs
     from rapidformer.preflight import settle
-    from rapidformer.runtime import hub
     from rapidformer.runtime.fast_exit import install as exit_fast
     from rapidformer.checkpoint.run_dir import claimed, holds_directory, sweep_problems
     from rapidformer.checkpoint.run_start import RunStart
@@ -178,8 +177,6 @@ def main(argv: list[str] | None = None) -> None:
 
                 print_plan(run_cfg)  # and stop: no run directory, no data
                 return
-            if not prints_only:
-                hub.prepare(run_cfg)  # offline at once when the hub is out of reach
         if not multirun and not asks_help and run_cfg.launcher.name == "slurm":
             flags.append("--multirun")  # Hydra hands a job to its launcher only in a sweep
         elif not multirun and not prints_only:

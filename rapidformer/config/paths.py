@@ -1,5 +1,6 @@
-"""Paths checked before any work: where the run writes, and what it resumes from. A run that
-would fail at its first checkpoint, or after minutes of data preparation, fails now."""
+"""Paths checked before any work: where the run writes, what it resumes from, the white-box
+script it runs. A run that would fail at its first checkpoint, or after minutes of data
+preparation, fails now."""
 from __future__ import annotations
 
 import os
@@ -25,5 +26,15 @@ def check_paths(cfg: RunConfig, output_dir: str) -> None:
         problems.append(f"trainer.resume={resume}: no such checkpoint directory; use "
                         f"trainer.resume=auto (the newest complete checkpoint in "
                         f"trainer.output_dir) or the path of a step_NNNNNNNN directory")
+    if cfg.user_script and (problem := user_script_problem(cfg.user_script)):
+        problems.append(problem)
     if problems:
         raise InputError("; ".join(problems))
+
+
+def user_script_problem(path) -> str | None:
+    """Why user_script cannot be run as the white-box script, or None."""
+    if Path(path).is_file():
+        return None
+    return (f"user_script={path}: no such file; give the path to your Python script (relative "
+            f"to the directory you run from)")

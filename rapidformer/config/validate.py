@@ -84,7 +84,7 @@ def check_values(cfg: RunConfig) -> list[str]:
                  f"a whole group of query heads; pick a divisor, e.g. "
                  f"model.num_key_value_heads={_divisor_below(m.num_attention_heads, kv)}")
     if cfg.task.name == "sft" and (m.is_megatron or
-                                   (m.source == "config" and m.arch not in ("llama", "gpt2"))):
+                                   (m.source == "config" and m.arch not in CAUSAL_LM_ARCHS)):
         p.append(f"task=sft fine-tunes a Hugging Face causal LM; model={m.name} (model.arch="
                  f"{m.arch}) is not one: use model=llama_tiny, model=gpt2_tiny, or a pretrained "
                  f"decoder with model=hf model.name_or_path=DIR")
@@ -202,6 +202,27 @@ def _task_problems(cfg: RunConfig) -> list[str]:
     return p
 
 
+# the Hugging Face architectures a config-built causal LM (task=causal_lm, sft) may have
+CAUSAL_LM_ARCHS = ("gpt2", "llama")
+
+
+def pretraining_model_problem(task: str, m) -> str | None:
+    """Whether the pretraining task can build model `m` from its config: a BERT for
+    bert_pretraining, a GPT-2- or Llama-shaped decoder (or a Megatron decoder) for causal_lm.
+    A pretrained model is its checkpoint's; its own loading says what it is."""
+    if m.source != "config":
+        return None
+    if task == "bert_pretraining" and m.arch not in ("bert", "megatron_bert"):
+        return (f"task=bert_pretraining builds a BERT; model.arch={m.arch} is not one (use "
+                f"model=bert_tiny, bert_base or megatron_bert)")
+    if task == "causal_lm" and (m.arch == "megatron_bert" or not m.is_megatron
+                                and m.arch not in CAUSAL_LM_ARCHS):
+        return (f"task=causal_lm builds a GPT-2- or Llama-shaped model from the config; "
+                f"model.arch={m.arch} is neither (use model=gpt2_tiny, gpt2_small, llama_tiny "
+                f"or llama_1b, megatron_gpt, or a pretrained causal LM with model=hf)")
+    return None
+
+
 def _pretraining_problems(cfg: RunConfig) -> list[str]:
     """Pretraining tasks read Megatron data with the tokenizer that made it, by iterations."""
     from rapidformer.config.splits import parse_split
@@ -216,6 +237,8 @@ def _pretraining_problems(cfg: RunConfig) -> list[str]:
     if not t.train_iters:
         p.append(f"task={task} counts iterations, not epochs: set trainer.train_iters (the "
                  f"seed's --train-iters)")
+    if (problem := pretraining_model_problem(task, m)) is not None:
+        p.append(problem)
     if d.source != "megatron":
         p.append(f"task={task} reads Megatron mmap data, but data.source={d.source}; use "
                  f"data=megatron data.path=PREFIX (made by rapidformer-preprocess-data)")

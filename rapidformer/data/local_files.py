@@ -136,10 +136,9 @@ def format_of(path: Path, fmt: str) -> str | None:
 
 
 # --- reading -----------------------------------------------------------------------------------
-def read_file(path: Path, fmt: str, quoting: str = "auto"):
-    """The file as a datasets.Dataset, its rows checked to account for its lines first."""
-    from datasets import load_dataset
-
+def readable_format(path: Path, fmt: str) -> str:
+    """The format `path` is read as, once its name (or data.format) says one and it is a
+    readable regular file; else the InputError saying which."""
     fmt = format_of(path, fmt)
     if fmt is None:
         raise InputError(f"cannot tell the format of {path}: use a .csv, .tsv, .json, .jsonl or "
@@ -147,6 +146,14 @@ def read_file(path: Path, fmt: str, quoting: str = "auto"):
     problem = path_problem(path)
     if problem:
         raise InputError(f"{path} {problem}; point data.path at the data")
+    return fmt
+
+
+def read_file(path: Path, fmt: str, quoting: str = "auto"):
+    """The file as a datasets.Dataset, its rows checked to account for its lines first."""
+    from datasets import load_dataset
+
+    fmt = readable_format(path, fmt)
     kwargs = {}
     try:
         rows = _checked_rows(path, fmt, quoting)

@@ -307,12 +307,88 @@ def _process_group():
         dist.destroy_process_group()
 
 
+def check_tokenizer(tokenizer: MegatronTokenizer, bert: bool) -> None:
+    """What the task's samples need of the tokenizer: BERT's [CLS], [SEP] and [MASK], GPT's
+    end-of-document token."""
+    if bert and None in (tokenizer.cls, tokenizer.sep, tokenizer.mask):
+        raise InputError("BERT pretraining needs a WordPiece tokenizer with [CLS], [SEP] and "
+                         "[MASK]; use model.tokenizer_type=BertWordPieceLowerCase (or Case) with "
+                         "the vocab.txt the data was made with")
+    if not bert and tokenizer.eod is None:
+        raise InputError("GPT pretraining needs an end-of-document token; the tokenizer has "
+                         "none (GPT-2 vocabularies have <|endoftext|>)")
+
+
+def check_sentences(prefix: str, dataset) -> None:
+    """Next-sentence prediction pairs sentences of one document: data with one sequence per
+    document (preprocessed without --split-sentences) has no pair to make."""
+    if not np.any(np.diff(dataset.document_indices) > 1):
+        raise InputError(f"{prefix} has one sentence per document (preprocessed without "
+                         f"--split-sentences), but next-sentence prediction pairs sentences of "
+                         f"a document: preprocess with --split-sentences (a '_sentence' "
+                         f"prefix), or train masked LM alone with task.binary_head=false (the "
+                         f"seed's --bert-no-binary-head)")
+
+
+def checked_data(data_path, tokenizer: MegatronTokenizer, bert: bool, binary_head: bool = True,
+                 skip_warmup: bool = True) -> tuple[tuple, list]:
+    """(blend, opened datasets) of data.path after every check that needs no index built: the
+    tokenizer has what the task needs, each prefix's files are whole and of this vocabulary,
+    and BERT's next-sentence prediction has sentences to pair. What the refusal pass asks
+    before a run starts, and the dataset builders again."""
+    check_tokenizer(tokenizer, bert)
+    blend = _blend(data_path)
+    indexed = _open_all(blend[0], tokenizer.vocab_size, skip_warmup)
+    if bert and binary_head:
+        for prefix, dataset in zip(blend[0], indexed):
+            check_sentences(prefix, dataset)
+    return blend, indexed
+
+
+def documents_of(indexed: list, bert: bool) -> int:
+    """The documents data.split divides, as megatron-core counts them (BERT: documents, GPT:
+    sequences, one per document); a blend's smallest prefix's."""
+    if bert:
+        from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset as cls
+    else:
+        from megatron.core.datasets.gpt_dataset import GPTDataset as cls
+    return min(cls.numel_low_level_dataset(dataset) for dataset in indexed)
+
+
+def no_training_documents(split: str, documents: int) -> str:
+    return (f"data.split={split} leaves no training documents out of {documents}; give the "
+            f"training split a larger share or add data")
+
+
+def no_whole_document(split: str, name: str, share: float, documents: int | None) -> str:
+    """An evaluated split (validation, test) whose share of data.split holds no document."""
+    counted = f" of its {documents} documents" if documents else ""
+    return (f"data.split={split} gives the {name} split {share:.2%} of data.path's documents, "
+            f"which is not one whole document{counted}: every {name} evaluation would score "
+            f"nothing. Give it a larger share (or add documents), or a share of 0 (or "
+            f"trainer.eval_iters=0) to train without it")
+
+
+def split_problems(split: str, documents: int, eval_iters: int) -> list[str]:
+    """What the dataset builders and the pretraining tasks refuse in data.split for data of
+    `documents`: no training document, or an evaluated split that is no whole document."""
+    from rapidformer.config.splits import parse_split
+    from rapidformer.data.splits import split_ranges
+
+    ranges, shares = split_ranges(split, documents), parse_split(split)
+    if ranges[0] is None:
+        return [no_training_documents(split, documents)]
+    return [no_whole_document(split, name, shares[index], documents)
+            for index, name in ((1, "validation"), (2, "test"))
+            if ranges[index] is None and shares[index] > 0 and eval_iters > 0]
+
+
 def _build(dataset_cls, config, indexed: list, sizes: list[int]):
     """The three splits; an empty split (no documents or no samples asked) is None."""
     from megatron.core.datasets.blended_megatron_dataset_builder import \
         BlendedMegatronDatasetBuilder
 
-    documents = min(len(dataset) for dataset in indexed)
+    documents = min(dataset_cls.numel_low_level_dataset(dataset) for dataset in indexed)
     for i, bookends in enumerate(config.split_matrix):
         if bookends is None:
             continue
@@ -320,8 +396,7 @@ def _build(dataset_cls, config, indexed: list, sizes: list[int]):
         if end <= begin or not sizes[i]:
             config.split_matrix[i] = None
     if config.split_matrix[0] is None:
-        raise InputError(f"data.split={config.split} leaves no training documents out of "
-                         f"{documents}; give the training split a larger share or add data")
+        raise InputError(no_training_documents(config.split, documents))
     with _process_group():
         splits = BlendedMegatronDatasetBuilder(dataset_cls, [s or None for s in sizes],
                                                lambda: True, config).build()
@@ -340,23 +415,12 @@ def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: 
     from megatron.core.datasets.bert_dataset import (BERTMaskedWordPieceDataset,
                                                      BERTMaskedWordPieceDatasetConfig)
 
-    if None in (tokenizer.cls, tokenizer.sep, tokenizer.mask):
-        raise InputError("BERT pretraining needs a WordPiece tokenizer with [CLS], [SEP] and "
-                         "[MASK]; use model.tokenizer_type=BertWordPieceLowerCase (or Case) with "
-                         "the vocab.txt the data was made with")
     if not 0 < masked_lm_prob < 1:
         raise InputError(f"mask_prob={masked_lm_prob} must be in (0, 1), e.g. 0.15")
     if not 0 <= short_seq_prob <= 1:
         raise InputError(f"short_seq_prob={short_seq_prob} must be in [0, 1], e.g. 0.1")
-    blend = _blend(data_path)
-    indexed = _open_all(blend[0], tokenizer.vocab_size, skip_warmup)
-    for prefix, dataset in zip(blend[0], indexed):
-        if binary_head and not np.any(np.diff(dataset.document_indices) > 1):
-            raise InputError(f"{prefix} has one sentence per document (preprocessed without "
-                             f"--split-sentences), but next-sentence prediction pairs "
-                             f"sentences of a document: preprocess with --split-sentences (a "
-                             f"'_sentence' prefix), or train masked LM alone with "
-                             f"task.binary_head=false (the seed's --bert-no-binary-head)")
+    blend, indexed = checked_data(data_path, tokenizer, bert=True, binary_head=binary_head,
+                                  skip_warmup=skip_warmup)
     config = BERTMaskedWordPieceDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend,
         split=splits_string, path_to_cache=None if path_to_cache is None else str(path_to_cache), tokenizer=tokenizer,
@@ -376,11 +440,7 @@ def build_gpt_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: s
     """(train, valid, test) GPT datasets of seq_length-token samples; a missing split is None."""
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    if tokenizer.eod is None:
-        raise InputError("GPT pretraining needs an end-of-document token; the tokenizer has "
-                         "none (GPT-2 vocabularies have <|endoftext|>)")
-    blend = _blend(data_path)
-    indexed = _open_all(blend[0], tokenizer.vocab_size, skip_warmup)
+    blend, indexed = checked_data(data_path, tokenizer, bert=False, skip_warmup=skip_warmup)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend,
         split=splits_string, path_to_cache=None if path_to_cache is None else str(path_to_cache), tokenizer=tokenizer,

@@ -109,3 +109,33 @@ def _with_megatron_bert_tokens(hf):
         raise InputError(f"the tokenizer gave {got} to Megatron's BERT tokens, which the data "
                          f"has as {ids}")
     return hf, ids["[EOS]"], missing
+
+
+def check_pretrained_vocabulary(m, tokenizer) -> None:
+    """A pretrained model's embeddings cover the pretraining tokenizer's ids (its config.json
+    read, local or cached; a model that cannot be read is its loading's to refuse)."""
+    from transformers import AutoConfig
+
+    try:
+        size = AutoConfig.from_pretrained(m.name_or_path).vocab_size
+    except (OSError, ValueError):
+        return  # the model's own loading says why
+    if problem := vocabulary_problem(m, size, tokenizer):
+        raise InputError(problem)
+
+
+def vocabulary_problem(m, size: int, tokenizer) -> str | None:
+    """Why a pretrained model of `size` embeddings cannot read the tokenizer's ids, or None. A
+    pretrained BERT's embeddings end at its vocab.txt; data that ends documents with Megatron's
+    [EOS] (an id past them) cannot train it: say which option makes data it can."""
+    if size >= tokenizer.vocab_size:
+        return None
+    if tokenizer.added:
+        return (f"model {m.name_or_path} has {size} embeddings, but data.path ends documents "
+                f"with Megatron's [EOS] (id {tokenizer.eod}), which {m.tokenizer} does not have "
+                f"(the tokenizer adds {' and '.join(tokenizer.added)}: {tokenizer.vocab_size} "
+                f"entries); preprocess the data again with --bert-eod sep (or without "
+                f"--append-eod), or train a model built from the config (model=bert_base)")
+    return (f"model {m.name_or_path} has {size} embeddings but the tokenizer has "
+            f"{tokenizer.vocab_size} tokens; use the model's own vocabulary for the data "
+            f"(model.tokenizer)")

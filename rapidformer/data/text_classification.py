@@ -34,8 +34,8 @@ from pathlib import Path
 from rapidformer.config.schema import DataConfig
 from rapidformer.data import file_rows
 from rapidformer.data.local_files import (
-    HUB, SPLIT_ALIASES, directory_problem, find_split_file, format_of, read_file, remember,
-    source_of)
+    HUB, SPLIT_ALIASES, directory_problem, find_split_file, format_of, read_file, readable_format,
+    remember, source_of)
 from rapidformer.data.synthetic import write_dataset
 from rapidformer.errors import InputError
 
@@ -52,8 +52,10 @@ class ClassificationData:
     scored_splits: tuple[str, ...] = ("validation",)
 
 
-def _local_splits(d: DataConfig, root: Path) -> tuple[dict, dict]:
-    """({split: dataset}, {split: the file it was read from})."""
+def local_split_files(d: DataConfig, root: Path) -> dict:
+    """{split: the file it is read from} of local data at `root` (data.path: a directory of
+    split files, or one file for the train split), each reachable, or the InputError saying
+    why not. The run's refusal pass asks it too, before anything is read."""
     problem = directory_problem(root)
     if problem:
         raise InputError(f"data.path={root} {problem}; point data.path at the data directory "
@@ -61,18 +63,26 @@ def _local_splits(d: DataConfig, root: Path) -> tuple[dict, dict]:
     if not root.exists():
         raise InputError(f"data directory not found: {root} (data.path); create it or fix the path")
     if not root.is_dir():
-        return {"train": read_file(root, d.format, d.quoting)}, {"train": root}
+        readable_format(root, d.format)
+        return {"train": root}
     given = {"train": d.train_file, "validation": d.validation_file, "test": d.test_file}
-    splits, files = {}, {}
+    files = {}
     for split in SPLIT_ALIASES:
         path = find_split_file(root, split, given[split], d.format)
         if path is not None:
-            splits[split], files[split] = read_file(path, d.format, d.quoting), path
-    if "train" not in splits:
+            readable_format(path, d.format)
+            files[split] = path
+    if "train" not in files:
         raise InputError(f"no training file in {root} (data.path): expected train.csv, "
                          f"train.tsv, train.json, train.jsonl or train.parquet, or set "
                          f"data.train_file")
-    return splits, files
+    return files
+
+
+def _local_splits(d: DataConfig, root: Path) -> tuple[dict, dict]:
+    """({split: dataset}, {split: the file it was read from})."""
+    files = local_split_files(d, root)
+    return {split: read_file(path, d.format, d.quoting) for split, path in files.items()}, files
 
 
 def _hub_splits(d: DataConfig) -> dict:

@@ -21,8 +21,17 @@ def load_tokenizer(path: str | os.PathLike, lowercase: bool = True, max_length: 
         return BertTokenizer(vocab=str(path), do_lower_case=lowercase, **kwargs)
     if path.is_dir():
         return AutoTokenizer.from_pretrained(str(path), **kwargs)
-    raise InputError(f"tokenizer not found: {path} (model.tokenizer); give a tokenizer directory "
-                     f"or a WordPiece vocab.txt, or leave model.tokenizer=null")
+    check_tokenizer_path(path)
+    raise InputError(f"tokenizer at {path} (model.tokenizer) is neither a file nor a directory; "
+                     f"give a tokenizer directory or a WordPiece vocab.txt")
+
+
+def check_tokenizer_path(path: str | os.PathLike) -> None:
+    """model.tokenizer of a fine-tuning run names a file or directory that exists (asked by the
+    refusal pass too, before the run starts)."""
+    if not Path(path).exists():
+        raise InputError(f"tokenizer not found: {path} (model.tokenizer); give a tokenizer "
+                         f"directory or a WordPiece vocab.txt, or leave model.tokenizer=null")
 
 
 def train_wordpiece(texts: Iterable[str], out_dir: Path, vocab_size: int, lowercase: bool,

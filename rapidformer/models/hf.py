@@ -132,6 +132,8 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer, binary_head: b
     import transformers
     from transformers import BertConfig, GPT2Config, LlamaConfig
 
+    from rapidformer.data.pretraining_tokenizer import vocabulary_problem
+
     auto = getattr(transformers, pretraining_auto_class(task, binary_head))
     if m.source == "pretrained":
         try:
@@ -140,10 +142,8 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer, binary_head: b
         except OSError as exc:
             raise InputError(unreachable_model_message(m.name_or_path)) from exc
         check_shape(m, model.config)
-        if model.config.vocab_size < tokenizer.vocab_size:
-            raise InputError(f"model {m.name_or_path} has {model.config.vocab_size} embeddings but "
-                             f"the tokenizer has {tokenizer.vocab_size} tokens; use the model's "
-                             f"own vocabulary for the data (model.tokenizer)")
+        if problem := vocabulary_problem(m, model.config.vocab_size, tokenizer):
+            raise InputError(problem)
         return model
     if task == "bert_pretraining":
         if m.arch != "bert":

@@ -15,14 +15,16 @@ from torch.utils.data import default_collate
 
 from rapidformer.compat import mpu
 from rapidformer.config.splits import parse_split
-from rapidformer.data.megatron import build_bert_datasets, build_gpt_datasets, open_indexed
+from rapidformer.data.megatron import (build_bert_datasets, build_gpt_datasets, documents_of,
+                                       no_whole_document, open_indexed)
 from rapidformer.models.hf import build_pretraining_model
 from rapidformer.transforms.liger import fuses_the_loss
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_decoder
 from rapidformer.tasks.batching import Batching
 from rapidformer.observability.records import NO_EVALUATION
 from rapidformer.templates.pretrainer import PreTrainer
-from rapidformer.data.pretraining_tokenizer import load_pretraining_tokenizer
+from rapidformer.data.pretraining_tokenizer import (check_pretrained_vocabulary,
+                                                    load_pretraining_tokenizer)
 from rapidformer.errors import InputError
 
 log = logging.getLogger("rapidformer")
@@ -51,7 +53,7 @@ class _MegatronDataPretrainer(PreTrainer):
 
     def model_optimizer_lr_scheduler_provider(self):
         tokenizer = load_pretraining_tokenizer(self.cfg.model, self.cfg.data.path)
-        if tokenizer.added and self.cfg.model.source == "pretrained":
+        if self.cfg.model.source == "pretrained":
             check_pretrained_vocabulary(self.cfg.model, tokenizer)
         if self.megatron_model:
             return type(self).build_megatron_model(self.cfg, tokenizer.vocab_size), None, None
@@ -67,13 +69,9 @@ class _MegatronDataPretrainer(PreTrainer):
         shares = parse_split(d.split)
         for index, name in ((1, "validation"), (2, "test")):
             if datasets[index] is None and shares[index] > 0 and t.eval_iters > 0:
-                documents = _documents(d.path)
-                counted = f" of its {documents} documents" if documents else ""
-                raise InputError(
-                    f"data.split={d.split} gives the {name} split {shares[index]:.2%} of "
-                    f"data.path's documents, which is not one whole document{counted}: every "
-                    f"{name} evaluation would score nothing. Give it a larger share (or add "
-                    f"documents), or a share of 0 (or trainer.eval_iters=0) to train without it")
+                raise InputError(no_whole_document(
+                    d.split, name, shares[index],
+                    _documents(d.path, self.cfg.task.name == "bert_pretraining")))
         if datasets[1] is None:
             why = ("trainer.eval_iters=0" if t.eval_iters == 0 else
                    f"data.split={d.split} gives validation no share")
@@ -154,34 +152,15 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
                                                  data["labels"].flatten(), ignore_index=-100)
 
 
-def _documents(data_path) -> int | None:
+def _documents(data_path, bert: bool) -> int | None:
     """The documents data.split divides (a blend's smallest prefix's, as megatron-core counts
     them), or None where the files cannot say."""
     parts = data_path.split() if isinstance(data_path, str) else [str(p) for p in data_path]
     try:
-        return min(len(open_indexed(prefix)) for prefix in (parts[1::2] if len(parts) > 1
-                                                              else parts))
+        return documents_of([open_indexed(prefix) for prefix in (parts[1::2] if len(parts) > 1
+                                                                 else parts)], bert)
     except Exception:  # the data's own errors were raised while the datasets were built
         return None
-
-
-def check_pretrained_vocabulary(m, tokenizer) -> None:
-    """A pretrained BERT's embeddings end at its vocab.txt; data that ends documents with
-    Megatron's [EOS] (an id past them) cannot train it: say which option makes data it can."""
-    from transformers import AutoConfig
-
-    try:
-        size = AutoConfig.from_pretrained(m.name_or_path).vocab_size
-    except (OSError, ValueError):
-        return  # the model's own loading says why
-    if size < tokenizer.vocab_size:
-        raise InputError(f"model {m.name_or_path} has {size} embeddings, but data.path ends "
-                         f"documents with Megatron's [EOS] (id {tokenizer.eod}), which "
-                         f"{m.tokenizer} does not have (the tokenizer adds "
-                         f"{' and '.join(tokenizer.added)}: {tokenizer.vocab_size} entries); "
-                         f"preprocess the data again with --bert-eod sep (or without "
-                         f"--append-eod), or train a model built from the config "
-                         f"(model=bert_base)")
 
 
 def megatron_gpt_forward(model, data: dict):
