@@ -134,3 +134,13 @@ def test_a_bf16_checkpoint_trains_from_fp32_weights_and_exports_its_exact_base(t
     original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     for name, weight in original.state_dict().items():
         assert torch.equal(merged.state_dict()[name].float(), weight), name
+
+
+@pytest.mark.parametrize("numel", [1, 7, 4096, 262_668_288, 128_256 * 4096, 2**31 + 11])
+def test_fingerprint_positions_stay_inside_large_embeddings(numel):
+    """Llama 3's 128,256 x 2048 embedding crashed every LoRA run on it (an index past the end)."""
+    from rapidformer.transforms.lora_layers import FINGERPRINT_SAMPLES, sample_positions
+
+    positions = sample_positions(numel)
+    assert positions.min() == 0 and positions.max() == numel - 1
+    assert len(positions) == min(numel, FINGERPRINT_SAMPLES)

@@ -141,10 +141,17 @@ def base_fingerprint(model: nn.Module, full: list[str]) -> str:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
         flat = tensor.detach().reshape(-1)
         if flat.numel() and not flat.is_meta:
-            index = torch.linspace(0, flat.numel() - 1, min(flat.numel(), FINGERPRINT_SAMPLES),
-                                   device=flat.device).long()
+            index = sample_positions(flat.numel(), flat.device)
             digest.update(flat[index].float().cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def sample_positions(numel: int, device=None) -> torch.Tensor:
+    """FINGERPRINT_SAMPLES positions spread evenly over a tensor of `numel` values (all of a
+    smaller one), computed in float64: float32 rounds the last position of a Llama 3 embedding
+    (262,668,288 values) past its end."""
+    return torch.linspace(0, numel - 1, min(numel, FINGERPRINT_SAMPLES), device=device,
+                          dtype=torch.float64).long()
 
 
 def quantize_blocks(model: nn.Module, p: PeftConfig, precision_dtype: str) -> None:
