@@ -8,9 +8,9 @@
                     -> with `environment`: what this machine lacks for the strategy and the
                        transforms (libraries, device kinds), the logger, the inductor options,
                        the hub models it loads (offline: in the cache), a local model's shape,
-                       what it reads (data/inputs.py: data files, tokenizer files, pretraining
-                       data against its tokenizer and task), and the paths the run writes and
-                       resumes from
+                       and the paths the run writes and resumes from; and what the run reads
+                       (data/inputs.py: data files, tokenizer files, pretraining data against
+                       its tokenizer and task)
 
 `rapidformer validate`, `rapidformer plan`, `--cfg` and dry runs, and the run itself all go
 through `settle`, so validate says ok exactly when the run would start; each problem keeps the
@@ -28,6 +28,7 @@ from rapidformer.accelerators.table import requested
 from rapidformer.config.compose import resolve
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import build_run_config, check_values
+from rapidformer.data.inputs import input_problems
 from rapidformer.errors import ConfigError, Problem, caught, refusal
 from rapidformer.refusals import config_problems
 
@@ -39,8 +40,9 @@ def settle(composed, output_dir: str | None = None, *, environment: bool = False
     """(the plain config to record, the typed config) of a composed config, memory=auto
     decided, or one error listing every problem. `output_dir`: the run directory recorded as
     trainer.output_dir (None: the config's own). With `environment`, this machine's problems
-    too, `writes_to` (default: trainer.output_dir) the directory whose paths are checked, and
-    with `claims` whether the run may take it (rapidformer/checkpoint/run_dir.py)."""
+    and those of the files the run reads too, `writes_to` (default: trainer.output_dir) the
+    directory whose paths are checked, and with `claims` whether the run may take it
+    (rapidformer/checkpoint/run_dir.py)."""
     plain, cfg = resolve(composed, output_dir, check=False)
     problems = [Problem(text) for text in [*check_values(cfg), *config_problems(cfg)]]
     if not problems:
@@ -53,6 +55,7 @@ def settle(composed, output_dir: str | None = None, *, environment: bool = False
         problems += [Problem(text) for text in config_problems(cfg)]
     if environment:
         problems += environment_problems(cfg, writes_to or cfg.trainer.output_dir, claims)
+        problems += input_problems(cfg)
     if problems:
         raise refusal(problems)
     return plain, cfg
@@ -76,7 +79,6 @@ def environment_problems(cfg: RunConfig, output_dir: str | None = None,
     from rapidformer.accelerators.graph import check_inductor_options
     from rapidformer.checkpoint.run_dir import claim_problems
     from rapidformer.config.paths import check_paths
-    from rapidformer.data.inputs import input_problems
     from rapidformer.models.pretrained_shape import check_local_shape
     from rapidformer.observability.loggers import check_tracker_installed
     from rapidformer.runtime import hub
@@ -97,8 +99,6 @@ def environment_problems(cfg: RunConfig, output_dir: str | None = None,
         from rapidformer.data.megatron import require_megatron_core
 
         problems += caught(require_megatron_core)
-    # what the run reads: its data's files, its tokenizer's, pretraining data against both
-    problems += input_problems(cfg)
     if output_dir is not None:
         problems += caught(check_paths, cfg, output_dir)
         if claims:
