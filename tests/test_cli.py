@@ -69,7 +69,7 @@ def test_seed_pretraining_command_translates():
     _, megatron, _ = translate(["--sequence-parallel", "--use-distributed-optimizer"])
     assert megatron == ["parallelism.sequence_parallel=true", "memory=zero1"]
     _, gpt, _ = translate(["--task", "casual_lm"])
-    assert gpt == ["task=causal_lm"]
+    assert gpt == ["task=causal_lm", "model=gpt2_small"]  # a GPT, shaped by the flags
     for task in ("token_classification", "question_answering", "masked_lm", "seq2seq_lm"):
         _, overrides, _ = translate(["--task", task, "--data-path", str(Path(__file__).parent)])
         assert overrides == [f"task={task}", "data=local", f"data.path={Path(__file__).parent}"]

@@ -6,12 +6,12 @@ import sys
 
 import yaml
 
-from rapidformer.cli.hydra_args import split_argv
 from rapidformer.config.compose import (OPTION_GROUPS, check_overrides, compose, group_options,
                                         option_text, with_default_recipe)
 from rapidformer.config.search import take_config_dirs
 from rapidformer.config.typed import closest
-from rapidformer.errors import EXIT_BAD_INPUT, ConfigError, RapidformerError
+from rapidformer.errors import (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, ConfigError, InputError,
+                                NotAvailableError, RapidformerError)
 
 SECRET_KEY = re.compile(r"token|secret|passw|api_?key|credential", re.IGNORECASE)
 URL_PASSWORD = re.compile(r"(//[^/:@\s]+:)[^@\s]+@")
@@ -84,12 +84,25 @@ def redact(tree):
     return tree
 
 
+def _overrides(argv: list[str]) -> list[str]:
+    """The overrides of a verb's command line as a run reads them: Hydra overrides, and the
+    seed's flags turned into theirs (rapidformer/cli/seed_flags.py), --config-dir taken."""
+    from rapidformer.cli.seed_flags import SeedFlagError, translate
+
+    try:
+        flags, overrides, _ = translate(argv)
+    except SeedFlagError as exc:
+        raise (NotAvailableError(str(exc)) if exc.exit_code == EXIT_NOT_AVAILABLE
+               else InputError(str(exc))) from None
+    return take_config_dirs(flags, overrides)[1]
+
+
 def _resolved(argv: list[str]):
     """The settled config of a command line: every config problem refused (the machine is not
     asked: a plan or a shown config may be for another one)."""
     from rapidformer.preflight import settle
 
-    _, overrides = take_config_dirs(*split_argv(argv))
+    overrides = _overrides(argv)
     overrides = check_overrides(with_default_recipe(overrides))
     return settle(compose(overrides, default_recipe=False))
 
@@ -98,7 +111,7 @@ def _resolved_reporting_all(argv: list[str]):
     """As `_resolved`, with this machine's problems too (the run's own refusal pass), and the
     overrides with unknown keys or options left out and their problems joined with those of
     the rest, so that one run reports everything."""
-    _, overrides = take_config_dirs(*split_argv(argv))
+    overrides = _overrides(argv)
     good, problems = [], []
     for override in with_default_recipe(overrides):
         try:
