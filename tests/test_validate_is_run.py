@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -77,6 +78,13 @@ CASES = {
                             "no such file"),
     "resume from nowhere": (lambda c: [*TINY_PAIRS, f"trainer.resume={c.tmp / 'step_1'}"],
                             "no such checkpoint directory"),
+    # what trainer.best_metric needs: an evaluation
+    "best metric, no validation file": (
+        lambda c: pairs(c.train_only, "trainer.best_metric=validation/accuracy"),
+        "trainer.best_metric=validation/accuracy needs evaluations, but data.path="),
+    "best metric, no evaluation": (
+        lambda c: gpt(c.data, "trainer.best_metric=validation/loss"),
+        "trainer.best_metric=validation/loss needs evaluations, but trainer.eval_iters=0"),
     # pretraining data against its tokenizer and task
     "another vocabulary": (lambda c: bert(c.data, f"data.path={c.data['gpt']}"),
                            "the data was made with another vocabulary"),
@@ -147,8 +155,11 @@ def test_validate_says_what_the_run_start_says(row, tmp_path, capsys, monkeypatc
 
     command, first = CASES[row]
     inputs = SimpleNamespace(data=pretraining_data, pairs_dir=pairs_dir, tmp=tmp_path,
-                             document_bert=document_bert, empty=tmp_path / "empty")
+                             document_bert=document_bert, empty=tmp_path / "empty",
+                             train_only=tmp_path / "train_only")
     inputs.empty.mkdir()
+    inputs.train_only.mkdir()
+    shutil.copy(pairs_dir / "train.jsonl", inputs.train_only)
     run = tmp_path / "run"
     argv = [*command(inputs), *SHORT, f"trainer.output_dir={run}"]
 
@@ -172,3 +183,20 @@ def test_validate_says_what_the_run_start_says(row, tmp_path, capsys, monkeypatc
         assert code == 2 and problems and first in problems[0], started
         # refused before any work: no engine, no dataset index, no run directory left
         assert engine.ENGINES_CREATED == engines and not built and not run.exists()
+
+
+@pytest.mark.parametrize("row", ["bad value", "causal_lm on bert_tiny",
+                                 "bert_pretraining on gpt2_tiny", "best metric, no evaluation"])
+def test_plan_and_a_dry_run_refuse_what_the_config_refuses(row, tmp_path, capsys,
+                                                           pretraining_data):
+    """`rapidformer plan` and trainer.dry_run=true settle through the same pass (its config
+    part: a plan may be for another machine), so they refuse the config's problems alike."""
+    from rapidformer.cli.verbs import run_verb
+
+    command, first = CASES[row]
+    argv = [*command(SimpleNamespace(data=pretraining_data)), *SHORT,
+            f"trainer.output_dir={tmp_path / 'run'}"]
+    planned = run_verb("plan", argv), problems_of(capsys.readouterr().err)
+    assert planned == start([*argv, "trainer.dry_run=true"], capsys)
+    assert planned[0] == 2 and first in planned[1][0], planned
+    assert not (tmp_path / "run").exists()

@@ -261,9 +261,23 @@ def _pretraining_problems(cfg: RunConfig) -> list[str]:
                  f"formats are gone); regenerate with rapidformer-preprocess-data and use "
                  f"data.impl=mmap")
     try:
-        parse_split(d.split)
+        shares = parse_split(d.split)
     except ConfigError as exc:
         p.extend(f"data.{problem}" for problem in exc.problems)
+        return p
+    if t.best_metric and (t.eval_iters == 0 or shares[1] == 0):
+        why = ("trainer.eval_iters=0" if t.eval_iters == 0 else
+               f"data.split={d.split} gives validation no share")
+        p.append(best_without_evaluations(t.best_metric, why, pretraining=True))
     return p
+
+
+def best_without_evaluations(metric: str, why: str, pretraining: bool) -> str:
+    """trainer.best_metric where nothing is evaluated, `why`: the refusal the config's checks,
+    the refusal pass (data/inputs.py) and the templates share."""
+    fix = ("give validation a share of data.split and trainer.eval_iters >= 1" if pretraining
+           else "give a validation split (or a data.split with a validation share)")
+    return (f"trainer.best_metric={metric} needs evaluations, but {why}; {fix}, or set "
+            f"trainer.best_metric=null")
 
 

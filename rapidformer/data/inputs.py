@@ -4,7 +4,8 @@ pretraining data against its tokenizer and task. The refusal pass asks it
 later, and the run refuses it before it builds anything.
 
 The checks are the readers' own (the same functions, the same messages): a local data
-directory, its split files and their formats (data/text_classification.py); a tokenizer path;
+directory, its split files and their formats (data/text_classification.py), and a validation
+split where trainer.best_metric needs one; a tokenizer path;
 for pretraining, the tokenizer's files and what the task needs of it, each Megatron prefix's
 files whole and of that vocabulary, sentences to pair for next-sentence prediction, and a
 data.split that leaves training (and each evaluated split) a whole document
@@ -31,9 +32,18 @@ def input_problems(cfg: RunConfig) -> list[Problem]:
         return []
     problems = []
     if d.source == "local" and d.path:
+        from rapidformer.config.validate import best_without_evaluations
         from rapidformer.data.text_classification import local_split_files
 
-        problems += caught(local_split_files, d, Path(d.path))
+        try:
+            files = local_split_files(d, Path(d.path))
+        except RapidformerError as exc:
+            problems.append(Problem(str(exc), exc.exit_code))
+        else:
+            if cfg.trainer.best_metric and "validation" not in files:
+                problems.append(Problem(best_without_evaluations(
+                    cfg.trainer.best_metric, f"data.path={d.path} has no validation split",
+                    pretraining=False)))
     if m.tokenizer:
         from rapidformer.data.tokenizers import check_tokenizer_path
 

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from rapidformer.checkpoint.resume import epoch_position, last_step
+from rapidformer.checkpoint.resume import epoch_position, last_step, stopped_early
+from rapidformer.config.validate import best_without_evaluations
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
@@ -166,16 +167,16 @@ class Finetuner(TemplateLoop):
         eval_loaders = {name: self.build_data_loader(ds, collate_fn=collate_fn)
                         for name, ds in (("validation", valid_ds),) if ds is not None}
         if t.best_metric and not eval_loaders:
-            raise ConfigError([f"trainer.best_metric={t.best_metric} needs evaluations, but "
-                               f"there is no validation data; give a validation split (or a "
-                               f"data.split with a validation share) or set "
-                               f"trainer.best_metric=null"])
+            raise ConfigError([best_without_evaluations(
+                t.best_metric, "there is no validation data", pretraining=False)])
 
         state = TrainState(steps_per_epoch=sampler.steps_per_epoch,
                            global_batch_size=t.global_batch_size)
         if engine.resume_checkpoint is not None:
+            early = stopped_early(engine.resume_state(), engine.resume_checkpoint, t,
+                                  total_iters)
             saved = engine.load_checkpoint(engine.resume_checkpoint,
-                                           also=(past_the_end,) if past_the_end else ())[
+                                           also=tuple(p for p in (past_the_end, early) if p))[
                 "train_state"]
             state = continue_epoch(TrainState(**saved), sampler.steps_per_epoch,
                                    t.global_batch_size)

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 
+from rapidformer.config.validate import best_without_evaluations
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import loader_worker_init
 from rapidformer.observability.format import format_value
 from rapidformer.observability.metrics import MetricsSink
-from rapidformer.checkpoint.resume import past_the_end
+from rapidformer.checkpoint.resume import past_the_end, stopped_early
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
 from rapidformer.templates.loop import CountingIterator
 from rapidformer.templates.skeleton import Advanced, Course, TemplateLoop
@@ -114,15 +115,15 @@ class PreTrainer(TemplateLoop):
         if engine.resume_checkpoint is not None:
             saved = engine.resume_state()
             late = past_the_end(saved.step, total_iters, f"trainer.train_iters={total_iters}")
+            early = stopped_early(saved, engine.resume_checkpoint, t, total_iters)
             state = PretrainState(**engine.load_checkpoint(
-                engine.resume_checkpoint, also=(late,) if late else ())["train_state"])
+                engine.resume_checkpoint, also=tuple(p for p in (late, early) if p))[
+                    "train_state"])
         train_iter = self.build_data_iterator(train_ds, state.consumed_train_samples)
         valid_iter = self.build_data_iterator(valid_ds, state.consumed_valid_samples)
         if t.best_metric and (valid_iter is None or t.eval_iters == 0):
             why = "trainer.eval_iters=0" if t.eval_iters == 0 else "there is no validation data"
-            raise ConfigError([f"trainer.best_metric={t.best_metric} needs evaluations, but "
-                               f"{why}; give validation a share of data.split and "
-                               f"trainer.eval_iters >= 1, or set trainer.best_metric=null"])
+            raise ConfigError([best_without_evaluations(t.best_metric, why, pretraining=True)])
         course = SampleCourse(self, valid_iter, test_ds)
         return self._run_loop(model, optimizer, total_iters, state, train_iter, course)
 
