@@ -10,7 +10,10 @@ Two decisions, both here:
   step it ends at, when the batch size or the training set changed since the checkpoint. The
   steps left are counted in the new terms, so a resumed run trains every epoch it was asked
   for; a run the checkpoint went past is refused (`past_the_end`, the PreTrainer's too), in
-  the same refusal as every other problem of the resume.
+  the same refusal as every other problem of the resume;
+- `stopped_early`: a run that early stopping ended is finished in its own terms: resumed with
+  a patience that is still over, it is refused (nothing trains, nothing on disk changes); a
+  larger patience, or none, trains on.
 """
 from __future__ import annotations
 
@@ -127,6 +130,30 @@ def last_step(step: int, position: EpochPosition, steps_per_epoch: int, epochs: 
                                          if position.step_in_epoch else "")
     problem = past_the_end(step, step + left, f"trainer.epochs={epochs}", done)
     return (step if problem else step + left), problem
+
+
+def stopped_early(saved: CheckpointState, where: Path, trainer_cfg, total: int) -> str | None:
+    """Why checkpoint `where` cannot resume a run that ends at step `total`: its run stopped
+    early (trainer.early_stopping_patience ran out) and these settings would stop it again,
+    after a step that replaces its best and export (a phrase after "checkpoint PATH "); or
+    None. A larger patience, or none, trains on."""
+    from rapidformer.checkpoint import store
+    from rapidformer.observability.records import early_stop_reason
+    from rapidformer.templates.best import early_stop_of
+
+    record = early_stop_of(trainer_cfg, (saved.train_state or {}).get("best"),
+                           store.read_best(where.parent), saved.step)
+    if record is None:
+        return None
+    count, patience = record["evaluations_without_improvement"], \
+        trainer_cfg.early_stopping_patience
+    reason = early_stop_reason(record["metric"], trainer_cfg.early_stopping_min_delta, count)
+    return (f"is of a run that already stopped early at step {record['evaluated_at']} of "
+            f"{total} ({reason}, trainer.early_stopping_patience={patience}): it is finished "
+            f"in its own terms, and nothing is left to train with these settings. To train on, "
+            f"resume with a larger patience (trainer.early_stopping_patience={count + 1} or "
+            f"more) or without early stopping (trainer.early_stopping_patience=null "
+            f"trainer.early_stopping_min_delta=0), or {FRESH_RUN}")
 
 
 def past_the_end(step: int, total: int, asked: str, done: str | None = None) -> str | None:

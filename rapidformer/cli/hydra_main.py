@@ -28,14 +28,16 @@ def report(error: BaseException) -> None:
 
 
 def finished_or_stopped(run_dir: Path) -> tuple[str, str | None]:
-    """A run that returned: "ok", or "stopped" (with what stopped it) when it stopped as asked
-    before its last step (trainer.exit_interval)."""
-    from rapidformer.observability.records import STOPPED, planned_stop, read_metrics
+    """A run that returned: "ok"; "stopped" (with what stopped it) when it stopped as asked
+    before its last step (trainer.exit_interval); "stopped_early" (with the step and why) when
+    early stopping ended it, its final scores and export written."""
+    from rapidformer.observability.records import (planned_stop, read_metrics, stop_words,
+                                                   stopped_early)
 
     stop = planned_stop(read_metrics(run_dir))
     if stop is None:
         return "ok", None
-    return "stopped", f"{stop[STOPPED]['by']} at step {stop['step']} of {stop[STOPPED]['of']}"
+    return ("stopped_early" if stopped_early(stop) else "stopped"), stop_words(stop)
 
 
 def record_status(run_dir: str, status: str, error: str | None = None) -> None:

@@ -92,8 +92,8 @@ class SweepSummary(Callback):
         (sweep_dir / "summary.md").write_text(
             table + "\n" + "".join(f"\n![{p.stem}](plots/{p.name})\n" for p in pictures))
         (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=1))
-        # a job that stopped as asked (trainer.exit_interval) did what it was told
-        failed = [r for r in rows if r["status"] not in ("ok", "stopped")]
+        # a job that stopped as asked (trainer.exit_interval, early stopping) did what it was told
+        failed = [r for r in rows if r["status"] not in ("ok", "stopped", "stopped_early")]
         # on stderr as a single run's summary is (the log lines are on stdout in both)
         print(f"\nsweep summary ({len(rows)} jobs, {len(failed)} failed) - {sweep_dir}/summary.md"
               f"\n{table}", file=sys.stderr, flush=True)

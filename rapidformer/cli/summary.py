@@ -2,7 +2,9 @@
 from the run directory itself (metrics.jsonl, checkpoints/, hf_model/, .hydra/overrides.yaml),
 so it says what is on disk, not what the run meant to write. A run that stopped as asked
 before its last step (trainer.exit_interval) says so in its first line, and its resume command
-goes on to the end.
+goes on to the end. A run that early stopping ended says "stopped early at step N of M (no
+improvement ...)", and instead of a resume command (refused: it would stop again) the command
+that trains on without early stopping.
 
     rapidformer: run finished: outputs/2025-01-01_12-00-00
       final     step 1500: loss 0.0123; validation/accuracy=0.9850, validation/loss=0.0512
@@ -29,7 +31,7 @@ from rapidformer.checkpoint import store
 from rapidformer.config.compose import override, override_key
 from rapidformer.observability.format import format_value
 from rapidformer.observability.records import (NO_EVALUATION, STOPPED, planned_stop,
-                                               read_metrics)
+                                               read_metrics, stop_words, stopped_early)
 from rapidformer.templates.best import inferred_mode
 
 # overrides the resume command sets itself (the same directory, resumed), and the stop it goes on
@@ -78,18 +80,26 @@ def _from_anywhere(item: str, start: Path) -> str:
     return override(key, start / text) if reads else item
 
 
-def resume_command(run_dir: Path, argv: list[str] | None = None) -> str:
-    """`python -m rapidformer [--config-dir DIR] <the run's overrides>
+def resume_command(run_dir: Path, argv: list[str] | None = None,
+                   settings: tuple[str, ...] = ()) -> str:
+    """`python -m rapidformer [--config-dir DIR] <the run's overrides> [settings]
     trainer.output_dir=RUN_DIR trainer.resume=auto`, quoted for a POSIX shell, runnable from
-    any folder: the run's config folders and the paths its overrides name are absolute."""
+    any folder: the run's config folders and the paths its overrides name are absolute.
+    `settings` (key=value) replace the run's own of their keys."""
     run_dir = Path(run_dir).absolute()
     hydra = _hydra_record(run_dir)
     start = Path((hydra.get("runtime") or {}).get("cwd") or Path.cwd())
     last = {override_key(o): o for o in run_overrides(run_dir, argv)}  # a key set twice: the last
-    kept = [_from_anywhere(o, start) for o in last.values() if override_key(o) not in RUN_DIR_KEYS]
+    replaced = {*RUN_DIR_KEYS, *(override_key(s) for s in settings)}
+    kept = [_from_anywhere(o, start) for o in last.values() if override_key(o) not in replaced]
     folders = [part for d in _config_dirs(hydra) for part in ("--config-dir", d)]
-    return shlex.join(["python", "-m", "rapidformer", *folders, *kept,
+    return shlex.join(["python", "-m", "rapidformer", *folders, *kept, *settings,
                        override("trainer.output_dir", run_dir), "trainer.resume=auto"])
+
+
+# how a run that stopped early trains on: the same command resumed is refused (it would stop
+# again), this one trains to the end without early stopping
+TRAIN_ON = ("trainer.early_stopping_patience=null", "trainer.early_stopping_min_delta=0")
 
 
 def _final(records: list[dict]) -> str | None:
@@ -137,15 +147,22 @@ def summary_lines(run_dir: Path, argv: list[str] | None = None) -> list[str]:
     rows.append(("newest", str(newest) if newest else "none: no checkpoint was written"))
     if (run_dir / "hf_model").is_dir():
         rows.append(("exported", str(run_dir / "hf_model")))
-    if newest:
+    stop = planned_stop(records)
+    if newest and stopped_early(stop):
+        rows.append(("train on", resume_command(run_dir, argv, TRAIN_ON)))
+    elif newest:
         rows.append(("resume", resume_command(run_dir, argv)))
         rows.append(("export", shlex.join(["rapidformer", "export", str(run_dir), "--to", "DIR"])))
     if records:
         rows.append(("curves", shlex.join(["rapidformer", "plot", str(run_dir)])))
     width = max(len(name) for name, _ in rows)
-    stop = planned_stop(records)
-    ended = (f"run stopped at step {stop['step']} of {stop[STOPPED]['of']} "
-             f"({stop[STOPPED]['by']}): {run_dir}" if stop else f"run finished: {run_dir}")
+    if stopped_early(stop):
+        ended = f"run {stop_words(stop)}: {run_dir}"
+    elif stop:
+        ended = (f"run stopped at step {stop['step']} of {stop[STOPPED]['of']} "
+                 f"({stop[STOPPED]['by']}): {run_dir}")
+    else:
+        ended = f"run finished: {run_dir}"
     return [f"rapidformer: {ended}",
             *(f"  {name:<{width}}  {value}" for name, value in rows if value)]
 

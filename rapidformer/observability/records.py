@@ -32,8 +32,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 # the record a run writes when it stops as asked before its last step (trainer.exit_interval):
-# {"step": 10, "stopped": {"by": "trainer.exit_interval=10", "of": 100}}
+# {"step": 10, "stopped": {"by": "trainer.exit_interval=10", "of": 100}}, or by early stopping,
+# after its final scores and export: {"step": 7, "stopped": {"by": "early stopping", "of": 12,
+# "early": {"metric": "validation/loss", "min_delta": 0.5, "patience": 1, "evaluations": 1}}}
 STOPPED = "stopped"
+EARLY = "early"
 # the record of a run that trains without evaluation, written once at its first point of
 # evaluation: {"step": 0, "no_evaluation": "why"} (the end-of-run summary says why)
 NO_EVALUATION = "no_evaluation"
@@ -43,6 +46,31 @@ def planned_stop(records: list[dict]) -> dict | None:
     """The run's stop record when its last record is one: it stopped as asked, not finished
     (a resumed run's records go on after it)."""
     return records[-1] if records and STOPPED in records[-1] else None
+
+
+def stopped_early(stop: dict | None) -> dict | None:
+    """The early stop's details of a stop record (`planned_stop`), or None."""
+    return (stop or {}).get(STOPPED, {}).get(EARLY)
+
+
+def early_stop_reason(metric: str, min_delta: float, evaluations: int) -> str:
+    """Why early stopping ended a run, in the words the log, the summary, the status and a
+    refused resume share: "no improvement of more than 0.5 in validation/loss for 2
+    evaluations"."""
+    by = f" of more than {min_delta:g}" if min_delta else ""
+    return (f"no improvement{by} in {metric} for {evaluations} evaluation"
+            f"{'' if evaluations == 1 else 's'}")
+
+
+def stop_words(stop: dict) -> str:
+    """How a stop record reads: "stopped early at step 7 of 12 (no improvement ...)", or
+    "trainer.exit_interval=10 at step 10 of 100"."""
+    early, of = stopped_early(stop), stop[STOPPED]["of"]
+    if early:
+        return (f"stopped early at step {stop['step']} of {of} ("
+                f"{early_stop_reason(early['metric'], early['min_delta'], early['evaluations'])}"
+                f", trainer.early_stopping_patience={early['patience']})")
+    return f"{stop[STOPPED]['by']} at step {stop['step']} of {of}"
 
 
 def scalars(record: dict) -> dict:

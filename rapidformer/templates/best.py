@@ -40,6 +40,26 @@ class BestRecord:
     evaluations_without_improvement: int = 0  # in a row, for early stopping
 
 
+def early_stop_of(trainer_cfg, saved: dict | None, marker: dict | None,
+                  step: int) -> dict | None:
+    """The record (BestRecord's fields) of an early stop that this run's settings see in a
+    run resumed from a checkpoint at `step`: its train state's record (`saved`) or the best
+    marker beside it (`marker`, which knows of evaluations after the checkpoint, e.g. the one
+    that stopped the run when trainer.save_last=false), of this run's metric and mode, counting
+    at least trainer.early_stopping_patience evaluations without improvement. None without
+    early stopping, or when the patience is not over (a larger patience trains on)."""
+    patience, metric = trainer_cfg.early_stopping_patience, trainer_cfg.best_metric
+    if not (patience and metric):
+        return None
+    mode = inferred_mode(metric, trainer_cfg.best_mode)
+    for record in (marker, saved):
+        if record and (record.get("metric"), record.get("mode")) == (metric, mode) and \
+                record.get("evaluated_at", -1) >= step and \
+                record.get("evaluations_without_improvement", 0) >= patience:
+            return record
+    return None
+
+
 class BestTracker:
     """The comparison for one run. `record` is None without trainer.best_metric."""
 

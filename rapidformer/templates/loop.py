@@ -18,7 +18,8 @@ skeleton's (rapidformer/templates/skeleton.py, `TemplateLoop._run_loop`):
   loss is not finite), `save_last` (trainer.save_last, after the steps);
 - stopping: `stopped_by_signal` (the error a stop signal ends the run with, exit code 75),
   `exiting` (trainer.exit_interval's log line);
-- the end: `end_steps` (the progress bar, the signal handlers), `report_compiles`, `export`.
+- the end: `end_steps` (the progress bar, the signal handlers), `report_compiles`, `export`,
+  `ended` (an early stop's record, written last).
 
 Leaving the `with LoopControl(...)` block, also by an exception, restores the signal handlers
 and closes the progress bar and the sink.
@@ -42,7 +43,7 @@ from rapidformer.observability.compile_log import CompileLog
 from rapidformer.observability.console import logs_through
 from rapidformer.observability.grad_spikes import GradNormSpikes
 from rapidformer.observability.metrics import MetricsSink
-from rapidformer.observability.records import STOPPED
+from rapidformer.observability.records import EARLY, STOPPED, early_stop_reason
 from rapidformer.observability.step_profiler import StepProfiler
 from rapidformer.runtime.preemption import StopSignals, newest_checkpoint
 
@@ -244,12 +245,26 @@ class LoopControl:
             self.stopped_early = True
             kept = (f"the best is {record.value:.4f} at {self.unit} {record.step}"
                     if record.step is not None else "no evaluation gave a number")
-            log.info("early stopping at %s %d: %s did not improve by more than %g for %d "
-                     "evaluations in a row (trainer.early_stopping_patience); %s", self.unit,
-                     state.step, best.metric, self.t.early_stopping_min_delta,
-                     record.evaluations_without_improvement, kept)
+            log.info("early stopping at %s %d of %d: %s (trainer.early_stopping_patience=%d); "
+                     "%s", self.unit, state.step, self.total_iters,
+                     early_stop_reason(best.metric, self.t.early_stopping_min_delta,
+                                       record.evaluations_without_improvement),
+                     self.t.early_stopping_patience, kept)
 
     # --- the end ----------------------------------------------------------------------------
+    def ended(self, state) -> None:
+        """The run is over (its final scores and export written): an early stop is recorded
+        last, so that the summary and status.json say the run stopped early, not finished, and
+        a resume of it with the same settings is refused (checkpoint/resume.py)."""
+        if not self.stopped_early:
+            return
+        record = self.best.record
+        self.sink.write(state.step, {STOPPED: {
+            "by": "early stopping", "of": self.total_iters,
+            EARLY: {"metric": record.metric, "min_delta": self.t.early_stopping_min_delta,
+                    "patience": self.t.early_stopping_patience,
+                    "evaluations": record.evaluations_without_improvement}}})
+
     def end_steps(self) -> None:
         """The steps are over: close the progress bar and give the stop signals their previous
         handlers back (the final evaluations run without them)."""

@@ -107,4 +107,5 @@ class TemplateLoop:
             course.test(model, loop.sink, state)
             loop.report_compiles()
             loop.export(state, self.tokenizer)
+            loop.ended(state)  # an early stop is recorded as the run's last record
         return state
