@@ -63,6 +63,9 @@ CASES = {
     "hub model offline": (lambda c: [*TINY_PAIRS, "model=hf",
                                      "model.name_or_path=rapidformer-test/no-such-model"],
                           "cannot load the model 'rapidformer-test/no-such-model'"),
+    "hub dataset offline": (lambda c: ["data=hub", "data.path=rapidformer-test/no-such-data",
+                                       *[o for o in TINY_PAIRS if "synthetic" not in o]],
+                            "cannot load the dataset 'rapidformer-test/no-such-data'"),
     # files
     "local data missing": (lambda c: pairs(c.tmp / "no-such-dir"), "data directory not found"),
     "local data without train file": (lambda c: pairs(c.empty), "no training file in"),

@@ -5,7 +5,7 @@ later, and the run refuses it before it builds anything.
 
 The checks are the readers' own (the same functions, the same messages): a local data
 directory, its split files and their formats (data/text_classification.py), and a validation
-split where trainer.best_metric needs one; a tokenizer path;
+split where trainer.best_metric needs one; offline, a hub dataset in the cache; a tokenizer path;
 for pretraining, the tokenizer's files and what the task needs of it, each Megatron prefix's
 files whole and of that vocabulary, sentences to pair for next-sentence prediction, and a
 data.split that leaves training (and each evaluated split) a whole document
@@ -44,6 +44,10 @@ def input_problems(cfg: RunConfig) -> list[Problem]:
                 problems.append(Problem(best_without_evaluations(
                     cfg.trainer.best_metric, f"data.path={d.path} has no validation split",
                     pretraining=False)))
+    if d.source == "hub" and d.path:
+        from rapidformer.data.text_classification import check_hub_dataset_offline
+
+        problems += caught(check_hub_dataset_offline, d)
     if m.tokenizer:
         from rapidformer.data.tokenizers import check_tokenizer_path
 

@@ -91,14 +91,31 @@ def _hub_splits(d: DataConfig) -> dict:
     try:
         loaded = load_dataset(d.path, d.subset)
     except (ConnectionError, OSError, ValueError) as exc:
-        name = f"{d.path}/{d.subset}" if d.subset else d.path
-        raise InputError(
-            f"cannot load the dataset '{name}' (data.path, data.subset): not in the local "
-            f"Hugging Face cache and the hub cannot be reached. Fix: load it once where there is "
-            f"network, or use local files: data=pairs_local data.path=DIR") from exc
+        raise InputError(unreachable_dataset_message(d)) from exc
     for split in loaded:
         remember(loaded[split], HUB)
     return {split: loaded[split] for split in loaded}
+
+
+def unreachable_dataset_message(d: DataConfig) -> str:
+    name = f"{d.path}/{d.subset}" if d.subset else d.path
+    return (f"cannot load the dataset '{name}' (data.path, data.subset): not in the local "
+            f"Hugging Face cache and the hub cannot be reached. Fix: load it once where there is "
+            f"network, or use local files: data=pairs_local data.path=DIR")
+
+
+def check_hub_dataset_offline(d: DataConfig) -> None:
+    """Offline, a hub dataset is read from the cache: refused when `datasets` finds no builder
+    for it there (load_dataset's own first step, cheap: no data is read). Online it is the
+    run's to download."""
+    from datasets import config, load_dataset_builder
+
+    if not config.HF_HUB_OFFLINE:
+        return
+    try:
+        load_dataset_builder(d.path, d.subset)
+    except (ConnectionError, OSError, ValueError) as exc:
+        raise InputError(unreachable_dataset_message(d)) from exc
 
 
 def load_splits(d: DataConfig, run_dir: Path, write_synthetic=write_dataset) -> dict:
