@@ -7,12 +7,20 @@ process, as `rapidformer export` does; default the newest complete one, every by
 a Hugging Face directory the run exported (`--checkpoint RUN_DIR/hf_model`, or one from
 `rapidformer export`). The input's columns are the ones the run's data config names
 (data.text_a_column, data.question_column, ...).
+
+The output is written whole or not at all (a temporary file in its folder, renamed). An --output
+that exists is refused unless --overwrite is given; the input file (by any path or link), the
+run's data files (under its data.path) and the run's own records and outputs are refused even
+then.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+import yaml
 
 from rapidformer.errors import EXIT_WRITE_FAILED, InputError
 from rapidformer.inference import predictors, restore, rows as row_files
@@ -125,10 +133,78 @@ def from_checkpoint(ckpt: Path, cfg, run_dir: Path):
     return model, tokenizer, f"{ckpt} (step {saved.step})"
 
 
+# what a run keeps at the top of its directory: predict never writes over them
+RUN_RECORDS = ("config.yaml", "environment.json", ".hydra", "checkpoints", "data", ".lock",
+               "rapidformer.log")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """`a` and `b` are one file, by any path or link (or would be: one does not exist yet)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def _within(path: Path, place: Path) -> bool:
+    return _same_file(path, place) or place.resolve() in path.resolve().parents
+
+
+def _run_start_folder(run_dir: Path) -> Path | None:
+    """The folder the run was started in (Hydra's record): its relative paths are from there."""
+    try:
+        hydra = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text()) or {}
+        return Path(hydra["hydra"]["runtime"]["cwd"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+
+
+def run_file_problem(output_path: Path, run_dir: Path, cfg) -> str | None:
+    """Why `output_path` is a file of the run's that predict must never replace, even with
+    --overwrite: its data (under data.path, from the folder the run started in or this one;
+    generated data under RUN_DIR/data) or a record or output of the run (config.yaml,
+    checkpoints/, hf_model/, metrics.jsonl, ...); or None."""
+    from rapidformer.checkpoint.run_dir import RUN_MARKER, RUN_OUTPUTS
+
+    given = cfg.data.path
+    if given:
+        folders = [f for f in (_run_start_folder(run_dir), Path.cwd()) if f is not None]
+        places = [Path(given)] if Path(given).is_absolute() else [f / given for f in folders]
+        for place in places:
+            if place.exists() and _within(output_path, place):
+                return (f"--output {output_path} is one of the run's data files (data.path="
+                        f"{given}, {place}): predict never writes over the data a run read, "
+                        f"not even with --overwrite")
+    for name in (*RUN_RECORDS, *RUN_OUTPUTS, RUN_MARKER):
+        if (run_dir / name).exists() and _within(output_path, run_dir / name):
+            return (f"--output {output_path} is {name} of the run {run_dir}, which the run "
+                    f"keeps: predict never writes over it, not even with --overwrite")
+    return None
+
+
+def output_problem(input_path: Path, output_path: Path, run_dir: Path, cfg,
+                   overwrite: bool) -> str | None:
+    """Why predict must not write `output_path`, or None: the input (by any path or link), a
+    file of the run's (`run_file_problem`), or, without --overwrite, any file that exists."""
+    if _same_file(output_path, input_path):
+        return (f"--output {output_path} is the input file; nothing was written: give --output "
+                f"another path (the input is never overwritten, not even with --overwrite)")
+    problem = run_file_problem(output_path, run_dir, cfg)
+    if problem:
+        return f"{problem}; nothing was written: give --output another path"
+    if not overwrite and (output_path.exists() or output_path.is_symlink()):
+        return (f"--output {output_path} exists; nothing was written: give --output another "
+                f"path, or add --overwrite to replace it")
+    return None
+
+
 def predict(run_dir: Path, input_path: Path, output_path: Path, choice: str | None = None,
             batch_size: int | None = None, device: str | None = None, top_k: int = 5,
-            max_new_tokens: int | None = None, num_beams: int | None = None) -> tuple[int, str]:
-    """(rows written, the model used)."""
+            max_new_tokens: int | None = None, num_beams: int | None = None,
+            overwrite: bool = False) -> tuple[int, str]:
+    """(rows written, the model used). The output is written whole or not at all (a temporary
+    file in its folder, renamed), never over the input or a file of the run's, and over any
+    other existing file only with `overwrite`."""
     import torch
 
     from rapidformer.planning.run_plan import pick_device
@@ -140,9 +216,9 @@ def predict(run_dir: Path, input_path: Path, output_path: Path, choice: str | No
     if row_files.format_of(output_path, "--output") != fmt:
         raise InputError(f"--output {output_path}: predictions are written in the input's "
                          f"format ({fmt}); give --output a .{fmt} name")
-    if output_path.resolve() == input_path.resolve():
-        raise InputError(f"--output {output_path} is the input file; give another name (the "
-                         f"input is not overwritten)")
+    problem = output_problem(input_path, output_path, run_dir, cfg, overwrite)
+    if problem:
+        raise InputError(problem)
     rows, lines, columns = row_files.read_rows(input_path, cfg.data.quoting)
     row_files.require(input_path, rows, lines, columns, wanted)
     clashes = [c for c in predictors.OUTPUT_COLUMNS[cfg.task.name] if c in columns]
@@ -185,6 +261,9 @@ def predict_command(argv: list[str]) -> int:
     parser.add_argument("--input", type=Path, required=True, help="a .jsonl, .csv or .tsv file")
     parser.add_argument("--output", type=Path, required=True,
                         help="where the rows go (the input's format)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --output when it exists (never the input, nor a data "
+                             "file or record of the run)")
     parser.add_argument("--checkpoint", default=restore.LAST,
                         help="last (default), best, a step_NNNNNNNN directory, or a Hugging Face "
                              "directory the run exported (RUN_DIR/hf_model)")
@@ -202,7 +281,7 @@ def predict_command(argv: list[str]) -> int:
     try:
         count, used = predict(args.run_dir, args.input, args.output, args.checkpoint,
                               args.batch_size, args.device, args.top_k, args.max_new_tokens,
-                              args.num_beams)
+                              args.num_beams, args.overwrite)
     except OSError as exc:  # a RapidformerError is reported by run_verb
         print(f"rapidformer: error: cannot write {exc.filename or args.output}: "
               f"{exc.strerror or exc}; give --output a path in a writable directory",
