@@ -15,7 +15,7 @@ from rapidformer.checkpoint import store as checkpoint
 from rapidformer.checkpoint.state import read_state
 from rapidformer.config.compose import compose
 from rapidformer.preflight import settle
-from rapidformer.errors import ConfigError
+from rapidformer.errors import ConfigError, InputError
 from rapidformer.tasks.sequence_classification import SequenceClassificationFinetuner
 from rapidformer.templates.best import BestTracker, inferred_mode
 from rapidformer.templates.pretrainer import PreTrainer
@@ -105,8 +105,9 @@ def test_early_stopping_ends_the_run_normally_at_the_right_step(tmp_path, caplog
     assert max(r["step"] for r in records if "loss" in r) == 4
     assert [r["step"] for r in records if "validation/loss" in r] == [1, 2, 3, 4]
     assert steps_saved(run) == [2, 4]
-    assert "early stopping at step 4: validation/accuracy did not improve by more than 0.05 " \
-           "for 2 evaluations in a row" in caplog.text
+    assert "early stopping at step 4 of 8: no improvement of more than 0.05 in " \
+           "validation/accuracy for 2 evaluations (trainer.early_stopping_patience=2)" \
+        in caplog.text
     assert exported_equals(run, 2)
 
 
@@ -234,5 +235,11 @@ def test_the_pretrainer_keeps_the_lowest_loss_and_stops_early(tmp_path, caplog):
         state = ScriptedPretrainer(engine=RapidformerEngine(cfg, run)).train()
     assert state.step == 8 and state.best["step"] == 4 and state.best["mode"] == "min"
     assert steps_saved(run) == [4, 8]
-    assert "early stopping at iteration 8: validation/loss did not improve" in caplog.text
+    assert "early stopping at iteration 8 of 12: no improvement in validation/loss for 2 " \
+           "evaluations" in caplog.text
     assert exported_equals(run, 4)
+    # resumed with the same settings it would stop again after one more iteration: refused
+    _, again = settle(compose([*overrides, "trainer.resume=auto"]), str(run))
+    with pytest.raises(InputError, match="already stopped early at step 8 of 12"):
+        ScriptedPretrainer(engine=RapidformerEngine(again, run)).train()
+    assert steps_saved(run) == [4, 8]

@@ -16,7 +16,15 @@ variations through the real entry point (in-process CLI), the files before and a
 - `rapidformer export --to` a place a run manages (its checkpoints/ directory: a step-named
   export was taken for a damaged checkpoint, and trainer.overwrite=true removed it; a name of
   its outputs such as hf_model), a link leading nowhere, or a path under a file: one message,
-  exit 2, nothing written (a traceback, exit 1, for the last two).
+  exit 2, nothing written (a traceback, exit 1, for the last two);
+- a run that early stopping ended, resumed with the same settings (the command its summary
+  printed, or trainer.resume=PATH), trained one more step, stopped again and replaced its best
+  and export, and its summary said "run finished": now the summary and status.json say
+  "stopped early at step N of M (why)", the resume is refused with every byte left as it was,
+  and a larger patience, or none, trains on;
+- `rapidformer predict --output` an existing file (the training data, the run's own records, a
+  link to the input) replaced it silently: an existing file is refused unless --overwrite, and
+  the input, the run's data files and its records are refused even with it.
 """
 from __future__ import annotations
 
@@ -267,3 +275,194 @@ def test_export_into_a_new_folder_of_the_run_directory_is_written(finished_run, 
                      capsys)
     assert code == 0, err[-2000:]
     assert (finished_run / "v1" / "config.json").is_file()
+
+
+# --- a run that early stopping ended ---------------------------------------------------------
+
+EARLY = ["data=pairs_local", "trainer.epochs=null", "trainer.train_iters=6",
+         "trainer.eval_interval=1", "trainer.best_metric=validation/loss",
+         "trainer.early_stopping_patience=1", "trainer.early_stopping_min_delta=0.5",
+         "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.micro_batch_size=16",
+         "trainer.log_interval=1"]
+# the loss falls by far less than 0.5 a step: the second evaluation ends the run at step 2.
+# best_mode=max on a falling loss: step 2 is no best, so trainer.save_last=false leaves it no
+# checkpoint, and only the best marker knows of the stop
+ORIGINS = {"default": [], "no checkpoint of the stop": ["trainer.best_mode=max",
+                                                        "trainer.save_last=false"]}
+
+
+@pytest.fixture(scope="module")
+def early_stopped(tmp_path_factory):
+    """{origin: (data dir, run dir, stderr of its run)}: runs that early stopping ended."""
+    from rapidformer.data.synthetic import write_dataset
+
+    root = tmp_path_factory.mktemp("early")
+    data = write_dataset(root / "data", train_size=64, eval_size=16, seed=3)
+    runs = {}
+    for name, extra in ORIGINS.items():
+        run = root / name.replace(" ", "_")
+        code, err = _main([*EARLY, *extra, f"data.path={data}", f"trainer.output_dir={run}"])
+        assert code == 0, err[-2000:]
+        runs[name] = (data, run, err)
+    return runs
+
+
+def _main(argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from rapidformer import __main__ as module_main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            module_main.main(argv)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, err.getvalue()
+
+
+STOPPED_AT_2 = ("stopped early at step 2 of 6 (no improvement of more than 0.5 in "
+                "validation/loss for 1 evaluation, trainer.early_stopping_patience=1)")
+
+
+@pytest.mark.parametrize("origin", ORIGINS)
+def test_an_early_stop_is_reported_as_one(origin, early_stopped):
+    from rapidformer.observability.records import read_metrics
+
+    _, run, err = early_stopped[origin]
+    assert f"rapidformer: run {STOPPED_AT_2}: {run}" in err, err[-2000:]
+    assert "run finished" not in err
+    assert json.loads((run / "status.json").read_text()) == {"status": "stopped_early",
+                                                             "error": STOPPED_AT_2}
+    assert max(r["step"] for r in read_metrics(run) if "loss" in r) == 2
+    # the summary's way on trains without early stopping; a plain resume would be refused
+    train_on = next(line for line in err.splitlines() if line.strip().startswith("train on"))
+    assert "trainer.early_stopping_patience=null trainer.early_stopping_min_delta=0" in train_on
+    assert "early_stopping_patience=1" not in train_on
+
+
+def _newest(run: Path) -> str:
+    return str(sorted((run / "checkpoints").glob("step_*"))[-1])
+
+
+@pytest.mark.parametrize("origin", ORIGINS)
+@pytest.mark.parametrize("resume,trains_to", [
+    (["trainer.resume=auto"], None),
+    (["trainer.resume={newest}"], None),
+    (["trainer.resume=auto", "trainer.early_stopping_min_delta=0.4"], None),
+    (["trainer.resume=auto", "trainer.early_stopping_patience=2"], 3),
+    (["trainer.resume=auto", "trainer.early_stopping_patience=null",
+      "trainer.early_stopping_min_delta=0"], 6),
+], ids=["same settings", "resume=PATH", "another min_delta", "a larger patience",
+        "no early stopping"])
+def test_a_resumed_early_stop_trains_only_when_asked_to(origin, resume, trains_to,
+                                                        early_stopped, tmp_path):
+    import shutil
+
+    from rapidformer.observability.records import read_metrics
+
+    data, first, _ = early_stopped[origin]
+    run = tmp_path / "run"
+    shutil.copytree(first, run, symlinks=True)
+    argv = [*EARLY, *ORIGINS[origin], f"data.path={data}", f"trainer.output_dir={run}",
+            *(r.format(newest=_newest(run)) for r in resume)]
+    before = {k: v for k, v in tree(run, data).items() if not k.endswith("/.lock")}
+    code, err = _main(argv)
+    if trains_to is None:
+        assert code == 2, err[-2000:]
+        assert "is of a run that already stopped early at step 2 of 6 (no improvement of " \
+               "more than" in err, err[-2000:]
+        assert "trainer.early_stopping_patience=2 or more" in err
+        assert "trainer.early_stopping_patience=null trainer.early_stopping_min_delta=0" in err
+        assert "Traceback" not in err
+        after = {k: v for k, v in tree(run, data).items() if not k.endswith("/.lock")}
+        assert after == before
+        return
+    assert code == 0, err[-2000:]
+    steps = [r["step"] for r in read_metrics(run) if "loss" in r]
+    assert max(steps) == trains_to and 3 in steps, steps
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == ("ok" if trains_to == 6 else "stopped_early"), status
+    assert tree(data) == {k: v for k, v in before.items() if k.startswith(str(data))}
+
+
+def test_an_early_stop_is_read_from_the_checkpoint_or_the_marker():
+    """The record of this run's metric and mode whose patience is over; the marker's only
+    when it knows of evaluations from the checkpoint on."""
+    from types import SimpleNamespace
+
+    from rapidformer.templates.best import early_stop_of
+
+    t = SimpleNamespace(best_metric="validation/loss", best_mode=None,
+                        early_stopping_patience=2)
+    record = {"metric": "validation/loss", "mode": "min", "step": 3, "value": 0.5,
+              "evaluated_at": 5, "evaluations_without_improvement": 2}
+    assert early_stop_of(t, record, None, 5) == record
+    assert early_stop_of(t, None, record, 3) == record  # the stop came after the checkpoint
+    assert early_stop_of(t, None, record, 6) is None  # a checkpoint after it: not that run's
+    assert early_stop_of(t, {**record, "mode": "max"}, None, 5) is None  # another mode
+    assert early_stop_of(SimpleNamespace(**{**vars(t), "early_stopping_patience": 3}), record,
+                         None, 5) is None
+    assert early_stop_of(SimpleNamespace(**{**vars(t), "early_stopping_patience": None}),
+                         record, None, 5) is None
+
+
+# --- predict --output over a file that exists ------------------------------------------------
+
+def _link_to_input(tmp: Path, data: Path, run: Path) -> Path:
+    os.symlink(tmp / "input.jsonl", tmp / "link.jsonl")
+    return tmp / "link.jsonl"
+
+
+def _relative_data_file(tmp: Path, data: Path, run: Path) -> Path:
+    os.symlink(data, tmp / "mydata")
+    return tmp / "mydata" / ".." / data.name / "train.jsonl"
+
+
+@pytest.mark.parametrize("output,overwrite,message", [
+    ("{data}/train.jsonl", False, "--output {data}/train.jsonl is one of the run's data files "
+     "(data.path={data}"),
+    ("{data}/train.jsonl", True, "predict never writes over the data a run read, not even "
+     "with --overwrite; nothing was written: give --output another path"),
+    ("{data}/test.jsonl", True, "--output {data}/test.jsonl is one of the run's data files"),
+    (_relative_data_file, True, "is one of the run's data files"),
+    ("{data}/new.jsonl", True, "--output {data}/new.jsonl is one of the run's data files"),
+    ("{run}/metrics.jsonl", True, "is metrics.jsonl of the run {run}, which the run keeps"),
+    ("{run}/checkpoints/best.jsonl", True, "is inside checkpoints/ of the run {run}, which the run keeps: "
+     "predict never writes there, not even with --overwrite"),
+    ("{tmp}/input.jsonl", True, "--output {tmp}/input.jsonl is the input file; nothing was "
+     "written"),
+    (_link_to_input, True, "is the input file; nothing was written"),
+    ("{tmp}/mine.jsonl", False, "--output {tmp}/mine.jsonl exists; nothing was written: give "
+     "--output another path, or add --overwrite to replace it"),
+], ids=["training data", "training data, --overwrite", "test data, --overwrite",
+        "data by another path", "a new file in the data folder", "the run's metrics",
+        "in checkpoints/", "the input", "a link to the input", "an existing file"])
+def test_predict_never_replaces_a_file_it_was_not_asked_to(output, overwrite, message,
+                                                           early_stopped, tmp_path, capsys):
+    data, run, _ = early_stopped["default"]
+    (tmp_path / "input.jsonl").write_bytes((data / "validation.jsonl").read_bytes())
+    (tmp_path / "mine.jsonl").write_text("my own rows\n")
+    where = {"data": data, "run": run, "tmp": tmp_path}
+    out = output(tmp_path, data, run) if callable(output) else Path(output.format(**where))
+    before = tree(data, run, tmp_path)
+    code, err = call("cli", ["predict", str(run), "--input", str(tmp_path / "input.jsonl"),
+                             "--output", str(out), *(["--overwrite"] if overwrite else [])],
+                     capsys)
+    assert code == 2, err[-2000:]
+    assert message.format(**where) in err, err[-2000:]
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert tree(data, run, tmp_path) == before
+
+
+def test_predict_overwrite_replaces_another_file_whole(early_stopped, tmp_path, capsys):
+    data, run, _ = early_stopped["default"]
+    (tmp_path / "mine.jsonl").write_text("my own rows\n")
+    code, err = call("cli", ["predict", str(run), "--input", str(data / "validation.jsonl"),
+                             "--output", str(tmp_path / "mine.jsonl"), "--overwrite"], capsys)
+    assert code == 0, err[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "mine.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all("prediction" in r and "score" in r for r in rows)
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.jsonl"]  # no temporary file left
