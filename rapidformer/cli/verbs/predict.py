@@ -177,8 +177,9 @@ def run_file_problem(output_path: Path, run_dir: Path, cfg) -> str | None:
                         f"not even with --overwrite")
     for name in (*RUN_RECORDS, *RUN_OUTPUTS, RUN_MARKER):
         if (run_dir / name).exists() and _within(output_path, run_dir / name):
-            return (f"--output {output_path} is {name} of the run {run_dir}, which the run "
-                    f"keeps: predict never writes over it, not even with --overwrite")
+            what = name if _same_file(output_path, run_dir / name) else f"inside {name}/"
+            return (f"--output {output_path} is {what} of the run {run_dir}, which the run "
+                    f"keeps: predict never writes there, not even with --overwrite")
     return None
 
 
