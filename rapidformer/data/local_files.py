@@ -22,7 +22,7 @@ import warnings
 import weakref
 from pathlib import Path
 
-from rapidformer.data import file_rows
+from rapidformer.data import file_rows, json_rows
 from rapidformer.errors import InputError, debug_enabled
 
 FORMATS = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -172,7 +172,7 @@ def read_file(path: Path, fmt: str, quoting: str = "auto"):
             dataset = load_dataset(builder, data_files={"data": glob.escape(str(path))},
                                    split="data", **kwargs)
     except Exception as exc:  # the builders wrap the real cause in their own error types
-        said = file_rows.json_failure(path) if fmt in ("json", "jsonl") else None
+        said = json_rows.json_failure(path) if fmt in ("json", "jsonl") else None
         if said:
             raise InputError(said) from exc
         cause = _root_cause(exc)
@@ -200,7 +200,7 @@ def _checked_rows(path: Path, fmt: str, quoting: str) -> int | None:
                          f"add examples or point data.path at another file")
     if fmt in ("csv", "tsv"):
         return file_rows.check_delimited(path, file_rows.dialect_of(fmt, quoting))
-    return file_rows.check_json(path, fmt)
+    return json_rows.check_json(path, fmt)
 
 
 def _count_mismatch(path: Path, fmt: str, quoting: str, read: int, rows: int) -> str:
