@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 # adapters first (qlora quantizes as the model moves, and the other transforms are refused
 # with them), liger's kernels before float8 (liger's SwiGLU module keeps linear layers that
 # float8 then converts), the packed path last, on the final modules
-TRANSFORMS: tuple[type[ModelTransform], ...] = (LoRA, LigerKernels, Float8, PackedSequences)
+# liger-kernel first: it patches the Hugging Face model's own modules and forward, which peft's
+# adapters then wrap (patched after peft, it would patch the peft wrapper's forward instead)
+TRANSFORMS: tuple[type[ModelTransform], ...] = (LigerKernels, LoRA, Float8, PackedSequences)
 BY_NAME = {t.name: t for t in TRANSFORMS}
 
 

@@ -65,6 +65,7 @@ class LigerKernels(ModelTransform):
     """kernels=liger."""
 
     name = "liger"
+    before_move = True  # before peft wraps the modules it patches (TRANSFORMS' order)
 
     @classmethod
     def wanted(cls, cfg: RunConfig) -> bool:

@@ -241,10 +241,6 @@ class LoRA(ModelTransform):
             p.append(f"{what} with precision=fp8: not combined here; torchao would convert the "
                      f"frozen base layers that peft wraps, a pairing not built or tested; use "
                      f"precision=bf16 with {what}")
-        if cfg.kernels.name != "none":
-            p.append(f"{what} with kernels={cfg.kernels.name}: not combined here; liger-kernel "
-                     f"patches a Hugging Face model's own modules, and peft has wrapped them by "
-                     f"then; use kernels=none with {what}")
         if cfg.trainer.unpad:
             p.append(f"{what} with trainer.unpad=true: not combined here; the unpadded path "
                      f"replaces BERT's forward, which peft's task wrappers do not pass its packed "
