@@ -460,7 +460,39 @@ CASES = [
          "created a RapidformerEngine but trained nothing (no trainer.train(), no "
          "engine.backward() or engine.step())",
          setup=lambda tmp: user_script(tmp, NEVER_TRAINS)),
+    # --- a run that is over; what predict writes ----------------------------------------------
+    Case("resume of a run that early stopping ended, with the same settings",
+         lambda p: [*EARLY_STOP, f"trainer.output_dir={p['stopped']}", "trainer.resume=auto"],
+         "is of a run that already stopped early at step 2 of 6 (no improvement of more than "
+         "0.5 in validation/loss for 1 evaluation", setup=lambda tmp: early_stopped_run(tmp)),
+    Case("predict --output a file that exists, without --overwrite",
+         lambda p: ["predict", f"{p['tmp']}/run", "--input",
+                    f"{p['tmp']}/run/data/validation.jsonl", "--output", str(p["mine"])],
+         "exists; nothing was written: give --output another path, or add --overwrite to "
+         "replace it", entry="cli", setup=lambda tmp: {"mine": _jsonl(tmp / "mine.jsonl")}),
+    Case("predict --output the run's training data, with --overwrite",
+         lambda p: ["predict", f"{p['tmp']}/run", "--input",
+                    f"{p['tmp']}/run/data/validation.jsonl", "--output",
+                    f"{p['tmp']}/run/data/train.jsonl", "--overwrite"],
+         "is one of the run's data files", entry="cli"),
 ]
+
+EARLY_STOP = [*FAST, "trainer.epochs=null", "trainer.train_iters=6", "trainer.eval_interval=1",
+              "trainer.best_metric=validation/loss", "trainer.early_stopping_patience=1",
+              "trainer.early_stopping_min_delta=0.5"]
+
+
+def early_stopped_run(tmp: Path) -> dict:
+    """A run that the second evaluation stopped early (the loss falls by far less than 0.5).
+    Given as text, not a Path: its .lock is a claim's, rewritten by every start; the rest of
+    it is compared in tests/test_trust_round3_review.py."""
+    assert_ok(run_cli([*EARLY_STOP, f"trainer.output_dir={tmp / 'stopped'}"], cwd=tmp))
+    return {"stopped": str(tmp / "stopped")}
+
+
+def _jsonl(path: Path) -> Path:
+    path.write_text('{"mine": 1}\n')
+    return path
 
 
 def _file(path: Path) -> Path:

@@ -35,10 +35,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_bad_input import call
+from tests.test_bad_input import ERROR_LINE, Case, call, record
 
 ONE_STEP = ["trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.train_iters=1",
             "trainer.epochs=null", "trainer.export_hf=false", "trainer.micro_batch_size=16"]
+
+
+def recorded(request, what: str, code: int, err: str) -> None:
+    """The case's message into docs/reliability.md's bad-input table (tools/bad_input_table.py
+    runs this file too), named `what` and the case's id."""
+    lines = [line for line in err.splitlines() if ERROR_LINE.match(line)]
+    message = err[err.index(lines[0]):] if lines else err
+    record(Case(f"{what}: {request.node.callspec.id.replace('-', ', ')}", lambda p: [], ""),
+           code, message)
 
 
 def tree(*roots: Path) -> dict[str, str]:
@@ -76,8 +85,10 @@ def _directory(folder: Path, outside: Path) -> None:
     (folder / ".lock" / "mine").write_text("x")
 
 
-@pytest.mark.parametrize("plant", [_user_text, _link_outside, _dangling_link, _directory])
-def test_a_lock_file_not_ours_is_refused_and_left_alone(plant, tmp_path, capsys):
+@pytest.mark.parametrize("plant", [_user_text, _link_outside, _dangling_link, _directory],
+                         ids=["the user's text", "a link to a file elsewhere",
+                              "a link leading nowhere", "a directory"])
+def test_a_lock_file_not_ours_is_refused_and_left_alone(plant, tmp_path, capsys, request):
     folder, outside = tmp_path / "folder", tmp_path / "outside"
     folder.mkdir()
     outside.mkdir()
@@ -85,6 +96,7 @@ def test_a_lock_file_not_ours_is_refused_and_left_alone(plant, tmp_path, capsys)
     plant(folder, outside)
     before = tree(folder, outside)
     code, err = call("rapidformer", [*ONE_STEP, f"trainer.output_dir={folder}"], capsys)
+    recorded(request, "a .lock in the output folder that is not a claim's", code, err)
     assert code == 2, err[-2000:]
     assert "holds files that no rapidformer run wrote (.lock)" in err, err[-2000:]
     assert "Traceback" not in err
@@ -136,8 +148,11 @@ JSON_ROWS = [{"sentence1": f"a{i}", "sentence2": f"b{i}", "label": i % 2} for i 
     ({"train.csv": HEADER + PAIRS, "validation.csv": HEADER + PAIRS,
       "dev.csv": HEADER + PAIRS[:32]},
      "holds 2 files for the validation split (validation.csv, dev.csv)"),
-])
-def test_data_read_as_other_rows_than_written_is_refused(files, message, tmp_path, capsys):
+], ids=["a csv header naming a column twice", "a csv header with a BOM naming one twice",
+        "a tsv header after blank lines naming one twice", "a json object giving a key twice",
+        "train.csv beside train.jsonl", "validation.csv beside dev.csv"])
+def test_data_read_as_other_rows_than_written_is_refused(files, message, tmp_path, capsys,
+                                                         request):
     data = tmp_path / "data"
     data.mkdir()
     for name, text in files.items():
@@ -147,6 +162,7 @@ def test_data_read_as_other_rows_than_written_is_refused(files, message, tmp_pat
     code, err = call("rapidformer", [*ONE_STEP, "data=pairs_local", f"data.path={data}",
                                      "trainer.micro_batch_size=4", f"trainer.output_dir={run}"],
                      capsys)
+    recorded(request, "local data read as other rows than written", code, err)
     assert code == 2, err[-2000:]
     assert message in err, err[-2000:]
     assert "Traceback" not in err
@@ -200,12 +216,14 @@ def _a_project(root: Path) -> Path:
      "hydra.sweep.dir={d} holds files that no rapidformer sweep wrote (0)"),
     (_a_project, lambda d: ["-m", f"hydra.sweep.dir={d}", "trainer.lr=1e-3,2e-3"],
      "hydra.sweep.dir={d} holds files that no rapidformer sweep wrote (notes.txt)"),
-])
+], ids=["hydra.run.dir", "hydra.run.dir with trainer.overwrite=true", "hydra.sweep.dir",
+        "hydra.sweep.dir of a project folder"])
 def test_hydra_directories_of_another_app_are_refused_untouched(make, argv, message, tmp_path,
-                                                                 capsys):
+                                                                 capsys, request):
     folder = make(tmp_path)
     before = tree(tmp_path)
     code, err = call("rapidformer", [*argv(folder), *ONE_STEP], capsys)
+    recorded(request, "another Hydra application's folder given as", code, err)
     assert code == 2, err[-2000:]
     assert message.format(d=folder) in err, err[-2000:]
     assert "Traceback" not in err
@@ -254,14 +272,16 @@ def finished_run(tmp_path_factory):
      "symbolic link that leads nowhere"),
     ("{tmp}/a_file/model", "--to {tmp}/a_file/model cannot be created: {tmp}/a_file is a file, "
      "not a directory"),
-])
+], ids=["a step name in checkpoints/", "a folder in checkpoints/", "hf_model",
+        "a link leading nowhere", "under a link leading nowhere", "under a file"])
 def test_export_to_a_place_it_must_not_write_is_refused(to, message, finished_run, tmp_path,
-                                                        capsys):
+                                                        capsys, request):
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     (tmp_path / "a_file").write_text("mine\n")
     where = {"run": finished_run, "tmp": tmp_path}
     before = tree(finished_run, tmp_path)
     code, err = call("cli", ["export", str(finished_run), "--to", to.format(**where)], capsys)
+    recorded(request, "rapidformer export --to", code, err)
     assert code == 2, err[-2000:]
     assert message.format(**where) in err, err[-2000:]
     assert "Traceback" not in err
@@ -358,7 +378,7 @@ def _newest(run: Path) -> str:
 ], ids=["same settings", "resume=PATH", "another min_delta", "a larger patience",
         "no early stopping"])
 def test_a_resumed_early_stop_trains_only_when_asked_to(origin, resume, trains_to,
-                                                        early_stopped, tmp_path):
+                                                        early_stopped, tmp_path, request):
     import shutil
 
     from rapidformer.observability.records import read_metrics
@@ -371,6 +391,7 @@ def test_a_resumed_early_stop_trains_only_when_asked_to(origin, resume, trains_t
     before = {k: v for k, v in tree(run, data).items() if not k.endswith("/.lock")}
     code, err = _main(argv)
     if trains_to is None:
+        recorded(request, "resume of a run that early stopping ended", code, err)
         assert code == 2, err[-2000:]
         assert "is of a run that already stopped early at step 2 of 6 (no improvement of " \
                "more than" in err, err[-2000:]
@@ -441,7 +462,8 @@ def _relative_data_file(tmp: Path, data: Path, run: Path) -> Path:
         "data by another path", "a new file in the data folder", "the run's metrics",
         "in checkpoints/", "the input", "a link to the input", "an existing file"])
 def test_predict_never_replaces_a_file_it_was_not_asked_to(output, overwrite, message,
-                                                           early_stopped, tmp_path, capsys):
+                                                           early_stopped, tmp_path, capsys,
+                                                           request):
     data, run, _ = early_stopped["default"]
     (tmp_path / "input.jsonl").write_bytes((data / "validation.jsonl").read_bytes())
     (tmp_path / "mine.jsonl").write_text("my own rows\n")
@@ -451,6 +473,7 @@ def test_predict_never_replaces_a_file_it_was_not_asked_to(output, overwrite, me
     code, err = call("cli", ["predict", str(run), "--input", str(tmp_path / "input.jsonl"),
                              "--output", str(out), *(["--overwrite"] if overwrite else [])],
                      capsys)
+    recorded(request, "rapidformer predict --output", code, err)
     assert code == 2, err[-2000:]
     assert message.format(**where) in err, err[-2000:]
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

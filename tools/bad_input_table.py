@@ -1,5 +1,6 @@
-"""Run the bad-input cases (tests/test_bad_input.py) and write the table of their messages into
-docs/reliability.md, between its bad-input-table markers.
+"""Run the bad-input cases (tests/test_bad_input.py, and the held-out review cases of
+tests/test_trust_round3_review.py, which record their refusals the same way) and write the
+table of their messages into docs/reliability.md, between its bad-input-table markers.
 
     python tools/bad_input_table.py
 """
@@ -17,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "reliability.md"
 TEST_DIR = re.compile(r"[^\s='(]*/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+")
 ERROR_PREFIX = re.compile(r"^rapidformer(-preprocess-data)?: error: ")
+SOURCES = ("tests/test_bad_input.py", "tests/test_trust_round3_review.py")
 BEGIN, END = "<!-- bad-input-table -->", "<!-- /bad-input-table -->"
 
 
@@ -30,7 +32,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "cases.jsonl"
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "tests/test_bad_input.py"], cwd=REPO,
+                                 *SOURCES], cwd=REPO,
                                 env={**os.environ, "RAPIDFORMER_BAD_INPUT_RECORD": str(record)})
         if result.returncode != 0:
             sys.exit("some bad-input cases failed; the table is not rewritten")

@@ -167,14 +167,17 @@ def run_file_problem(output_path: Path, run_dir: Path, cfg) -> str | None:
     from rapidformer.checkpoint.run_dir import RUN_MARKER, RUN_OUTPUTS
 
     given = cfg.data.path
+    if not given and cfg.data.source == "synthetic":
+        given = str(run_dir.absolute() / "data")  # generated there
     if given:
         folders = [f for f in (_run_start_folder(run_dir), Path.cwd()) if f is not None]
         places = [Path(given)] if Path(given).is_absolute() else [f / given for f in folders]
         for place in places:
             if place.exists() and _within(output_path, place):
+                named = given if Path(given) == place else f"{given}, {place}"
                 return (f"--output {output_path} is one of the run's data files (data.path="
-                        f"{given}, {place}): predict never writes over the data a run read, "
-                        f"not even with --overwrite")
+                        f"{named}): predict never writes over the data a run read, not even "
+                        f"with --overwrite")
     for name in (*RUN_RECORDS, *RUN_OUTPUTS, RUN_MARKER):
         if (run_dir / name).exists() and _within(output_path, run_dir / name):
             what = name if _same_file(output_path, run_dir / name) else f"inside {name}/"
