@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -46,8 +47,8 @@ def recorded(request, what: str, code: int, err: str) -> None:
     runs this file too), named `what` and the case's id."""
     lines = [line for line in err.splitlines() if ERROR_LINE.match(line)]
     message = err[err.index(lines[0]):] if lines else err
-    record(Case(f"{what}: {request.node.callspec.id.replace('-', ', ')}", lambda p: [], ""),
-           code, message)
+    case = re.sub(r"(?<=\w)-(?=\w)", ", ", request.node.callspec.id)  # pytest joins ids by -
+    record(Case(f"{what}: {case}", lambda p: [], ""), code, message)
 
 
 def tree(*roots: Path) -> dict[str, str]:
