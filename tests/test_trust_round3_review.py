@@ -415,7 +415,7 @@ def test_an_early_stop_is_read_from_the_checkpoint_or_the_marker():
     when it knows of evaluations from the checkpoint on."""
     from types import SimpleNamespace
 
-    from rapidformer.templates.best import early_stop_of
+    from rapidformer.checkpoint.early_stop import early_stop_of
 
     t = SimpleNamespace(best_metric="validation/loss", best_mode=None,
                         early_stopping_patience=2)

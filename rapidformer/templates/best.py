@@ -14,21 +14,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from rapidformer.checkpoint import store
+from rapidformer.checkpoint.early_stop import inferred_mode
 from rapidformer.errors import ConfigError
 
 log = logging.getLogger("rapidformer")
-
-# metrics where lower is better; every other metric (accuracy, f1, exact_match, rougeL) is
-# better higher
-LOWER_IS_BETTER = ("loss", "perplexity", "ppl")
-
-
-def inferred_mode(metric: str, mode: str | None) -> str:
-    """trainer.best_mode, or the one the metric's name implies."""
-    if mode:
-        return mode
-    return "min" if metric.rsplit("/", 1)[-1].endswith(LOWER_IS_BETTER) else "max"
-
 
 @dataclass
 class BestRecord:
@@ -38,26 +27,6 @@ class BestRecord:
     value: float | None = None
     evaluated_at: int = -1         # the last evaluation compared
     evaluations_without_improvement: int = 0  # in a row, for early stopping
-
-
-def early_stop_of(trainer_cfg, saved: dict | None, marker: dict | None,
-                  step: int) -> dict | None:
-    """The record (BestRecord's fields) of an early stop that this run's settings see in a
-    run resumed from a checkpoint at `step`: its train state's record (`saved`) or the best
-    marker beside it (`marker`, which knows of evaluations after the checkpoint, e.g. the one
-    that stopped the run when trainer.save_last=false), of this run's metric and mode, counting
-    at least trainer.early_stopping_patience evaluations without improvement. None without
-    early stopping, or when the patience is not over (a larger patience trains on)."""
-    patience, metric = trainer_cfg.early_stopping_patience, trainer_cfg.best_metric
-    if not (patience and metric):
-        return None
-    mode = inferred_mode(metric, trainer_cfg.best_mode)
-    for record in (marker, saved):
-        if record and (record.get("metric"), record.get("mode")) == (metric, mode) and \
-                record.get("evaluated_at", -1) >= step and \
-                record.get("evaluations_without_improvement", 0) >= patience:
-            return record
-    return None
 
 
 class BestTracker:
