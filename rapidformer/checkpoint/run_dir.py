@@ -41,7 +41,7 @@ LOCK = ".lock"
 # rewritten at every start anyway. checkpoints/ is emptied of what store.py writes only.
 RUN_OUTPUTS = ("metrics.jsonl", "metrics.csv", "tensorboard", "hf_model", ".tmp-hf_model",
                "status.json", "tokenizer", "logs", "data_index_cache", "generations.jsonl",
-               "peft_base", ".tmp-peft_base")
+               "peft_base", ".tmp-peft_base", "tuning.json")
 IGNORED = {".gitkeep", ".gitignore", ".DS_Store"}  # what an empty directory may hold
 STATUS_FILE = "status.json"
 

@@ -71,6 +71,11 @@ def hydra_entry(cfg: DictConfig):
         # checked again here: a sweep's jobs are checked only here, each on its own settings
         # (the directory is claimed next, with what Hydra wrote into it expected)
         resolved, run_cfg = settle(cfg, run_dir, environment=True, claims=False)
+        if run_cfg.accelerate.name == "auto" and hydra_cfg.mode == RunMode.MULTIRUN:
+            from rapidformer.errors import InputError
+            from rapidformer.tuning.run import refusals
+
+            raise InputError(refusals(run_cfg, multirun=True)[0])
         # the job's directory (a sweep's, or hydra.run.dir's): Hydra made it and wrote .hydra/
         # and the job's log into it before this job started
         with claimed(run_dir, run_cfg.trainer.resume, run_cfg.trainer.overwrite,
@@ -78,6 +83,9 @@ def hydra_entry(cfg: DictConfig):
             with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
                 yaml.safe_dump(resolved, f, sort_keys=False)
             write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
+            from rapidformer.tuning.run import write_record
+
+            write_record(run_dir)  # accelerate=auto's tuning.json and table, when it searched
             log.info("run directory: %s", run_dir)
             result = run(run_cfg, run_dir, resolved)
             record_status(run_dir, *finished_or_stopped(Path(run_dir)))
@@ -172,8 +180,17 @@ def main(argv: list[str] | None = None) -> None:
             # the one refusal pass (rapidformer/preflight.py): a run checks this machine too;
             # a dry run or --cfg only prints, perhaps for another machine
             dry_run = OmegaConf.select(composed, "trainer.dry_run") is True
-            _, run_cfg = settle(composed, "(run directory)",
-                                environment=not (prints_only or dry_run), writes_to=output_dir)
+            plain, run_cfg = settle(composed, "(run directory)",
+                                    environment=not (prints_only or dry_run), writes_to=output_dir)
+            if run_cfg.accelerate.name == "auto" and not (prints_only or dry_run):
+                # the measured search (rapidformer/tuning/): its choice joins the overrides, so
+                # the run and its config.yaml are the chosen settings
+                from rapidformer.tuning.run import tuned_overrides
+
+                overrides = tuned_overrides(overrides, composed, plain, run_cfg)
+                composed = compose(overrides, default_recipe=False)
+                _, run_cfg = settle(composed, "(run directory)", environment=True,
+                                    writes_to=output_dir)
             if run_cfg.trainer.dry_run and not prints_only:
                 from rapidformer.cli.verbs.inspect import print_plan
 

@@ -85,6 +85,17 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "logger.run_name": ("logger.name", ("wandb", "mlflow")),
     "logger.mode": ("logger.name", ("wandb",)),
     "logger.tracking_uri": ("logger.name", ("mlflow",)),
+    "accelerate.budget_s": ("accelerate.name", ("auto",)),
+    "accelerate.max_fraction": ("accelerate.name", ("auto",)),
+    "accelerate.max_candidates": ("accelerate.name", ("auto",)),
+    "accelerate.steps": ("accelerate.name", ("auto",)),
+    "accelerate.warmup_steps": ("accelerate.name", ("auto",)),
+    "accelerate.candidate_timeout_s": ("accelerate.name", ("auto",)),
+    "accelerate.loss_tolerance": ("accelerate.name", ("auto",)),
+    "accelerate.axes": ("accelerate.name", ("auto",)),
+    "accelerate.cache_dir": ("accelerate.name", ("auto",)),
+    "accelerate.cache": ("accelerate.name", ("auto",)),
+    "accelerate.extra_candidates": ("accelerate.name", ("auto",)),
 }
 
 

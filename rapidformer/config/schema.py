@@ -443,6 +443,36 @@ class LoggerConfig:
     tracking_uri: Optional[str] = None
 
 
+# what accelerate=auto may vary (rapidformer/tuning/space.py)
+TUNING_AXES = ("precision", "graph", "sequences", "kernels", "micro_batch_size",
+               "checkpoint_activations")
+
+
+@dataclass
+class AccelerateConfig:
+    # auto: a measured search (docs/tuning.md) picks the fastest settings that train alike
+    name: Literal["none", "auto"] = "none"
+    # the search's limit (s), and its most share of the run's estimated length (may pass 1)
+    budget_s: float = 300.0
+    max_fraction: float = 0.1
+    # candidates measured besides the reference (the config as given), steps each, the first
+    # warmup_steps (compile, graph capture) timed apart; a child past the timeout is stopped
+    max_candidates: int = 6
+    steps: int = 8
+    warmup_steps: int = 3
+    candidate_timeout_s: float = 180.0
+    # a candidate's mean loss over its steps may differ from the reference's by this share
+    loss_tolerance: float = 0.1
+    # the axes searched; the others keep the config's values
+    axes: list[str] = field(default_factory=lambda: list(TUNING_AXES))
+    # results by model, data, hardware, versions (null: $RAPIDFORMER_TUNING_CACHE or
+    # ~/.cache/rapidformer/tuning)
+    cache_dir: Optional[str] = None
+    cache: bool = True
+    # hand-picked candidates, each a string of overrides
+    extra_candidates: list[str] = field(default_factory=list)
+
+
 @dataclass
 class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -459,6 +489,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)
     # a white-box script that subclasses a template (the seed's --user-script)
     user_script: Optional[str] = None
     # the recipe's own name, for the record
@@ -466,4 +497,4 @@ class RunConfig:
 
 
 GROUPS = ("task", "model", "data", "precision", "memory", "parallelism", "graph", "kernels",
-          "peft", "optim", "scheduler", "trainer", "launcher", "logger")
+          "peft", "optim", "scheduler", "trainer", "launcher", "logger", "accelerate")

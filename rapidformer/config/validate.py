@@ -125,6 +125,22 @@ def check_values(cfg: RunConfig) -> list[str]:
     if cfg.graph.mode and cfg.graph.options:
         p.append(f"graph.mode={cfg.graph.mode} with graph.options: torch.compile takes a mode or "
                  f"inductor options, not both; drop one (a mode is a named set of options)")
+    p.extend(_accelerate_problems(cfg.accelerate))
+    return p
+
+
+def _accelerate_problems(a) -> list[str]:
+    """accelerate=auto's own settings (rapidformer/tuning/: what it searches)."""
+    from rapidformer.config.schema import TUNING_AXES
+
+    if a.name != "auto":
+        return []
+    p = [f"accelerate.axes: no axis '{axis}'"
+         + (f" (did you mean '{hint}'?)" if (hint := closest(axis, TUNING_AXES)) else "")
+         + f"; the axes are {', '.join(TUNING_AXES)}" for axis in a.axes if axis not in TUNING_AXES]
+    if a.warmup_steps >= a.steps:
+        p.append(f"accelerate.warmup_steps={a.warmup_steps} leaves no step of "
+                 f"accelerate.steps={a.steps} to time; make steps larger than warmup_steps")
     return p
 
 

@@ -423,7 +423,10 @@ class _Window:
                   # it near zero
                   "data_wait_frac": self.data_wait / elapsed,
                   # share of the computed token positions that were padding
-                  "padding_frac": 1.0 - tokens / slots if slots else 0.0}
+                  "padding_frac": 1.0 - tokens / slots if slots else 0.0,
+                  # the window's wall time: accelerate=auto's search (rapidformer/tuning/) sums
+                  # it to time the warm-up steps apart from the rest
+                  "window_s": elapsed}
         if self.spikes.check(step, record["grad_norm_max"]):
             record["grad_norm_spikes"] = self.spikes.count
         if self.loss_scale is not None:

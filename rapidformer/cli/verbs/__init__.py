@@ -12,6 +12,7 @@
     rapidformer generate RUN_DIR --prompt TEXT  a causal LM's answer (or --input F [--output F])
     rapidformer plot RUN_DIR [RUN_DIR ...]      PNG curves of loss, lr, throughput
     rapidformer cp RECIPE DIR                   a shipped recipe copied to edit (--config-dir DIR)
+    rapidformer tune +recipe=X [overrides]      accelerate=auto's measured search; prints the command
 
 Anything else on the command line is a training run (seed flags or Hydra overrides).
 """
@@ -33,6 +34,7 @@ VERBS = {
     "eval": ("rapidformer.cli.verbs.evaluate", "a checkpoint's metrics on the run's or other data"),
     "predict": ("rapidformer.cli.verbs.predict", "a checkpoint's predictions for a jsonl/csv file"),
     "generate": ("rapidformer.cli.verbs.generate", "a causal LM's answers to prompts or chats"),
+    "tune": ("rapidformer.cli.verbs.tune", "measure candidate settings; print the fastest's command"),
 }
 
 

@@ -1,0 +1,60 @@
+"""`rapidformer tune [+recipe=X] [overrides | seed flags]`: accelerate=auto's search alone.
+
+Measures the candidates as a run with accelerate=auto would (rapidformer/tuning/), prints the
+table and the command line that trains with the choice, and trains nothing. The result is
+cached as the run's search is, so the printed command's run with accelerate=auto, or this verb
+again, does not search again.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from rapidformer.errors import RapidformerError
+
+
+def tune_command(argv: list[str]) -> int:
+    import argparse
+
+    from rapidformer.cli.verbs.inspect import _overrides
+    from rapidformer.config.compose import check_overrides, compose, override_key, \
+        with_default_recipe
+    from rapidformer.preflight import settle
+    from rapidformer.tuning.run import refusals
+    from rapidformer.tuning.search import search
+
+    parser = argparse.ArgumentParser(
+        prog="rapidformer tune", description=__doc__.split("\n\n")[0],
+        epilog="accelerate.* overrides set the search (budget_s, max_candidates, steps, axes, "
+               "...); docs/tuning.md")
+    parser.add_argument("--json", action="store_true", help="print the record as JSON")
+    known, rest = parser.parse_known_args(argv)
+    try:
+        overrides = _overrides(rest)
+        if not any(override_key(o) == "accelerate" for o in overrides):
+            overrides.append("accelerate=auto")
+        overrides = check_overrides(with_default_recipe(overrides))
+        composed = compose(overrides, default_recipe=False)
+        plain, cfg = settle(composed, environment=True, claims=False)
+        if cfg.accelerate.name != "auto":
+            print("rapidformer: error: rapidformer tune searches with accelerate=auto; drop "
+                  "accelerate=none", file=sys.stderr)
+            return 2
+        if problems := refusals(cfg, multirun=False):
+            print(f"rapidformer: error: {problems[0]}", file=sys.stderr)
+            return 2
+        from omegaconf import OmegaConf
+
+        record = search(overrides, plain, cfg, OmegaConf.select(composed, "memory.name") == "auto")
+    except RapidformerError as exc:
+        print(f"rapidformer: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if known.json:
+        print(json.dumps(record, indent=2, default=str))
+        return 0
+    print(record["table"])
+    how = "cached" if record.get("cached") else f"search {record['search_s']:.0f} s of " \
+        f"{record['budget_s']:.0f} s budget"
+    print(f"\nchoice: {record['choice']['label']} ({how})")
+    print(record["command"])
+    return 0

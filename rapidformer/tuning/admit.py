@@ -1,0 +1,87 @@
+"""Whether a candidate may run: the one refusal pass's pieces, asked of its typed config.
+
+The config's own checks (config/validate.py), the strategy table's and each transform's
+refusals (refusals.py), what this machine lacks for the strategies and transforms it asks
+for, and the memory plan: under memory=auto the mode the plan picks for the candidate (with
+activation checkpointing or sharding where it must), else whether the config's own mode fits
+the device. A refused candidate is never measured; its reason goes into the table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rapidformer.config.schema import RunConfig
+from rapidformer.tuning.space import Candidate, apply
+
+
+@dataclass(frozen=True)
+class Admission:
+    candidate: Candidate  # with the memory plan's overrides added under memory=auto
+    problems: tuple[str, ...] = ()
+    estimate_gb: float | None = None  # the memory plan's estimate per device
+
+
+def machine_problems(cfg: RunConfig, device: torch.device) -> list[str]:
+    """What this machine lacks for the strategies and transforms `cfg` asks for."""
+    from rapidformer import transforms
+    from rapidformer.accelerators.table import requested
+
+    found = [p for cls in requested(cfg) for p in cls.environment_problems(cfg, device)]
+    found += transforms.environment_problems(cfg, device)
+    return [p.text for p in found]
+
+
+def config_problems(cfg: RunConfig) -> list[str]:
+    from rapidformer.config.validate import check_values
+    from rapidformer.refusals import config_problems as refused
+
+    return [*check_values(cfg), *refused(cfg)]
+
+
+def admit(base: RunConfig, candidate: Candidate, device: torch.device,
+          memory_auto: bool) -> Admission:
+    """The candidate with its problems (none: it may run) and its memory estimate."""
+    from rapidformer.errors import ConfigError
+    from rapidformer.planning.memory_plan import (GB, Mode, choose_mode, device_capacity,
+                                                  estimate, usable_bytes)
+    from rapidformer.planning.model_shape import model_shape
+
+    try:
+        cfg = apply(base, candidate)
+    except KeyError as exc:  # a hand-picked key the typed check cannot apply: the child checks it
+        return Admission(candidate, (), None) if candidate.hand_picked else \
+            Admission(candidate, (f"no key {exc}",))
+    except Exception as exc:  # noqa: BLE001 - a hand-picked value of the wrong type, an option
+        return Admission(candidate, (f"{type(exc).__name__}: {exc}",))
+    problems = config_problems(cfg)
+    if problems:
+        return Admission(candidate, tuple(problems))
+    if memory_auto and not cfg.model.is_megatron:
+        # the plan decides recompute with the mode, unless the candidate sets it
+        from dataclasses import replace
+
+        asked = dict(candidate.overrides).get("trainer.checkpoint_activations") == "true"
+        cfg = replace(cfg, trainer=replace(cfg.trainer, checkpoint_activations=asked))
+        try:
+            mode = choose_mode(cfg)
+        except ConfigError as exc:
+            return Admission(candidate, tuple(exc.problems))
+        overrides = tuple(tuple(o.split("=", 1)) for o in mode.overrides())
+        candidate = Candidate(candidate.label, candidate.overrides + overrides,
+                              candidate.hand_picked)
+        cfg = apply(base, candidate)
+        problems = config_problems(cfg)
+    else:
+        mode = Mode(cfg.memory.name, cfg.memory.offload_optimizer, cfg.memory.offload_params,
+                    cfg.trainer.checkpoint_activations)
+    problems += machine_problems(cfg, device)
+    capacity, _ = device_capacity(cfg)
+    needed = None
+    if not problems and cfg.memory.name != "auto":
+        needed = estimate(model_shape(cfg), cfg, mode, capacity is not None).total
+        if capacity is not None and needed > usable_bytes(capacity):
+            problems.append(f"the memory plan estimates {needed / GB:.1f} GB per device, over "
+                            f"the {usable_bytes(capacity) / GB:.1f} GB usable")
+    return Admission(candidate, tuple(problems), None if needed is None else needed / GB)

@@ -1,0 +1,83 @@
+"""The candidates of a config, in the order they are measured, and those left out with why.
+
+Each axis's values (tuning/space.py) are first asked alone: a value the refusal pass or this
+machine refuses on its own (unpad on a decoder, fp8 without float8 tensor cores, liger without
+CUDA) is out once, with its reason, and in no combination; a value the priors do not try here
+(CUDA graphs on a CPU) likewise. The combinations of the rest are ordered by their prior
+(tuning/priors.py), then each, best first, is admitted by the refusal pass and the memory plan
+(tuning/admit.py) until accelerate.max_candidates are in. Hand-picked candidates
+(accelerate.extra_candidates) come first and are not counted in the maximum.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from rapidformer.config.schema import RunConfig
+from rapidformer.tuning.admit import Admission, admit
+from rapidformer.tuning.priors import Context, factor
+from rapidformer.tuning.space import Setting, axis_settings, combine, hand_picked
+
+# combinations examined at most (each asked of the refusal pass), and refused ones listed
+EXAMINED = 400
+LISTED = 12
+
+
+def context(cfg: RunConfig, device: torch.device) -> Context:
+    from rapidformer.planning.model_shape import model_shape
+
+    shape = model_shape(cfg)
+    return Context(device.type == "cuda", shape.parameters, shape.hidden, shape.vocab,
+                   cfg.trainer.micro_batch_size)
+
+
+def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool
+               ) -> tuple[list[Admission], list[dict], dict[str, float]]:
+    """(the admitted candidates with their estimates, in measuring order; rows of those left
+    out: label, prior, why; each admitted label's prior)."""
+    a = cfg.accelerate
+    ctx = context(cfg, device)
+    out: list[dict] = []
+    admitted = [admit(cfg, hand_picked(text), device, memory_auto) for text in a.extra_candidates]
+    for adm in admitted:
+        if adm.problems:
+            out.append({"label": adm.candidate.label, "why": f"refused: {adm.problems[0]}"})
+    admitted = [adm for adm in admitted if not adm.problems]
+    axes: list[list[tuple[Setting, float]]] = []
+    for axis in a.axes:
+        kept = []
+        for setting in axis_settings(cfg, axis):
+            prior = factor(setting, ctx)
+            if prior is None:
+                out.append({"label": setting.label, "why": f"not tried on a {device.type}"})
+                continue
+            alone = admit(cfg, combine([setting]), device, memory_auto)
+            if alone.problems:
+                out.append({"label": setting.label, "why": f"refused: {alone.problems[0]}"})
+                continue
+            kept.append((setting, prior))
+        axes.append(kept)
+    combos = []
+    for choice in itertools.product(*[[None, *kept] for kept in axes]):
+        picked = [c for c in choice if c is not None]
+        if picked:
+            combos.append((math.prod(p for _, p in picked), picked))
+    combos.sort(key=lambda item: (-item[0], len(item[1])))
+    found, listed = 0, 0
+    priors: dict[str, float] = {}
+    for prior, picked in combos[:EXAMINED]:
+        if found >= a.max_candidates:
+            break
+        adm = admit(cfg, combine([s for s, _ in picked]), device, memory_auto)
+        if adm.problems:
+            if listed < LISTED:
+                out.append({"label": adm.candidate.label, "prior": round(prior, 3),
+                            "why": f"refused: {adm.problems[0]}"})
+                listed += 1
+            continue
+        admitted.append(adm)
+        priors[adm.candidate.label] = round(prior, 3)
+        found += 1
+    return admitted, out, priors

@@ -1,0 +1,179 @@
+"""One candidate measured in a child process: the real CLI for a few steps on the run's data.
+
+The child is `python -m rapidformer.tuning.child OVERRIDES...` (the CLI's own entry, below a
+documented test hook) with the run's overrides, the candidate's, and those that make it a
+short measurement: trainer.train_iters=N, a step per log line, a fresh temporary run
+directory, no checkpoint, no export. It runs in its own process group under a wall-clock
+limit: an out-of-memory error, a crash or a hang ends that child alone (the group is killed).
+What it measured is read back from its metrics.jsonl: each step's loss, real (non-pad)
+tokens/s and window time (`window_s`), the CUDA peak where there is one (else the child's
+peak resident memory, from the kernel's accounting of that process).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rapidformer.tuning.space import Candidate
+
+# settings of the run that a measurement replaces (its own directory, length, records)
+MEASUREMENT_KEYS = ("trainer.train_iters", "trainer.epochs", "trainer.log_interval",
+                    "trainer.output_dir", "trainer.save_last", "trainer.export_hf",
+                    "trainer.progress_bar", "trainer.tensorboard", "trainer.resume",
+                    "trainer.overwrite", "trainer.save_interval", "trainer.exit_interval",
+                    "trainer.eval_interval", "trainer.profile_steps", "trainer.dry_run",
+                    "trainer.early_stopping_patience", "trainer.best_metric")
+NONFINITE = "the loss was NaN or infinite"  # templates/loop.py's stop
+OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+
+
+@dataclass
+class Measurement:
+    candidate: Candidate
+    status: str  # ok, crashed, out_of_memory, timeout
+    wall_s: float  # the child process, start to end
+    losses: list[float] = field(default_factory=list)
+    warmup_s: float = 0.0  # the warm-up steps' windows (compile, graph capture)
+    tokens_per_s: float | None = None  # real tokens per second after the warm-up
+    tokens_per_step: float | None = None  # real tokens per optimizer step after the warm-up
+    peak_mem_gb: float | None = None
+    steps_per_epoch: int | None = None
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        return {"label": self.candidate.label, "overrides": self.candidate.override_list(),
+                "status": self.status, "wall_s": round(self.wall_s, 3),
+                "losses": self.losses, "warmup_s": round(self.warmup_s, 3),
+                "tokens_per_s": self.tokens_per_s, "tokens_per_step": self.tokens_per_step,
+                "peak_mem_gb": self.peak_mem_gb, "reason": self.reason}
+
+
+def child_overrides(run_overrides: list[str], candidate: Candidate, steps: int,
+                    output_dir: str) -> list[str]:
+    """The child's command line: the run's overrides less those a measurement replaces (and
+    accelerate's own, Hydra's run directory), the candidate's, the measurement's."""
+    from rapidformer.config.compose import override_key
+
+    dropped = (*MEASUREMENT_KEYS, "accelerate", "hydra.run.dir", "hydra.job.name")
+    kept = [o for o in run_overrides
+            if not (override_key(o).lstrip("+~") in dropped
+                    or override_key(o).lstrip("+~").startswith("accelerate."))]
+    quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")
+    return [*kept, *candidate.override_list(), "accelerate=none",
+            f"trainer.train_iters={steps}", "trainer.log_interval=1",
+            f"trainer.output_dir='{quoted}'", "trainer.save_last=false",
+            "trainer.export_hf=false", "trainer.progress_bar=false", "trainer.tensorboard=false",
+            "trainer.resume=null", "trainer.save_interval=null", "trainer.exit_interval=null",
+            "trainer.profile_steps=null", "trainer.early_stopping_patience=null",
+            "trainer.best_metric=null"]
+
+
+def _wait(pid: int, limit: float) -> tuple[int | None, int]:
+    """(exit status or None when past `limit` seconds, peak resident KiB of the child)."""
+    deadline = time.monotonic() + limit
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), usage.ru_maxrss
+        if time.monotonic() > deadline:
+            return None, 0
+        time.sleep(0.05)
+
+
+def run_child(overrides: list[str], label: str, limit: float, log_path: Path
+              ) -> tuple[int | None, float, int]:
+    """(exit code or None on timeout, wall seconds, peak resident KiB) of one child."""
+    import subprocess
+
+    env = {**os.environ, "RAPIDFORMER_TUNING_CANDIDATE": label}
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rapidformer.tuning.child", *overrides],
+                                stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # its own group: killed whole
+        try:
+            code, rss = _wait(proc.pid, limit)
+        finally:
+            if proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if code is None:
+            os.waitpid(proc.pid, 0)
+        proc.returncode = code if code is not None else -9  # reaped here, not by Popen
+    return code, time.monotonic() - started, rss
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r and "window_s" in r]
+
+
+STEPS_PER_EPOCH = re.compile(r"training \d+ iterations \((\d+) per epoch")
+
+
+def summarize(candidate: Candidate, steps: list[dict], warmup: int, wall_s: float,
+              rss_kib: int, log_text: str) -> Measurement:
+    """A finished child's measurement: the rate over the steps after `warmup`."""
+    m = Measurement(candidate, "ok", wall_s, losses=[float(r["loss"]) for r in steps])
+    timed = steps[warmup:]
+    m.warmup_s = sum(r["window_s"] for r in steps[:warmup])
+    seconds = sum(r["window_s"] for r in timed)
+    tokens = sum(r["tokens_per_s"] * r["window_s"] for r in timed)
+    if timed and seconds > 0:
+        m.tokens_per_s = tokens / seconds
+        m.tokens_per_step = tokens / len(timed)
+    peaks = [r["peak_mem_gb"] for r in steps if "peak_mem_gb" in r]
+    m.peak_mem_gb = round(max(peaks), 3) if peaks else round(rss_kib / 2**20, 3) or None
+    if found := STEPS_PER_EPOCH.search(log_text):
+        m.steps_per_epoch = int(found.group(1))
+    return m
+
+
+def measure(run_overrides: list[str], candidate: Candidate, steps: int, warmup: int,
+            limit: float, work_dir: Path) -> Measurement:
+    """Run `candidate` for `steps` steps in a child under `limit` seconds."""
+    run_dir = Path(tempfile.mkdtemp(prefix="candidate-", dir=work_dir))
+    out_dir = run_dir / "run"
+    log_path = run_dir / "child.log"
+    overrides = child_overrides(run_overrides, candidate, steps, str(out_dir))
+    code, wall, rss = run_child(overrides, candidate.label, limit, log_path)
+    text = log_path.read_text(errors="replace")
+    tail = _last_error(text)
+    if code is None:
+        return Measurement(candidate, "timeout", wall,
+                           reason=f"still running after {limit:.0f} s: stopped")
+    got = read_steps(out_dir)
+    if code != 0:
+        status = "out_of_memory" if OOM.search(text) else \
+            "diverged" if NONFINITE in text else "crashed"
+        return Measurement(candidate, status, wall, losses=[float(r["loss"]) for r in got],
+                           reason=f"exit code {code}: {tail}")
+    if len(got) < steps:
+        return Measurement(candidate, "crashed", wall,
+                           reason=f"{len(got)} of {steps} steps logged: {tail}")
+    m = summarize(candidate, got[:steps], warmup, wall, rss, text)
+    if not all(math.isfinite(x) for x in m.losses):
+        m.reason = "a loss was not finite"
+    return m
+
+
+def _last_error(text: str) -> str:
+    """The child's last meaningful line (its error), for the table."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("rapidformer: error") or "Error" in line:
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"

@@ -1,0 +1,81 @@
+"""The loss check and the choice by time to result: pure functions of the measurements.
+
+Loss check: a candidate trains as the reference does when every step's loss is finite and the
+mean of its losses over the measured steps (same seed, same batches: the reference's first
+steps) is within `tolerance` of the reference's mean, as a share of it. The mean, not each
+step: dropout masks and a different micro-batch split move single steps; a wrong setting
+(fp16 overflow, a bad kernel) moves all of them or gives NaN.
+
+Time to result of a candidate, for a run of `run_tokens` real tokens:
+
+    warm-up excess  = the warm-up steps' time - the time those steps take at the rate after it
+                      (compilation, CUDA graph capture, autotuning: paid once per run)
+    time to result  = warm-up excess + run_tokens / rate
+
+and the search's own cost, the same for every candidate, is added to what is reported. So a
+compiled candidate twice as fast per step loses to eager on a run too short to pay its
+compilation, and wins on a long one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rapidformer.tuning.measure import Measurement
+
+
+@dataclass(frozen=True)
+class Verdict:
+    label: str
+    passed: bool
+    loss_check: str  # "ok (+1.2 %)", "diverged (+340 %)", "not finite", "-"
+    time_to_result_s: float | None
+    why: str = ""  # why it is out, when it is
+
+
+def loss_check(reference: list[float], losses: list[float], tolerance: float
+               ) -> tuple[bool, str]:
+    if not losses or not all(math.isfinite(x) for x in losses):
+        return False, "not finite" if losses else "no loss"
+    n = min(len(reference), len(losses))
+    ref, got = sum(reference[:n]) / n, sum(losses[:n]) / n
+    change = (got - ref) / abs(ref) if ref else got - ref
+    words = f"{change:+.1%} of the reference's mean loss"
+    if abs(change) > tolerance:
+        return False, f"differs: {words} (tolerance {tolerance:.0%})"
+    return True, f"ok: {words}"
+
+
+def time_to_result(m: Measurement, run_tokens: float, warmup_steps: int) -> float | None:
+    if not m.tokens_per_s or m.tokens_per_step is None:
+        return None
+    excess = max(m.warmup_s - warmup_steps * m.tokens_per_step / m.tokens_per_s, 0.0)
+    return excess + run_tokens / m.tokens_per_s
+
+
+def judge(reference: Measurement, measured: list[Measurement], run_tokens: float,
+          warmup_steps: int, tolerance: float) -> list[Verdict]:
+    """A verdict for the reference and each measured candidate."""
+    out = []
+    for m in [reference, *measured]:
+        label = m.candidate.label
+        if m.status != "ok":
+            out.append(Verdict(label, False, "-" if not m.losses else
+                               loss_check(reference.losses, m.losses, tolerance)[1],
+                               None, f"{m.status}: {m.reason}"))
+            continue
+        passed, words = loss_check(reference.losses, m.losses, tolerance)
+        ttr = time_to_result(m, run_tokens, warmup_steps)
+        why = "" if passed else "loss check"
+        if passed and ttr is None:
+            passed, why = False, "no rate measured"
+        out.append(Verdict(label, passed, words, ttr, why))
+    return out
+
+
+def choose(verdicts: list[Verdict]) -> Verdict:
+    """The passing verdict with the shortest time to result (the reference, first, on a tie)."""
+    passing = [v for v in verdicts if v.passed]
+    if not passing:
+        raise ValueError("no candidate passed, the reference included")
+    return min(passing, key=lambda v: v.time_to_result_s)

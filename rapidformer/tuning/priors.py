@@ -1,0 +1,74 @@
+"""What is known to pay, as a factor on the rate, to order the candidates before measuring.
+
+Only the order comes from here: the measurement decides. Each factor is a rough rate ratio
+against the config's own value, from the measurements in docs/benchmarks.md (one H200) or,
+for a CPU, what autocast and compilation do there:
+
+    setting                   GPU                                         CPU
+    bf16                      1.5  tensor cores, half the bytes moved     0.7  (autocast costs)
+    fp16                      1.45 as bf16, plus loss scaling's checks    0.5
+    fp8                       1.15 with hidden >= 2048 (1.17x on a 1B     0.3  (emulated)
+                                   decoder); 0.9 below (the casts cost
+                                   more than small matmuls gain)
+    compile                   1.3  fused elementwise work                 1.1
+    compile(reduce-overhead)  1.6  below 200M parameters (launch-bound:   -    (no CUDA graphs:
+                                   2x on a small encoder), 1.25 above           not tried)
+    unpad / packing           1.4  padding skipped (2.8x on short-        1.3
+                                   document pretraining, 1.09x on long)
+    liger                     1.1  with a vocabulary >= 32k (the logits   -    (CUDA only)
+                                   never exist); 1.0 below
+    mbs x2 / x4               1.1 / 1.15 below 200M parameters (fewer,    1.05 / 1.05
+                                   larger kernels), 1.03 / 1.03 above
+    mbs / 2                   0.9  (only pays when the larger one does    0.95
+                                   not fit)
+    checkpoint_activations    0.75 (a third more compute; pays only when  0.75
+                                   it lets a larger micro batch fit)
+
+A candidate's prior is the product of its settings' factors (the reference's is 1); settings
+not in the table (hand-picked ones) count 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rapidformer.tuning.space import Setting
+
+SMALL_MODEL = 200_000_000
+LARGE_HIDDEN = 2048
+LARGE_VOCAB = 32_000
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the factors depend on: the device kind and the model's and batch's size."""
+    on_gpu: bool
+    parameters: int
+    hidden: int
+    vocab: int
+    micro_batch_size: int
+
+
+def factor(setting: Setting, c: Context) -> float | None:
+    """The prior rate factor of one setting (the table above); None: not tried here."""
+    small = c.parameters < SMALL_MODEL
+    gpu = c.on_gpu
+    table = {
+        "fp32": 1.0, "bf16": 1.5 if gpu else 0.7, "fp16": 1.45 if gpu else 0.5,
+        "fp8": (1.15 if c.hidden >= LARGE_HIDDEN else 0.9) if gpu else 0.3,
+        "eager": 1.0, "compile": 1.3 if gpu else 1.1,
+        "compile(reduce-overhead)": (1.6 if small else 1.25) if gpu else None,
+        "unpad": 1.4 if gpu else 1.3, "packing": 1.4 if gpu else 1.3,
+        "liger": (1.1 if c.vocab >= LARGE_VOCAB else 1.0) if gpu else None,
+    }
+    if setting.label in table:
+        return table[setting.label]
+    if setting.axis == "micro_batch_size":
+        new = int(dict(setting.overrides)["trainer.micro_batch_size"])
+        if new < c.micro_batch_size:
+            return 0.9 if gpu else 0.95
+        if not gpu:
+            return 1.05
+        return (1.1 if new == 2 * c.micro_batch_size else 1.15) if small else 1.03
+    if setting.axis == "checkpoint_activations":
+        return 0.75 if setting.label.endswith("true") else 1 / 0.75
+    return 1.0

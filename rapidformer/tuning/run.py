@@ -1,0 +1,58 @@
+"""What the command line calls: the search for a run (`accelerate=auto`), before its run
+directory is claimed, and the record written into that directory once it is."""
+from __future__ import annotations
+
+import logging
+
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import InputError
+
+log = logging.getLogger("rapidformer")
+
+# the search's record, from the search (before Hydra starts the run) to the run's directory
+_pending: dict = {}
+
+
+def refusals(cfg: RunConfig, multirun: bool) -> list[str]:
+    """What accelerate=auto does not do yet (one sentence each)."""
+    p = []
+    if multirun:
+        p.append("accelerate=auto in a sweep (-m): not yet; search once with `rapidformer tune "
+                 "...` and sweep over the command it prints")
+    if cfg.launcher.name != "local":
+        p.append(f"accelerate=auto with launcher={cfg.launcher.name}: the search measures on "
+                 f"this machine, not the job's; run `rapidformer tune ...` on a node of the "
+                 f"job's kind and submit the command it prints")
+    return p
+
+
+def tuned_overrides(overrides: list[str], composed, plain: dict, cfg: RunConfig) -> list[str]:
+    """The run's overrides with the search's choice added (the config then records what
+    runs); the record is kept for `write_record`."""
+    from omegaconf import OmegaConf
+
+    from rapidformer.tuning.search import search
+
+    if problems := refusals(cfg, multirun=False):
+        raise InputError(problems[0])
+    memory_auto = OmegaConf.select(composed, "memory.name") == "auto"
+    record = search(overrides, plain, cfg, memory_auto)
+    _pending.clear()
+    _pending.update(record)
+    return [*overrides, *record["choice"]["overrides"]]
+
+
+def write_record(run_dir: str) -> None:
+    """tuning.json into the run directory and the table into the run's log, when this process
+    searched (a worker or a run without accelerate=auto has nothing to write)."""
+    from rapidformer.tuning.report import write
+
+    if not _pending:
+        return
+    record = dict(_pending)
+    _pending.clear()
+    path = write(run_dir, record)
+    how = "cached result" if record.get("cached") else f"search of {record['search_s']:.0f} s"
+    log.info("accelerate=auto (%s): %s, training with %s\n%s\nreproduce: %s\nrecord: %s",
+             how, record["choice"]["label"], " ".join(record["choice"]["overrides"]) or
+             "the config as given", record["table"], record["command"], path)

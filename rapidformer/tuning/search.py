@@ -1,0 +1,137 @@
+"""The search: cache, candidates, measurements within the budget, the choice, the record.
+
+    cached result for this key?  -> it, and no search
+    the reference (the config as given) measured first: its losses are what the others are
+        checked against, its rate gives the run's estimated length (steps x real tokens a step)
+    the budget: accelerate.budget_s, and at most accelerate.max_fraction of that length
+    each admitted candidate, best prior first, measured while the budget lasts (a candidate
+        starts only when the budget left covers what the reference's child took, and is
+        stopped at the budget's end or accelerate.candidate_timeout_s)
+    verdicts (tuning/pick.py), the fastest to the result that passes the loss check
+    the record (tuning.json's content), stored in the cache
+"""
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rapidformer.config.schema import RunConfig
+from rapidformer.errors import InputError
+from rapidformer.tuning import cache, report
+from rapidformer.tuning.enumerate import candidates
+from rapidformer.tuning.measure import Measurement, measure
+from rapidformer.tuning.pick import choose, judge
+from rapidformer.tuning.space import REFERENCE
+
+FORMAT = 1
+
+
+def say(text: str) -> None:
+    """Progress on stderr (the search runs before the run's log exists)."""
+    print(f"rapidformer: tuning: {text}", file=sys.stderr, flush=True)
+
+
+def user_overrides(run_overrides: list[str]) -> list[str]:
+    """The run's overrides without accelerate's own (the reproducing command's start)."""
+    from rapidformer.config.compose import override_key
+
+    return [o for o in run_overrides if not override_key(o).lstrip("+~").startswith("accelerate")]
+
+
+def command(run_overrides: list[str], chosen: list[str]) -> str:
+    return shlex.join(["python", "-m", "rapidformer", *user_overrides(run_overrides), *chosen])
+
+
+def run_length(cfg: RunConfig, reference: Measurement) -> int:
+    t = cfg.trainer
+    if t.train_iters is not None:
+        return t.train_iters
+    if reference.steps_per_epoch is None:
+        raise InputError("accelerate=auto: the reference measurement did not report the steps "
+                         "of an epoch; set trainer.train_iters")
+    return (t.epochs or 1) * reference.steps_per_epoch
+
+
+def search(run_overrides: list[str], plain: dict, cfg: RunConfig, memory_auto: bool) -> dict:
+    """The search's record for a settled config (`plain`, `cfg`) given by `run_overrides`."""
+    from rapidformer.preflight import run_device
+
+    device, _ = run_device(cfg)
+    a = cfg.accelerate
+    fields = cache.key_fields(cfg, plain, device.type)
+    key = cache.key_of(fields)
+    where = cache.cache_dir(cfg)
+    if a.cache and (hit := cache.load(where, key)) is not None:
+        say(f"cached result {where / (key + '.json')}: {hit['choice']['label']} (no search; "
+            f"accelerate.cache=false searches again)")
+        return {**hit, "cached": True, "command": command(run_overrides,
+                                                          hit["choice"]["overrides"])}
+    started = time.monotonic()
+    admitted, left_out, priors = candidates(cfg, device, memory_auto)
+    say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
+        f"{a.steps} steps each ({a.warmup_steps} warm-up)")
+    work = Path(tempfile.mkdtemp(prefix="rapidformer-tuning-"))
+    try:
+        record = _measure_all(run_overrides, cfg, admitted, left_out, priors, work, started)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    record.update(key=key, key_fields=fields, cached=False, format=FORMAT,
+                  command=command(run_overrides, record["choice"]["overrides"]))
+    if a.cache:
+        record["cache_file"] = str(cache.store(where, key, record))
+    return record
+
+
+def _measure_all(run_overrides, cfg: RunConfig, admitted, left_out, priors, work: Path,
+                 started: float) -> dict:
+    a = cfg.accelerate
+    say(f"measuring the reference (the config as given) for {a.steps} steps")
+    ref = measure(run_overrides, REFERENCE, a.steps, a.warmup_steps,
+                  min(a.candidate_timeout_s, a.budget_s), work)
+    if ref.status != "ok" or ref.reason:
+        raise InputError(f"accelerate=auto: the config as given did not train "
+                         f"{a.steps} steps ({ref.status}: {ref.reason}); the search checks every "
+                         f"candidate against it. Run it without accelerate=auto to see why")
+    steps = run_length(cfg, ref)
+    run_tokens = steps * ref.tokens_per_step
+    estimated = ref.warmup_s + run_tokens / ref.tokens_per_s
+    budget = min(a.budget_s, a.max_fraction * estimated)
+    say(f"reference: {ref.tokens_per_s:,.0f} real tokens/s; the run ({steps} steps) would take "
+        f"about {estimated:,.0f} s; search budget {budget:,.0f} s (accelerate.budget_s="
+        f"{a.budget_s:g}, max_fraction={a.max_fraction:g})")
+    measured: list[Measurement] = []
+    skipped: list[dict] = []
+    estimates = {adm.candidate.label: adm.estimate_gb for adm in admitted}
+    for adm in admitted:
+        left = budget - (time.monotonic() - started)
+        if left < ref.wall_s:
+            skipped.append({"label": adm.candidate.label, "prior": priors.get(adm.candidate.label),
+                            "why": f"not measured: {left:,.0f} s of the search's budget left, "
+                                   f"a measurement takes about {ref.wall_s:,.0f} s"})
+            continue
+        say(f"measuring {adm.candidate.label}")
+        measured.append(measure(run_overrides, adm.candidate, a.steps, a.warmup_steps,
+                                min(a.candidate_timeout_s, left), work))
+    verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance)
+    best = choose(verdicts)
+    chosen = next(m for m in [ref, *measured] if m.candidate.label == best.label)
+    rows = []
+    for m, v in zip([ref, *measured], verdicts):
+        rows.append({**m.as_dict(), "prior": 1.0 if m is ref else priors.get(v.label),
+                     "estimate_gb": estimates.get(v.label), "loss_check": v.loss_check,
+                     "time_to_result_s": None if v.time_to_result_s is None
+                     else round(v.time_to_result_s, 3),
+                     "passed": v.passed, "chosen": v.label == best.label, "why": v.why})
+    rows += skipped + left_out
+    search_s = time.monotonic() - started
+    say(f"chose {best.label} after {search_s:,.0f} s")
+    return {"search_s": round(search_s, 3), "budget_s": round(budget, 3),
+            "run_steps": steps, "run_tokens": run_tokens,
+            "choice": {"label": best.label, "overrides": chosen.candidate.override_list(),
+                       "time_to_result_s": best.time_to_result_s},
+            "reference_time_to_result_s": verdicts[0].time_to_result_s,
+            "rows": rows, "table": report.table(rows)}
