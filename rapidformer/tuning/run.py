@@ -31,6 +31,7 @@ def tuned_overrides(overrides: list[str], composed, plain: dict, cfg: RunConfig)
     runs); the record is kept for `write_record`."""
     from omegaconf import OmegaConf
 
+    from rapidformer.config.compose import check_overrides
     from rapidformer.tuning.search import search
 
     if problems := refusals(cfg, multirun=False):
@@ -39,7 +40,8 @@ def tuned_overrides(overrides: list[str], composed, plain: dict, cfg: RunConfig)
     record = search(overrides, plain, cfg, memory_auto)
     _pending.clear()
     _pending.update(record)
-    return [*overrides, *record["choice"]["overrides"]]
+    # as the command line's own: keys no option's YAML holds become ++key=value
+    return [*overrides, *check_overrides(record["choice"]["overrides"])]
 
 
 def write_record(run_dir: str) -> None:

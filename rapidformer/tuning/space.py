@@ -131,7 +131,14 @@ def _option_section(group: str, option: str, current):
 
 
 def _parse(value: str):
-    return yaml.safe_load(value)
+    """An override's value as Hydra reads it (1e-4 a float, which YAML 1.1 leaves a string)."""
+    parsed = yaml.safe_load(value)
+    if isinstance(parsed, str):
+        try:
+            return float(parsed)
+        except ValueError:
+            return parsed
+    return parsed
 
 
 def apply(cfg: RunConfig, candidate: Candidate) -> RunConfig:

@@ -1,0 +1,223 @@
+"""accelerate=auto (rapidformer/tuning/): the candidates and their refusals, the choice by time
+to result on given measurements, the loss check, and real searches on the CPU through the CLI
+(a crashing, a hanging and a diverging candidate each cost themselves only; a search that
+writes tuning.json and trains with its choice; the cache on a second run)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from rapidformer.config.compose import check_overrides, compose, with_default_recipe
+from rapidformer.errors import ConfigError
+from rapidformer.preflight import settle
+from rapidformer.tuning import cache
+from rapidformer.tuning.enumerate import candidates
+from rapidformer.tuning.measure import Measurement, child_overrides, summarize
+from rapidformer.tuning.pick import choose, judge, loss_check, time_to_result
+from rapidformer.tuning.space import REFERENCE, Candidate, hand_picked
+
+from tests.conftest import assert_ok, run_cli
+
+CPU = torch.device("cpu")
+
+
+def settled(*overrides: str):
+    composed = compose(check_overrides(with_default_recipe(list(overrides))),
+                       default_recipe=False)
+    plain, cfg = settle(composed)
+    return composed, plain, cfg
+
+
+def search_space(*overrides: str):
+    _, _, cfg = settled(*overrides)
+    admitted, left_out, _ = candidates(cfg, CPU, memory_auto=False)
+    return cfg, [a.candidate for a in admitted], {r["label"]: r["why"] for r in left_out}
+
+
+# (overrides, labels that must be admitted, label -> words of its refusal)
+TABLE = [
+    (["accelerate=auto", "accelerate.max_candidates=40"],
+     ["unpad", "bf16", "mbs=16", "compile", "unpad mbs=16"],
+     {"packing": "task=sft", "fp8": "float8 tensor cores",
+      "compile(reduce-overhead)": "not tried on a cpu", "liger": "not tried on a cpu"}),
+    (["+recipe=llama_sft", "accelerate=auto", "accelerate.max_candidates=40"],
+     ["packing", "bf16", "bf16 packing"],
+     {"unpad": "trainer.unpad=true with task=sft", "fp8": "float8 tensor cores"}),
+    (["+recipe=t5_summarize", "model=t5_tiny", "accelerate=auto", "accelerate.max_candidates=40"],
+     ["bf16", "compile"],
+     {"unpad": "trainer.unpad=true with task=seq2seq_lm", "packing": "task=seq2seq_lm"}),
+]
+
+
+@pytest.mark.parametrize("overrides,admitted,refused", TABLE)
+def test_candidates_leave_out_what_the_refusal_pass_refuses(overrides, admitted, refused):
+    cfg, found, left_out = search_space(*overrides)
+    labels = [c.label for c in found]
+    for label in admitted:
+        assert label in labels, (label, labels)
+    for label, words in refused.items():
+        assert label not in labels
+        assert words in left_out[label], (label, left_out.get(label))
+    # nothing refused is tried: every admitted candidate settles as its run would
+    for candidate in found:
+        settle(compose(check_overrides(with_default_recipe(
+            [*overrides, *candidate.override_list()])), default_recipe=False))
+    # the global batch is kept whatever the micro batch
+    global_batch = cfg.trainer.global_batch_size or cfg.trainer.micro_batch_size
+    for candidate in found:
+        given = dict(candidate.overrides)
+        if "trainer.micro_batch_size" in given:
+            assert given["trainer.global_batch_size"] == str(global_batch)
+
+
+def test_candidates_are_ordered_by_prior_and_pruned():
+    _, found, _ = search_space("accelerate=auto", "accelerate.max_candidates=3")
+    # on a CPU unpadding (1.3) and a larger/smaller micro batch come before bf16 autocast (0.7)
+    assert len(found) == 3
+    assert found[0].label == "compile unpad"  # 1.3 x 1.1, the best prior
+    assert all("bf16" not in c.label and "fp16" not in c.label for c in found)
+
+
+def test_the_memory_plan_leaves_out_what_does_not_fit():
+    # 1.6 GB minus the 5 % and 1.5 GB reserve leaves ~20 MB: the reference's micro batch of 32
+    # fits the tiny BERT, four times it at full length does not
+    _, found, left_out = search_space(
+        "accelerate=auto", "accelerate.max_candidates=40", "memory.device_memory_gb=1.6",
+        "data.max_seq_length=128", "trainer.micro_batch_size=8", "trainer.global_batch_size=32",
+        "accelerate.axes=[micro_batch_size]")
+    labels = [c.label for c in found]
+    assert "mbs=16" in labels
+    assert "the memory plan estimates" in left_out["mbs=32"]
+
+
+def test_axes_and_hand_picked_candidates_are_checked():
+    with pytest.raises(ConfigError, match="no axis 'precison' \\(did you mean 'precision'\\?\\)"):
+        settled("accelerate=auto", "accelerate.axes=[precison]")
+    with pytest.raises(ConfigError, match="leaves no step"):
+        settled("accelerate=auto", "accelerate.steps=3", "accelerate.warmup_steps=3")
+    with pytest.raises(ConfigError, match="not an override"):
+        hand_picked("precision")
+    _, found, left_out = search_space(
+        "accelerate=auto", "accelerate.max_candidates=0",
+        "accelerate.extra_candidates=['trainer.micro_batch_size=3','precision=bf16 trainer.lr=1e-4']")
+    assert [c.label for c in found] == ["precision=bf16 trainer.lr=1e-4"]
+    assert "trainer.micro_batch_size=3" in left_out  # 32 is no multiple of 3: refused
+
+
+def test_the_child_measures_the_run_as_given_with_the_candidate():
+    run = ["+recipe=quickstart", "accelerate=auto", "accelerate.budget_s=10",
+           "trainer.output_dir=/somewhere", "trainer.epochs=3", "hydra.run.dir=x", "precision=fp16"]
+    got = child_overrides(run, Candidate("bf16", (("precision", "bf16"),)), 5, "/tmp/c")
+    assert got[:2] == ["+recipe=quickstart", "precision=fp16"]
+    assert got.index("precision=bf16") > got.index("precision=fp16")  # the candidate's wins
+    assert "accelerate=none" in got and "trainer.train_iters=5" in got
+    assert not any(o.startswith(("accelerate.", "hydra.run", "trainer.epochs")) for o in got)
+
+
+def measured(label: str, rate: float, warmup_s: float, losses=(1.0, 0.9, 0.8, 0.7),
+             status: str = "ok") -> Measurement:
+    # 2 warm-up steps of `warmup_s` in all, then 1000 real tokens a step at `rate`
+    steps = [{"loss": loss, "window_s": warmup_s / 2 if i < 2 else 1000 / rate,
+              "tokens_per_s": 1000 / (warmup_s / 2) if i < 2 else rate}
+             for i, loss in enumerate(losses)]
+    m = summarize(Candidate(label), steps, 2, 10.0, 0, "")
+    m.status = status
+    return m
+
+
+def test_the_choice_is_by_time_to_result_for_the_run_length():
+    eager = measured("reference", rate=1000, warmup_s=2.2)  # steps of 1 s, warm-up 0.2 s extra
+    compiled = measured("compile", rate=2000, warmup_s=60.5)  # twice as fast, 60 s to compile
+    assert time_to_result(eager, 10_000, 2) == pytest.approx(0.2 + 10)
+    assert time_to_result(compiled, 10_000, 2) == pytest.approx(59.5 + 5)
+    short = judge(eager, [compiled], run_tokens=10_000, warmup_steps=2, tolerance=0.1)
+    assert choose(short).label == "reference"  # 10 s of training does not pay 60 s
+    long = judge(eager, [compiled], run_tokens=1_000_000, warmup_steps=2, tolerance=0.1)
+    assert choose(long).label == "compile"  # 1000 s vs 560 s
+
+
+def test_the_loss_check_rejects_a_fast_candidate_that_trains_otherwise():
+    ref = measured("reference", rate=1000, warmup_s=2)
+    diverged = measured("fp16", rate=9000, warmup_s=2, losses=(1.0, 3.0, 9.0, 30.0))
+    nan = measured("unpad", rate=9000, warmup_s=2, losses=(1.0, math.nan, 0.8, 0.7))
+    close = measured("bf16", rate=1500, warmup_s=2, losses=(1.01, 0.92, 0.79, 0.71))
+    crashed = Measurement(Candidate("mbs=64"), "out_of_memory", 3.0, reason="CUDA out of memory")
+    verdicts = {v.label: v for v in judge(ref, [diverged, nan, close, crashed], 1e6, 2, 0.1)}
+    assert not verdicts["fp16"].passed and "differs" in verdicts["fp16"].loss_check
+    assert not verdicts["unpad"].passed and verdicts["unpad"].loss_check == "not finite"
+    assert not verdicts["mbs=64"].passed and "out_of_memory" in verdicts["mbs=64"].why
+    assert verdicts["bf16"].passed
+    assert choose(list(verdicts.values())).label == "bf16"
+    assert loss_check([1.0, 1.0], [1.05, 1.05], 0.1)[0]
+    assert not loss_check([1.0, 1.0], [1.2, 1.2], 0.1)[0]
+
+
+def test_the_cache_key_follows_model_data_hardware_and_versions(monkeypatch):
+    _, plain, cfg = settled("accelerate=auto")
+    key = cache.key_of(cache.key_fields(cfg, plain, "cpu"))
+    assert key == cache.key_of(cache.key_fields(cfg, plain, "cpu"))
+    _, plain2, cfg2 = settled("accelerate=auto", "data.max_seq_length=32")
+    assert cache.key_of(cache.key_fields(cfg2, plain2, "cpu")) != key
+    _, plain3, cfg3 = settled("accelerate=auto", "accelerate.budget_s=20")  # not in the key
+    assert cache.key_of(cache.key_fields(cfg3, plain3, "cpu")) == key
+    monkeypatch.setattr(cache, "versions", lambda: {"torch": "0.0"})
+    assert cache.key_of(cache.key_fields(cfg, plain, "cpu")) != key
+
+
+# a search on a CPU: the quickstart's tiny BERT on 800 pairs, 5 steps a candidate
+SEARCH = ["data.synthetic_train_size=800", "data.synthetic_eval_size=64", "trainer.epochs=1",
+          "trainer.progress_bar=false", "accelerate.steps=5", "accelerate.warmup_steps=2",
+          "accelerate.max_fraction=100"]
+
+
+@pytest.mark.slow
+def test_a_crashing_a_hanging_and_a_diverging_candidate_cost_themselves_only(tmp_path):
+    faults = {"trainer.seed=7": "crash", "trainer.seed=8": "hang"}
+    result = assert_ok(run_cli(
+        ["tune", "--json", *SEARCH, "accelerate.max_candidates=0",
+         "accelerate.candidate_timeout_s=25", f"accelerate.cache_dir={tmp_path / 'cache'}",
+         "accelerate.extra_candidates=['trainer.seed=7','trainer.seed=8','trainer.lr=1000']"],
+        tmp_path, module="rapidformer.cli",
+        env={"RAPIDFORMER_TUNING_FAULTS": json.dumps(faults)}))
+    record = json.loads(result.stdout)
+    rows = {r["label"]: r for r in record["rows"]}
+    assert rows["trainer.seed=7"]["status"] == "crashed"
+    assert "injected crash" in rows["trainer.seed=7"]["reason"]
+    assert rows["trainer.seed=8"]["status"] == "timeout"
+    assert not rows["trainer.lr=1000"]["passed"]
+    assert rows["trainer.lr=1000"]["status"] == "diverged" or \
+        "differs" in rows["trainer.lr=1000"]["loss_check"]
+    assert record["choice"]["label"] == "reference" and record["choice"]["overrides"] == []
+    assert rows["reference"]["passed"] and rows["reference"]["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_a_search_trains_with_its_choice_and_a_second_run_uses_the_cache(tmp_path):
+    store = tmp_path / "cache"
+    args = ["accelerate=auto", *SEARCH, "accelerate.max_candidates=2",
+            "accelerate.axes=[sequences,micro_batch_size]"]
+    first = assert_ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'run1'}"], tmp_path,
+                              env={"RAPIDFORMER_TUNING_CACHE": str(store)}))
+    record = json.loads((tmp_path / "run1" / "tuning.json").read_text())
+    assert not record["cached"] and record["search_s"] > 0
+    measured_rows = [r for r in record["rows"] if "status" in r]
+    assert [r["label"] for r in measured_rows] == ["reference", "unpad", "unpad mbs=16"]
+    assert all(r["status"] == "ok" and r["passed"] for r in measured_rows), record["table"]
+    chosen = record["choice"]
+    # the run trained with the choice, and its config records it
+    config = (tmp_path / "run1" / "config.yaml").read_text()
+    given = dict(o.split("=", 1) for o in chosen["overrides"])
+    assert f"unpad: {given.get('trainer.unpad', 'false')}" in config
+    assert f"micro_batch_size: {given.get('trainer.micro_batch_size', '32')}" in config
+    assert "chose" in first.stderr and "accelerate=auto" in \
+        (tmp_path / "run1" / "rapidformer.log").read_text()
+    assert chosen["label"] in record["table"] and record["command"].startswith("python -m")
+    assert len(list(store.glob("*.json"))) == 1
+    second = assert_ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'run2'}"], tmp_path,
+                               env={"RAPIDFORMER_TUNING_CACHE": str(store)}))
+    again = json.loads((tmp_path / "run2" / "tuning.json").read_text())
+    assert again["cached"] and again["choice"] == chosen
+    assert "measuring" not in second.stderr and "cached result" in second.stderr
