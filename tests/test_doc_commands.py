@@ -60,6 +60,8 @@ class Shown:
     page: str
     command: str         # whitespace collapsed: the key of COMMANDS
     output: tuple        # the lines a block shows after a `$ ` command (up to the next one)
+    context: str = ""    # what a reader sees with it: its note, the comments above it, the
+                         # paragraph before the block (a recipe: its whole header)
 
 
 def _joined(lines: list[str]):
@@ -81,21 +83,30 @@ def _page_commands(page: Path) -> list[Shown]:
         if block.group(1) not in SHELL_BLOCKS:
             continue
         first = text[: block.start()].count("\n") + 2
+        before = text[: block.start()].rstrip().rsplit("\n\n", 1)[-1]
         lines = block.group(2).rstrip("\n").split("\n")
         prompted = any(line.startswith("$ ") for line in lines)
-        current = None
+        current, comments = None, []
         for number, line in _joined(lines):
             stripped = line.strip()
             if prompted and not stripped.startswith("$ "):
                 if current is not None and stripped:
                     current[3].append(stripped)  # output of the command above
                 continue
-            if not stripped or stripped.startswith("#") or (not block.group(1) and not prompted):
+            if not stripped:
+                comments = []  # a comment speaks for the lines up to the next blank one
                 continue
+            if stripped.startswith("#"):
+                comments.append(stripped)
+                continue
+            if not block.group(1) and not prompted:
+                continue
+            note = NOTE.search(stripped)
             command = " ".join(NOTE.sub("", stripped.removeprefix("$ ")).split())
-            current = [f"{name}:{first + number}", name, command, []]
+            context = " ".join([before, *comments, note.group(0) if note else ""])
+            current = [f"{name}:{first + number}", name, command, [], context]
             shown.append(current)
-    return [Shown(w, p, c, tuple(o)) for w, p, c, o in shown]
+    return [Shown(w, p, c, tuple(o), x) for w, p, c, o, x in shown]
 
 
 def _recipe_commands(path: Path) -> list[Shown]:
@@ -105,7 +116,8 @@ def _recipe_commands(path: Path) -> list[Shown]:
             break
         header.append(line[1:])
     name = str(path.relative_to(REPO))
-    return [Shown(f"{name}:{number + 1}", name, " ".join(NOTE.sub("", line.strip()).split()), ())
+    return [Shown(f"{name}:{number + 1}", name, " ".join(NOTE.sub("", line.strip()).split()), (),
+                  " ".join(header))
             for number, line in _joined(header) if COMMAND_START.match(line.strip())]
 
 
@@ -131,6 +143,7 @@ class Run:
 @dataclass(frozen=True)
 class Skip:
     why: str
+    says: tuple = ()  # words one of which the page says with the command (a reader must know)
 
 
 # A training run that lasts a minute or more on a CPU, shortened: a few steps on less generated
@@ -140,6 +153,8 @@ SHORT_SYNTH = (*FEW_STEPS, "data.synthetic_train_size=128", "data.synthetic_eval
 SHORT_PRETRAIN = ("trainer.train_iters=4",)
 
 HUB = "needs {} from the Hugging Face hub or its cache (the tests run offline)"
+NEEDS_HUB = ("hub", "cache")  # what the page says beside a command that needs the hub
+NEEDS_GPU = ("GPU", "GPUs")
 PIP = "installs from PyPI (network); the test environment has it installed"
 GPU_SIZED = ("a GPU job: {}; hours on a CPU. The same code on a tiny model runs in this file "
              "or in {}")
@@ -169,7 +184,7 @@ COMMANDS: dict[str, Run | Skip] = {
         "on the CPU"),
     "python -m rapidformer +recipe=bert_mrpc --cfg job --resolve": Run(),
     "python -m rapidformer -m precision=fp32,bf16 trainer.lr=1e-3,5e-4": Run(short=SHORT_SYNTH),
-    "python -m rapidformer +recipe=bert_mrpc": Skip(HUB.format("bert-base-cased and glue/mrpc")),
+    "python -m rapidformer +recipe=bert_mrpc": Skip(HUB.format("bert-base-cased and glue/mrpc"), NEEDS_HUB),
     "python -m rapidformer +recipe=bert_mrpc model=bert_tiny data=pairs_local data.path=DIR "
     "precision=bf16": Run(short=FEW_STEPS, stand_in={"DIR": "pairs"}),
     "python -m rapidformer trainer.lrr=1e-4 precision=fp17": Run(code=2, output=True),
@@ -214,7 +229,7 @@ COMMANDS: dict[str, Run | Skip] = {
         Run(short=SHORT_PRETRAIN),
     "python -m rapidformer +recipe=bert_pretrain data.path=data/corpus_text_sentence "
     "model.tokenizer=wp/vocab.txt": Skip(GPU_SIZED.format(
-        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line")),
+        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
     "rapidformer plan +recipe=gpt_pretrain data.path=data/corpus_text_document "
     "model.tokenizer=gpt2/vocab.json model.merge_file=gpt2/merges.txt "
     "memory.device_memory_gb=80": Run(output=("model: gpt2_small (gpt2)",)),
@@ -222,7 +237,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "launcher.nproc_per_node=2 data.path=data/corpus_text_document model.tokenizer=gpt2/vocab.json "
     "model.merge_file=gpt2/merges.txt": Skip(GPU_SIZED.format(
         "GPT-2 small at the recipe's global batch of 128 on 2 tensor-parallel ranks",
-        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)")),
+        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)"), NEEDS_GPU),
     "python -m rapidformer launcher.nproc_per_node=2": Run(short=SHORT_SYNTH),
     "python -m rapidformer launcher.nproc_per_node=2 memory=zero3 precision=bf16":
         Run(short=SHORT_SYNTH),
@@ -246,7 +261,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "model.tokenizer=gpt2/vocab.json model.merge_file=gpt2/merges.txt precision=fp8 "
     "kernels=liger": Skip(GPU_SIZED.format(
         "Llama 1B; float8 and liger-kernel need a CUDA GPU",
-        "tests/test_float8.py and tests/test_liger.py (GPU-marked)")),
+        "tests/test_float8.py and tests/test_liger.py (GPU-marked)"), NEEDS_GPU),
 
     # ---- docs/cli.md
     "rapidformer cp bert_mrpc my_configs": Run(),
@@ -281,7 +296,8 @@ COMMANDS: dict[str, Run | Skip] = {
     # ---- docs/cluster.md
     "python -m rapidformer +recipe=bert_mrpc launcher.nnodes=2 launcher.node_rank=0 "
     "launcher.master_addr=HOST0 launcher.nproc_per_node=8 trainer.micro_batch_size=4":
-        Skip("two nodes of 8 GPUs, and " + HUB.format("bert-base-cased and glue/mrpc")),
+        Skip("two nodes of 8 GPUs, and " + HUB.format("bert-base-cased and glue/mrpc"),
+             NEEDS_HUB),
     "pip install -e \".[slurm]\"": Skip(PIP),
     "python -m rapidformer +recipe=bert_mrpc launcher=slurm launcher.nnodes=2 "
     "launcher.nproc_per_node=8 trainer.micro_batch_size=4 hydra.launcher.partition=gpu "
@@ -327,8 +343,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m rapidformer precision=bf16 trainer.lr=5e-4": Run(short=SHORT_SYNTH),
     "rapidformer plot outputs/*/*": Run(),
     "python -m rapidformer -m precision=fp32,bf16": Run(short=SHORT_SYNTH),
-    "rapidformer plan +recipe=bert_mrpc memory.device_memory_gb=24": Skip(
-        HUB.format("bert-base-cased's config.json")),
+    "rapidformer plan +recipe=bert_mrpc memory.device_memory_gb=24": Skip(HUB.format("bert-base-cased's config.json"), NEEDS_HUB),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install "
     "-q -e \".[test]\" && python -m pytest -q": Skip(PIP + ", then this test suite"),
     "python -m rapidformer.data.synthetic DIR --train 4000 --eval 400 --seed 1234": Run(
@@ -354,7 +369,7 @@ COMMANDS: dict[str, Run | Skip] = {
     "launcher.nproc_per_node=2 precision=bf16 data.path=data/corpus_text_document "
     "model.tokenizer=gpt2/vocab.json model.merge_file=gpt2/merges.txt": Skip(GPU_SIZED.format(
         "GPT-2 small in bf16 at the recipe's global batch of 128",
-        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)")),
+        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)"), NEEDS_GPU),
     "python -m rapidformer ... parallelism=pp2 launcher.nproc_per_node=2": Skip(TEMPLATE),
     "python -m rapidformer ... parallelism.tensor_model_parallel_size=2 "
     "parallelism.pipeline_model_parallel_size=2 launcher.nproc_per_node=8": Skip(TEMPLATE),
@@ -412,20 +427,18 @@ COMMANDS: dict[str, Run | Skip] = {
     # ---- docs/tasks.md (and the recipes' headers)
     "python -m rapidformer +recipe=bert_ner model=bert_tiny data=local data.path=DIR "
     "trainer.lr=1e-3": Run(short=FEW_STEPS, stand_in={"DIR": "data:ner"}),
-    "python -m rapidformer +recipe=bert_ner": Skip(HUB.format("bert-base-cased and CoNLL-2003")),
+    "python -m rapidformer +recipe=bert_ner": Skip(HUB.format("bert-base-cased and CoNLL-2003"), NEEDS_HUB),
     "python -m rapidformer +recipe=bert_squad model=bert_tiny data=local data.path=DIR "
     "data.max_seq_length=128 task.doc_stride=32 trainer.lr=1e-3": Run(
         short=FEW_STEPS, stand_in={"DIR": "data:squad"}),
-    "python -m rapidformer +recipe=bert_squad": Skip(HUB.format("bert-base-cased and SQuAD")),
+    "python -m rapidformer +recipe=bert_squad": Skip(HUB.format("bert-base-cased and SQuAD"), NEEDS_HUB),
     "python -m rapidformer +recipe=bert_mlm model=bert_tiny data=local data.path=DIR "
     "trainer.lr=1e-3": Run(short=FEW_STEPS, stand_in={"DIR": "data:text"}),
-    "python -m rapidformer +recipe=bert_mlm task.whole_word_masking=true": Skip(
-        HUB.format("bert-base-cased and WikiText-2")),
+    "python -m rapidformer +recipe=bert_mlm task.whole_word_masking=true": Skip(HUB.format("bert-base-cased and WikiText-2"), NEEDS_HUB),
     "python -m rapidformer +recipe=t5_summarize model=t5_tiny data=local data.path=DIR "
     "task.source_prefix=\"\" trainer.lr=3e-3": Run(
         short=FEW_STEPS, stand_in={"DIR": "data:summaries"}),
-    "python -m rapidformer +recipe=t5_summarize task.num_beams=4": Skip(
-        HUB.format("t5-small and XSum")),
+    "python -m rapidformer +recipe=t5_summarize task.num_beams=4": Skip(HUB.format("t5-small and XSum"), NEEDS_HUB),
     "python -m rapidformer +recipe=llama_sft": Run(short=SHORT_SYNTH),
     "python -m rapidformer +recipe=llama_sft data.packing=true": Run(short=SHORT_SYNTH),
     # the sft run's export (a tokenizer with its chat template) stands in for a pretrained model
@@ -441,6 +454,19 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m rapidformer +recipe=bert_mrpc model=bert_tiny data=synthetic_pairs peft=lora "
     "trainer.lr=1e-3": Run(short=SHORT_SYNTH),
 
+    # ---- docs/tuning.md: the search on the CPU, then a run that finds it in the cache
+    "rapidformer tune data.synthetic_train_size=800 trainer.epochs=1 accelerate.max_candidates=1 "
+    "accelerate.steps=5 accelerate.warmup_steps=2 accelerate.max_fraction=100 "
+    "'accelerate.axes=[sequences,micro_batch_size]' accelerate.cache_dir=tuning_cache": Run(
+        output=("choice:", "python -m rapidformer")),
+    "python -m rapidformer accelerate=auto data.synthetic_train_size=800 trainer.epochs=1 "
+    "accelerate.max_candidates=1 accelerate.steps=5 accelerate.warmup_steps=2 "
+    "accelerate.max_fraction=100 'accelerate.axes=[sequences,micro_batch_size]' "
+    "accelerate.cache_dir=tuning_cache": Run(),
+    "python -m rapidformer +recipe=bert_mrpc accelerate=auto": Skip(HUB.format("bert-base-cased and glue/mrpc"), NEEDS_HUB),
+    "rapidformer tune +recipe=llama_sft model=llama_1b precision=bf16 accelerate.budget_s=300":
+        Skip(GPU_SIZED.format("Llama 1B candidates measured at sequence 2048",
+                              "docs/tuning.md's CPU lines"), NEEDS_GPU),
     # ---- docs/white_box.md: a tiny local BERT stands in for MODEL_DIR (bert-base-cased)
     "python -m rapidformer.data.synthetic data/pairs": Run(),
     "python -m rapidformer user_script=examples/finetuner_user_script.py model=hf "
@@ -452,20 +478,19 @@ COMMANDS: dict[str, Run | Skip] = {
                                                         ("--train-iters", "3"))),
 
     # ---- recipes/*.yaml headers (those no page shows)
-    "python -m rapidformer +recipe=bert_mlm": Skip(HUB.format("bert-base-cased and WikiText-2")),
+    "python -m rapidformer +recipe=bert_mlm": Skip(HUB.format("bert-base-cased and WikiText-2"), NEEDS_HUB),
     "python -m rapidformer +recipe=bert_mlm model=bert_tiny data=synthetic trainer.lr=1e-3":
         Run(short=SHORT_SYNTH),
-    "python -m rapidformer +recipe=bert_mrpc precision=fp16 memory=zero3": Skip(
-        HUB.format("bert-base-cased and glue/mrpc")),
+    "python -m rapidformer +recipe=bert_mrpc precision=fp16 memory=zero3": Skip(HUB.format("bert-base-cased and glue/mrpc"), NEEDS_HUB),
     "python -m rapidformer +recipe=bert_mrpc model=bert_tiny data=pairs_local data.path=DIR": Run(
         short=FEW_STEPS, stand_in={"DIR": "pairs"}),
     "python -m rapidformer +recipe=bert_ner precision=bf16 memory=zero2 launcher.nproc_per_node=2":
-        Skip(HUB.format("bert-base-cased and CoNLL-2003")),
+        Skip(HUB.format("bert-base-cased and CoNLL-2003"), NEEDS_HUB),
     "python -m rapidformer +recipe=bert_ner model=bert_tiny data=synthetic trainer.lr=1e-3":
         Run(short=SHORT_SYNTH),
     "python -m rapidformer +recipe=bert_pretrain data.path=PREFIX_text_sentence "
     "model.tokenizer=vocab.txt": Skip(GPU_SIZED.format(
-        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line")),
+        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
     "python -m rapidformer +recipe=bert_pretrain data.path=... model.tokenizer=... precision=fp16 "
     "memory=fsdp": Skip(TEMPLATE),
     # the header's data step on a generated corpus and a vocabulary trained on it
@@ -475,13 +500,12 @@ COMMANDS: dict[str, Run | Skip] = {
         before=("python -m rapidformer.data.corpus corpus.json --docs 200",
                 "rapidformer-train-vocab --input corpus.json --type wordpiece --lowercase "
                 "--vocab-size 500 --output-dir .",)),
-    "python -m rapidformer +recipe=bert_squad precision=bf16 launcher.nproc_per_node=2": Skip(
-        HUB.format("bert-base-cased and SQuAD")),
+    "python -m rapidformer +recipe=bert_squad precision=bf16 launcher.nproc_per_node=2": Skip(HUB.format("bert-base-cased and SQuAD"), NEEDS_HUB),
     "python -m rapidformer +recipe=bert_squad model=bert_tiny data=synthetic "
     "data.max_seq_length=128 task.doc_stride=32 trainer.lr=1e-3": Run(short=SHORT_SYNTH),
     "python -m rapidformer +recipe=gpt_pretrain data.path=PREFIX_text_document "
     "model.tokenizer=gpt2-vocab.json model.merge_file=gpt2-merges.txt": Skip(GPU_SIZED.format(
-        "GPT-2 small at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line")),
+        "GPT-2 small at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
     "rapidformer-preprocess-data --input corpus.json --output-prefix PREFIX --vocab-file "
     "gpt2-vocab.json --merge-file gpt2-merges.txt --tokenizer-type GPT2BPETokenizer --append-eod "
     "--workers 8": Run(
@@ -497,7 +521,7 @@ COMMANDS: dict[str, Run | Skip] = {
                           stand_in={"MODEL_DIR": "sft_model", "DATA_DIR": "data:chat"}),
     "python -m rapidformer +recipe=llama_pretrain data.path=PREFIX_text_document "
     "model.tokenizer=gpt2-vocab.json model.merge_file=gpt2-merges.txt": Skip(GPU_SIZED.format(
-        "Llama 1B at sequence 2048 under torch.compile", "docs/pretraining.md's CPU-sized line")),
+        "Llama 1B at sequence 2048 under torch.compile", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
     "python -m rapidformer +recipe=llama_pretrain ... precision=fp8 kernels=liger": Skip(TEMPLATE),
     "python -m rapidformer +recipe=llama_pretrain ... model=llama_tiny data.max_seq_length=64 "
     "trainer.micro_batch_size=4 graph=eager precision=fp32 trainer.device=cpu": Skip(TEMPLATE),
@@ -506,9 +530,8 @@ COMMANDS: dict[str, Run | Skip] = {
         short=FEW_STEPS, stand_in={"MODEL_DIR": "sft_model", "DATA_DIR": "data:chat"}),
     "python -m rapidformer +recipe=quickstart_optuna -m hydra.sweeper.n_trials=20 "
     "hydra.sweeper.n_jobs=1": Run(short=(*SHORT_SYNTH, "hydra.sweeper.n_trials=2")),
-    "python -m rapidformer +recipe=t5_summarize": Skip(HUB.format("t5-small and XSum")),
-    "python -m rapidformer +recipe=t5_summarize task.num_beams=4 precision=bf16": Skip(
-        HUB.format("t5-small and XSum")),
+    "python -m rapidformer +recipe=t5_summarize": Skip(HUB.format("t5-small and XSum"), NEEDS_HUB),
+    "python -m rapidformer +recipe=t5_summarize task.num_beams=4 precision=bf16": Skip(HUB.format("t5-small and XSum"), NEEDS_HUB),
     "python -m rapidformer +recipe=t5_summarize model=t5_tiny data=synthetic "
     "task.source_prefix=\"\" trainer.lr=3e-3": Run(short=SHORT_SYNTH),
 }
@@ -570,6 +593,11 @@ def test_every_documented_command_has_an_entry():
                          "COMMANDS: Run(...) or Skip(reason)):\n" + "\n".join(missing))
     stale = sorted(set(COMMANDS) - {s.command for s in shown})
     assert not stale, "COMMANDS entries no page shows any more:\n" + "\n".join(stale)
+    for item in shown:  # a reader learns on the page what a command needs beyond a CPU
+        how = how_to(item.command)
+        if isinstance(how, Skip) and how.says:
+            assert re.search(rf"\b({'|'.join(how.says)})\b", item.context), \
+                f"{item.where}: `{item.command}` {how.why}: say so on the page"
     for command, how in COMMANDS.items():
         if isinstance(how, Skip):
             assert len(how.why) > 20, f"`{command}`: say why it is not run"
