@@ -1,0 +1,186 @@
+"""accelerate=auto against the default configuration and the hand-picked fastest rows, end to
+end through the CLI, on issue 38's three workloads, one GPU.
+
+    python benchmarks/tune_search.py                              # GPU: every workload
+    python benchmarks/tune_search.py --workloads mrpc_small mrpc_base
+    python benchmarks/tune_search.py --smoke                      # CPU, tiny, in about 2 min
+
+Workloads (the data and models of the padding and LoRA benchmarks, built locally, nothing
+downloaded):
+  mrpc_small, mrpc_base   sentence-pair fine-tuning, 4,076 MRPC-length pairs, 3 epochs, batch
+                          32, a 6x384 and a 12x768 BERT (benchmarks/finetune_padding.py)
+  bert_pretrain           BERT-base masked LM + NSP on short documents, seq 128, batch 32
+                          (benchmarks/pretrain_padding.py's short corpus)
+  llama_sft               Llama-3.2-1B-shaped LoRA SFT on instruction-length chats, seq 2048
+                          (benchmarks/lora_sft.py's workload)
+Rows of each: `default` (the workload's command, no accelerator setting), each hand-picked row
+(the fastest of docs/benchmarks.md for it), and `auto` (accelerate=auto with an empty cache:
+the search's cost is in its wall time). Each row reports the process's wall seconds (time to
+result, startup and evaluation included), the mean real tokens/s after the first windows, the
+last logged loss; `auto` also the search's seconds, its choice and its table. The goal (issue
+38): auto within 5 % of the fastest hand-picked row's wall time, never slower than default, at
+equal loss, its search at most 5 minutes. Writes docs/benchmarks/tune_search.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _report import finish, portable_command, run_cli
+
+SKIP_WINDOWS = 2  # the first log windows (compile, warm-up) are not in the mean rate
+
+# workload -> hand-picked rows (name -> overrides), from docs/benchmarks.md
+HAND_PICKED = {
+    "mrpc_small": {"unpad-compile-cudagraphs": ["precision=bf16", "trainer.unpad=true",
+                                                "graph=compile", "graph.mode=reduce-overhead"],
+                   "unpad-bf16": ["precision=bf16", "trainer.unpad=true"]},
+    "mrpc_base": {"unpad-compile-cudagraphs": ["precision=bf16", "trainer.unpad=true",
+                                               "graph=compile", "graph.mode=reduce-overhead"],
+                  "unpad-bf16": ["precision=bf16", "trainer.unpad=true"]},
+    "bert_pretrain": {"unpad-compile": ["precision=bf16", "trainer.unpad=true", "graph=compile"],
+                      "unpad-bf16": ["precision=bf16", "trainer.unpad=true"]},
+    "llama_sft": {"lora-packed-bf16": ["precision=bf16", "data.packing=true",
+                                       "peft.base_dtype=bf16"],
+                  "lora-packed-fp8-compile": ["precision=fp8", "data.packing=true",
+                                              "graph=compile", "peft.base_dtype=bf16"]},
+}
+SMOKE_HAND_PICKED = {"mrpc_small": {"unpad": ["trainer.unpad=true"]},
+                     "bert_pretrain": {"unpad": ["trainer.unpad=true"]},
+                     "llama_sft": {"packed": ["data.packing=true"]}}
+
+
+def workload_args(name: str, work: Path, smoke: bool) -> list[str]:
+    """The workload's command line (data and models made under `work` on first use)."""
+    common = ["trainer.progress_bar=false", "trainer.export_hf=false", "trainer.save_last=false",
+              "trainer.log_interval=5"]
+    if name.startswith("mrpc"):
+        if smoke:
+            return ["+recipe=quickstart", "data.synthetic_train_size=600",
+                    "data.synthetic_eval_size=64", "trainer.epochs=1", *common]
+        import finetune_padding as fp
+
+        data = work / "pairs"
+        if not data.exists():
+            fp.write_pairs(work, 4076, 408)
+        size = name.split("_")[1]
+        model = work / f"bert_{size}"
+        if not model.exists():
+            fp.write_checkpoints(work, fp._words(8000), [size])
+        return ["task=sequence_classification", "model=hf", f"model.name_or_path={model}",
+                "data=pairs_local", f"data.path={data}", "data.max_seq_length=128",
+                "trainer.micro_batch_size=32", "trainer.epochs=3", "trainer.lr=5e-5",
+                "trainer.keep_last=1", *common]
+    if name == "bert_pretrain":
+        import pretrain_padding as pp
+
+        prefix, vocab = pp.make_data(work, "short", 1.0 if smoke else 20.0)
+        shape = ["model=bert_tiny", "data.max_seq_length=64", "trainer.train_iters=40",
+                 "trainer.micro_batch_size=8", "trainer.global_batch_size=8"] if smoke else \
+            ["trainer.train_iters=2000", "trainer.micro_batch_size=32",
+             "trainer.global_batch_size=32"]
+        return ["+recipe=bert_pretrain", f"data.path={prefix}", f"model.tokenizer={vocab}",
+                "trainer.lr=1e-4", "scheduler=constant", "trainer.eval_iters=1", *shape, *common]
+    if name == "llama_sft":
+        shape = ["model=llama_tiny", "data.max_seq_length=256", "model.embedding_rows=4096",
+                 "data.synthetic_train_size=200", "trainer.train_iters=30",
+                 "trainer.micro_batch_size=4", "trainer.global_batch_size=4"] if smoke else \
+            ["model=llama_1b", "data.max_seq_length=2048", "model.max_position_embeddings=2048",
+             "model.embedding_rows=128256", "data.synthetic_train_size=6000",
+             "trainer.train_iters=400", "trainer.micro_batch_size=16",
+             "trainer.global_batch_size=16"]
+        return ["+recipe=llama_lora", "peft.modules_to_save=null", f"data.path={work / 'sft'}",
+                "data.synthetic_lengths=instruction", "data.synthetic_eval_size=16",
+                "trainer.epochs=null", "trainer.lr=2e-4", "scheduler=constant",
+                "task.sample_generations=0", *shape, *common]
+    raise SystemExit(f"no workload {name!r}")
+
+
+def row(workload: str, name: str, args_: list[str], work: Path, timeout: float) -> dict:
+    out = work / f"{workload}_{name}"
+    command = [sys.executable, "-m", "rapidformer", *args_, f"trainer.output_dir={out}"]
+    started = time.perf_counter()
+    base, _, windows = run_cli(name, command, work, timeout=timeout)
+    base = {"workload": workload, **base, "wall_s": round(time.perf_counter() - started, 1)}
+    if windows is None:
+        return base
+    later = windows[SKIP_WINDOWS:] or windows
+    base.update(tokens_per_s=round(sum(r["tokens_per_s"] for r in later) / len(later)),
+                loss_at_end=round(windows[-1]["loss"], 4),
+                peak_mem_gb=round(max(r.get("peak_mem_gb", 0) for r in windows), 2))
+    tuning = out / "tuning.json"
+    if tuning.exists():
+        record = json.loads(tuning.read_text())
+        base.update(search_s=record.get("search_s"), cached=record.get("cached"),
+                    choice=record["choice"]["label"], choice_overrides=record["choice"]["overrides"],
+                    table=record["table"])
+    return base
+
+
+def verdict(rows: list[dict]) -> dict:
+    """The issue's goals for one workload's rows."""
+    ok = [r for r in rows if "error" not in r]
+    auto = next((r for r in ok if r["row"] == "auto"), None)
+    default = next((r for r in ok if r["row"] == "default"), None)
+    picked = [r for r in ok if r["row"] not in ("auto", "default")]
+    if auto is None or default is None or not picked:
+        return {"complete": False}
+    best = min(picked, key=lambda r: r["wall_s"])
+    return {"complete": True, "fastest_hand_picked": best["row"],
+            "auto_vs_fastest_wall": round(auto["wall_s"] / best["wall_s"], 3),
+            "auto_vs_default_wall": round(auto["wall_s"] / default["wall_s"], 3),
+            "within_5_percent": auto["wall_s"] <= 1.05 * best["wall_s"],
+            "not_slower_than_default": auto["wall_s"] <= default["wall_s"],
+            "search_under_5_min": (auto.get("search_s") or 0) <= 300}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=list(HAND_PICKED),
+                        choices=list(HAND_PICKED))
+    parser.add_argument("--budget", type=float, default=300.0, help="accelerate.budget_s")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="each row's limit (s)")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, a few steps")
+    parser.add_argument("--out", default="docs/benchmarks/tune_search.json")
+    parser.add_argument("--overrides", nargs="*", default=[])
+    args = parser.parse_args()
+    picked = HAND_PICKED
+    search = [f"accelerate.budget_s={args.budget}"]
+    if args.smoke:
+        args.workloads = [w for w in args.workloads if w in SMOKE_HAND_PICKED]
+        picked = SMOKE_HAND_PICKED
+        args.overrides = [*args.overrides, "trainer.device=cpu"]
+        # a tiny run is shorter than any search: let it take longer than the run
+        search += ["accelerate.max_candidates=2", "accelerate.steps=5",
+                   "accelerate.warmup_steps=2", "accelerate.max_fraction=100",
+                   "accelerate.axes=[sequences,micro_batch_size]"]
+    rows, verdicts = [], {}
+    with tempfile.TemporaryDirectory(prefix="rapidformer-tune-search-") as temp:
+        work = Path(temp)
+        cache = [f"accelerate.cache_dir={work / 'cache'}"]  # empty: auto pays for its search
+        for workload in args.workloads:
+            base = [*workload_args(workload, work, args.smoke), *args.overrides]
+            runs = {"default": base, **{name: [*base, *extra]
+                                        for name, extra in picked[workload].items()},
+                    "auto": [*base, "accelerate=auto", *search, *cache]}
+            done = []
+            for name, command in runs.items():
+                done.append(row(workload, name, command, work, args.timeout))
+                print(json.dumps({k: v for k, v in done[-1].items() if k != "table"}), flush=True)
+            rows += done
+            verdicts[workload] = verdict(done)
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    finish(args.out, {"date": datetime.date.today().isoformat(), "device": device,
+                      "torch": torch.__version__, "goals": verdicts,
+                      "command": portable_command(" ".join(sys.argv)), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
