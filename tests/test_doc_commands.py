@@ -467,19 +467,6 @@ COMMANDS: dict[str, Run | Skip] = {
     "rapidformer tune +recipe=llama_sft model=llama_1b precision=bf16 accelerate.budget_s=300":
         Skip(GPU_SIZED.format("Llama 1B candidates measured at sequence 2048",
                               "docs/tuning.md's CPU lines"), NEEDS_GPU),
-    # ---- docs/tuning.md: the search on the CPU, then a run that finds it in the cache
-    "rapidformer tune data.synthetic_train_size=800 trainer.epochs=1 accelerate.max_candidates=1 "
-    "accelerate.steps=5 accelerate.warmup_steps=2 accelerate.max_fraction=100 "
-    "'accelerate.axes=[sequences,micro_batch_size]' accelerate.cache_dir=tuning_cache": Run(
-        output=("choice:", "python -m rapidformer")),
-    "python -m rapidformer accelerate=auto data.synthetic_train_size=800 trainer.epochs=1 "
-    "accelerate.max_candidates=1 accelerate.steps=5 accelerate.warmup_steps=2 "
-    "accelerate.max_fraction=100 'accelerate.axes=[sequences,micro_batch_size]' "
-    "accelerate.cache_dir=tuning_cache": Run(),
-    "python -m rapidformer +recipe=bert_mrpc accelerate=auto": Skip(HUB.format("bert-base-cased and glue/mrpc"), NEEDS_HUB),
-    "rapidformer tune +recipe=llama_sft model=llama_1b precision=bf16 accelerate.budget_s=300":
-        Skip(GPU_SIZED.format("Llama 1B candidates measured at sequence 2048",
-                              "docs/tuning.md's CPU lines"), NEEDS_GPU),
     # ---- docs/white_box.md: a tiny local BERT stands in for MODEL_DIR (bert-base-cased)
     "python -m rapidformer.data.synthetic data/pairs": Run(),
     "python -m rapidformer user_script=examples/finetuner_user_script.py model=hf "
