@@ -33,6 +33,7 @@ from __future__ import annotations
 import glob
 import importlib
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -161,10 +162,19 @@ GPU_SIZED = ("a GPU job: {}; hours on a CPU. The same code on a tiny model runs 
 TEMPLATE = "a pattern (`...` or `NAME`), not a command; its filled-in forms are the page's others"
 RUN_DIR_SFT = {"RUN_DIR": "sft_run"}
 
+
+def hub(what: str) -> Skip:
+    return Skip(HUB.format(what), NEEDS_HUB)
+
+
+def gpu_sized(what: str, instead: str) -> Skip:
+    return Skip(GPU_SIZED.format(what, instead), NEEDS_GPU)
+
 COMMANDS: dict[str, Run | Skip] = {
     # ---- README.md
-    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . "
-    "&& python -m rapidformer": Skip(PIP + "; `python -m rapidformer` runs from quickstart.md"),
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install "
+    "-e . && python -m rapidformer":
+        Skip(PIP + "; `python -m rapidformer` runs from quickstart.md"),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install "
     "-q -e \".[test]\" && python -m pytest -q -n 2 --dist loadfile -m \"not serial\" && python -m "
     "pytest -q -m serial && python3 -m venv .venv-ort && .venv-ort/bin/pip install -q "
@@ -184,7 +194,7 @@ COMMANDS: dict[str, Run | Skip] = {
         "on the CPU"),
     "python -m rapidformer +recipe=bert_mrpc --cfg job --resolve": Run(),
     "python -m rapidformer -m precision=fp32,bf16 trainer.lr=1e-3,5e-4": Run(short=SHORT_SYNTH),
-    "python -m rapidformer +recipe=bert_mrpc": Skip(HUB.format("bert-base-cased and glue/mrpc"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_mrpc": hub("bert-base-cased and glue/mrpc"),
     "python -m rapidformer +recipe=bert_mrpc model=bert_tiny data=pairs_local data.path=DIR "
     "precision=bf16": Run(short=FEW_STEPS, stand_in={"DIR": "pairs"}),
     "python -m rapidformer trainer.lrr=1e-4 precision=fp17": Run(code=2, output=True),
@@ -216,8 +226,8 @@ COMMANDS: dict[str, Run | Skip] = {
         "my_finetuner.py is the skeleton above it (`...` bodies); the complete script runs the "
         "same way from docs/white_box.md"),
     "pip install -e \".[megatron]\"": Skip(PIP),
-    "python -m rapidformer.data.corpus corpus.json --docs 5000 --wordpiece-vocab wp --gpt2-bpe gpt2":
-        Run(),
+    "python -m rapidformer.data.corpus corpus.json --docs 5000 --wordpiece-vocab wp "
+    "--gpt2-bpe gpt2": Run(),
     "rapidformer-preprocess-data --input corpus.json --output-prefix data/corpus --vocab-file "
     "wp/vocab.txt --tokenizer-type BertWordPieceLowerCase --split-sentences --workers 2": Run(),
     "rapidformer-preprocess-data --input corpus.json --output-prefix data/corpus --vocab-file "
@@ -228,16 +238,16 @@ COMMANDS: dict[str, Run | Skip] = {
     "trainer.micro_batch_size=16 trainer.global_batch_size=32 trainer.train_iters=200":
         Run(short=SHORT_PRETRAIN),
     "python -m rapidformer +recipe=bert_pretrain data.path=data/corpus_text_sentence "
-    "model.tokenizer=wp/vocab.txt": Skip(GPU_SIZED.format(
-        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
+    "model.tokenizer=wp/vocab.txt": gpu_sized(
+        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"),
     "rapidformer plan +recipe=gpt_pretrain data.path=data/corpus_text_document "
     "model.tokenizer=gpt2/vocab.json model.merge_file=gpt2/merges.txt "
     "memory.device_memory_gb=80": Run(output=("model: gpt2_small (gpt2)",)),
     "python -m rapidformer +recipe=gpt_pretrain model=megatron_gpt parallelism=tp2 "
     "launcher.nproc_per_node=2 data.path=data/corpus_text_document model.tokenizer=gpt2/vocab.json "
-    "model.merge_file=gpt2/merges.txt": Skip(GPU_SIZED.format(
+    "model.merge_file=gpt2/merges.txt": gpu_sized(
         "GPT-2 small at the recipe's global batch of 128 on 2 tensor-parallel ranks",
-        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)"), NEEDS_GPU),
+        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)"),
     "python -m rapidformer launcher.nproc_per_node=2": Run(short=SHORT_SYNTH),
     "python -m rapidformer launcher.nproc_per_node=2 memory=zero3 precision=bf16":
         Run(short=SHORT_SYNTH),
@@ -259,9 +269,9 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m rapidformer +recipe=llama_sft peft=lora trainer.lr=1e-2": Run(short=SHORT_SYNTH),
     "python -m rapidformer +recipe=llama_pretrain data.path=data/corpus_text_document "
     "model.tokenizer=gpt2/vocab.json model.merge_file=gpt2/merges.txt precision=fp8 "
-    "kernels=liger": Skip(GPU_SIZED.format(
+    "kernels=liger": gpu_sized(
         "Llama 1B; float8 and liger-kernel need a CUDA GPU",
-        "tests/test_float8.py and tests/test_liger.py (GPU-marked)"), NEEDS_GPU),
+        "tests/test_float8.py and tests/test_liger.py (GPU-marked)"),
 
     # ---- docs/cli.md
     "rapidformer cp bert_mrpc my_configs": Run(),
@@ -274,9 +284,11 @@ COMMANDS: dict[str, Run | Skip] = {
     "echo $?": Run(output=True),
     "rapidformer validate +recipe=quickstart precision=bf16": Run(output=True),
     "rapidformer verify outputs/run": Run(
-        code=2, before=("python -m rapidformer trainer.output_dir=outputs/run trainer.save_interval=5 "
-                        "trainer.train_iters=10 trainer.epochs=null data.synthetic_train_size=48 "
-                        "data.synthetic_eval_size=16 trainer.export_hf=false",
+        # the page's run: checkpoints at steps 5 and 10, the second one's model.pt changed
+        code=2, before=("python -m rapidformer trainer.output_dir=outputs/run "
+                        "trainer.save_interval=5 trainer.train_iters=10 trainer.epochs=null "
+                        "data.synthetic_train_size=48 data.synthetic_eval_size=16 "
+                        "trainer.export_hf=false",
                         "printf X | dd of=outputs/run/checkpoints/step_00000010/model.pt bs=1 "
                         "seek=100 conv=notrunc status=none"),
         output=("ok outputs/run/checkpoints/step_00000005 (",  # then its size and time
@@ -343,7 +355,8 @@ COMMANDS: dict[str, Run | Skip] = {
     "python -m rapidformer precision=bf16 trainer.lr=5e-4": Run(short=SHORT_SYNTH),
     "rapidformer plot outputs/*/*": Run(),
     "python -m rapidformer -m precision=fp32,bf16": Run(short=SHORT_SYNTH),
-    "rapidformer plan +recipe=bert_mrpc memory.device_memory_gb=24": Skip(HUB.format("bert-base-cased's config.json"), NEEDS_HUB),
+    "rapidformer plan +recipe=bert_mrpc memory.device_memory_gb=24":
+        hub("bert-base-cased's config.json"),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -q torch==2.13.0 && pip install "
     "-q -e \".[test]\" && python -m pytest -q": Skip(PIP + ", then this test suite"),
     "python -m rapidformer.data.synthetic DIR --train 4000 --eval 400 --seed 1234": Run(
@@ -367,9 +380,9 @@ COMMANDS: dict[str, Run | Skip] = {
     # ---- docs/parallelism.md
     "python -m rapidformer +recipe=gpt_pretrain model=megatron_gpt parallelism=tp2 "
     "launcher.nproc_per_node=2 precision=bf16 data.path=data/corpus_text_document "
-    "model.tokenizer=gpt2/vocab.json model.merge_file=gpt2/merges.txt": Skip(GPU_SIZED.format(
+    "model.tokenizer=gpt2/vocab.json model.merge_file=gpt2/merges.txt": gpu_sized(
         "GPT-2 small in bf16 at the recipe's global batch of 128",
-        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)"), NEEDS_GPU),
+        "tests/test_parallel.py (TP=2, PP=2 with megatron_gpt_tiny on 2 CPU processes)"),
     "python -m rapidformer ... parallelism=pp2 launcher.nproc_per_node=2": Skip(TEMPLATE),
     "python -m rapidformer ... parallelism.tensor_model_parallel_size=2 "
     "parallelism.pipeline_model_parallel_size=2 launcher.nproc_per_node=8": Skip(TEMPLATE),
@@ -427,18 +440,19 @@ COMMANDS: dict[str, Run | Skip] = {
     # ---- docs/tasks.md (and the recipes' headers)
     "python -m rapidformer +recipe=bert_ner model=bert_tiny data=local data.path=DIR "
     "trainer.lr=1e-3": Run(short=FEW_STEPS, stand_in={"DIR": "data:ner"}),
-    "python -m rapidformer +recipe=bert_ner": Skip(HUB.format("bert-base-cased and CoNLL-2003"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_ner": hub("bert-base-cased and CoNLL-2003"),
     "python -m rapidformer +recipe=bert_squad model=bert_tiny data=local data.path=DIR "
     "data.max_seq_length=128 task.doc_stride=32 trainer.lr=1e-3": Run(
         short=FEW_STEPS, stand_in={"DIR": "data:squad"}),
-    "python -m rapidformer +recipe=bert_squad": Skip(HUB.format("bert-base-cased and SQuAD"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_squad": hub("bert-base-cased and SQuAD"),
     "python -m rapidformer +recipe=bert_mlm model=bert_tiny data=local data.path=DIR "
     "trainer.lr=1e-3": Run(short=FEW_STEPS, stand_in={"DIR": "data:text"}),
-    "python -m rapidformer +recipe=bert_mlm task.whole_word_masking=true": Skip(HUB.format("bert-base-cased and WikiText-2"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_mlm task.whole_word_masking=true":
+        hub("bert-base-cased and WikiText-2"),
     "python -m rapidformer +recipe=t5_summarize model=t5_tiny data=local data.path=DIR "
     "task.source_prefix=\"\" trainer.lr=3e-3": Run(
         short=FEW_STEPS, stand_in={"DIR": "data:summaries"}),
-    "python -m rapidformer +recipe=t5_summarize task.num_beams=4": Skip(HUB.format("t5-small and XSum"), NEEDS_HUB),
+    "python -m rapidformer +recipe=t5_summarize task.num_beams=4": hub("t5-small and XSum"),
     "python -m rapidformer +recipe=llama_sft": Run(short=SHORT_SYNTH),
     "python -m rapidformer +recipe=llama_sft data.packing=true": Run(short=SHORT_SYNTH),
     # the sft run's export (a tokenizer with its chat template) stands in for a pretrained model
@@ -463,10 +477,10 @@ COMMANDS: dict[str, Run | Skip] = {
     "accelerate.max_candidates=1 accelerate.steps=5 accelerate.warmup_steps=2 "
     "accelerate.max_fraction=100 'accelerate.axes=[sequences,micro_batch_size]' "
     "accelerate.cache_dir=tuning_cache": Run(),
-    "python -m rapidformer +recipe=bert_mrpc accelerate=auto": Skip(HUB.format("bert-base-cased and glue/mrpc"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_mrpc accelerate=auto": hub("bert-base-cased and glue/mrpc"),
     "rapidformer tune +recipe=llama_sft model=llama_1b precision=bf16 accelerate.budget_s=300":
-        Skip(GPU_SIZED.format("Llama 1B candidates measured at sequence 2048",
-                              "docs/tuning.md's CPU lines"), NEEDS_GPU),
+        gpu_sized("Llama 1B candidates measured at sequence 2048",
+                              "docs/tuning.md's CPU lines"),
     # ---- docs/white_box.md: a tiny local BERT stands in for MODEL_DIR (bert-base-cased)
     "python -m rapidformer.data.synthetic data/pairs": Run(),
     "python -m rapidformer user_script=examples/finetuner_user_script.py model=hf "
@@ -478,19 +492,20 @@ COMMANDS: dict[str, Run | Skip] = {
                                                         ("--train-iters", "3"))),
 
     # ---- recipes/*.yaml headers (those no page shows)
-    "python -m rapidformer +recipe=bert_mlm": Skip(HUB.format("bert-base-cased and WikiText-2"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_mlm": hub("bert-base-cased and WikiText-2"),
     "python -m rapidformer +recipe=bert_mlm model=bert_tiny data=synthetic trainer.lr=1e-3":
         Run(short=SHORT_SYNTH),
-    "python -m rapidformer +recipe=bert_mrpc precision=fp16 memory=zero3": Skip(HUB.format("bert-base-cased and glue/mrpc"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_mrpc precision=fp16 memory=zero3":
+        hub("bert-base-cased and glue/mrpc"),
     "python -m rapidformer +recipe=bert_mrpc model=bert_tiny data=pairs_local data.path=DIR": Run(
         short=FEW_STEPS, stand_in={"DIR": "pairs"}),
     "python -m rapidformer +recipe=bert_ner precision=bf16 memory=zero2 launcher.nproc_per_node=2":
-        Skip(HUB.format("bert-base-cased and CoNLL-2003"), NEEDS_HUB),
+        hub("bert-base-cased and CoNLL-2003"),
     "python -m rapidformer +recipe=bert_ner model=bert_tiny data=synthetic trainer.lr=1e-3":
         Run(short=SHORT_SYNTH),
     "python -m rapidformer +recipe=bert_pretrain data.path=PREFIX_text_sentence "
-    "model.tokenizer=vocab.txt": Skip(GPU_SIZED.format(
-        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
+    "model.tokenizer=vocab.txt": gpu_sized(
+        "bert-base at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"),
     "python -m rapidformer +recipe=bert_pretrain data.path=... model.tokenizer=... precision=fp16 "
     "memory=fsdp": Skip(TEMPLATE),
     # the header's data step on a generated corpus and a vocabulary trained on it
@@ -500,12 +515,13 @@ COMMANDS: dict[str, Run | Skip] = {
         before=("python -m rapidformer.data.corpus corpus.json --docs 200",
                 "rapidformer-train-vocab --input corpus.json --type wordpiece --lowercase "
                 "--vocab-size 500 --output-dir .",)),
-    "python -m rapidformer +recipe=bert_squad precision=bf16 launcher.nproc_per_node=2": Skip(HUB.format("bert-base-cased and SQuAD"), NEEDS_HUB),
+    "python -m rapidformer +recipe=bert_squad precision=bf16 launcher.nproc_per_node=2":
+        hub("bert-base-cased and SQuAD"),
     "python -m rapidformer +recipe=bert_squad model=bert_tiny data=synthetic "
     "data.max_seq_length=128 task.doc_stride=32 trainer.lr=1e-3": Run(short=SHORT_SYNTH),
     "python -m rapidformer +recipe=gpt_pretrain data.path=PREFIX_text_document "
-    "model.tokenizer=gpt2-vocab.json model.merge_file=gpt2-merges.txt": Skip(GPU_SIZED.format(
-        "GPT-2 small at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
+    "model.tokenizer=gpt2-vocab.json model.merge_file=gpt2-merges.txt": gpu_sized(
+        "GPT-2 small at sequence 512 and global batch 128", "docs/pretraining.md's CPU-sized line"),
     "rapidformer-preprocess-data --input corpus.json --output-prefix PREFIX --vocab-file "
     "gpt2-vocab.json --merge-file gpt2-merges.txt --tokenizer-type GPT2BPETokenizer --append-eod "
     "--workers 8": Run(
@@ -520,8 +536,8 @@ COMMANDS: dict[str, Run | Skip] = {
     "precision=bf16": Run(short=FEW_STEPS,
                           stand_in={"MODEL_DIR": "sft_model", "DATA_DIR": "data:chat"}),
     "python -m rapidformer +recipe=llama_pretrain data.path=PREFIX_text_document "
-    "model.tokenizer=gpt2-vocab.json model.merge_file=gpt2-merges.txt": Skip(GPU_SIZED.format(
-        "Llama 1B at sequence 2048 under torch.compile", "docs/pretraining.md's CPU-sized line"), NEEDS_GPU),
+    "model.tokenizer=gpt2-vocab.json model.merge_file=gpt2-merges.txt": gpu_sized(
+        "Llama 1B at sequence 2048 under torch.compile", "docs/pretraining.md's CPU-sized line"),
     "python -m rapidformer +recipe=llama_pretrain ... precision=fp8 kernels=liger": Skip(TEMPLATE),
     "python -m rapidformer +recipe=llama_pretrain ... model=llama_tiny data.max_seq_length=64 "
     "trainer.micro_batch_size=4 graph=eager precision=fp32 trainer.device=cpu": Skip(TEMPLATE),
@@ -530,8 +546,9 @@ COMMANDS: dict[str, Run | Skip] = {
         short=FEW_STEPS, stand_in={"MODEL_DIR": "sft_model", "DATA_DIR": "data:chat"}),
     "python -m rapidformer +recipe=quickstart_optuna -m hydra.sweeper.n_trials=20 "
     "hydra.sweeper.n_jobs=1": Run(short=(*SHORT_SYNTH, "hydra.sweeper.n_trials=2")),
-    "python -m rapidformer +recipe=t5_summarize": Skip(HUB.format("t5-small and XSum"), NEEDS_HUB),
-    "python -m rapidformer +recipe=t5_summarize task.num_beams=4 precision=bf16": Skip(HUB.format("t5-small and XSum"), NEEDS_HUB),
+    "python -m rapidformer +recipe=t5_summarize": hub("t5-small and XSum"),
+    "python -m rapidformer +recipe=t5_summarize task.num_beams=4 precision=bf16":
+        hub("t5-small and XSum"),
     "python -m rapidformer +recipe=t5_summarize model=t5_tiny data=synthetic "
     "task.source_prefix=\"\" trainer.lr=3e-3": Run(short=SHORT_SYNTH),
 }
@@ -760,6 +777,15 @@ def stage(tmp_path_factory):
     return Stage(tmp_path_factory.mktemp("stand_ins"))
 
 
+@pytest.fixture
+def same_environment():
+    """What the runs leave in os.environ (DeepSpeed's LOCAL_RANK) goes with the page."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def _filled(text: str, how: Run, stage: Stage, folder: Path) -> str:
     for placeholder, name in how.stand_in.items():
         text = re.sub(rf"(?<![\w-]){re.escape(placeholder)}(?![\w-])",
@@ -786,7 +812,8 @@ def _output_holds(expected, shown: Shown, printed: str) -> None:
         if "..." in line:
             continue
         assert " ".join(line.split()) in flat, \
-            f"`{shown.command}` ({shown.where}) did not print:\n{line}\nit printed:\n{printed[-3000:]}"
+            f"`{shown.command}` ({shown.where}) did not print:\n{line}\nit printed:\n" \
+            f"{printed[-3000:]}"
 
 
 def _next_second() -> None:
@@ -809,7 +836,7 @@ SLOW_PAGES = {"README.md", "docs/pretraining.md"}
 
 @pytest.mark.parametrize("page", [pytest.param(page, marks=pytest.mark.slow)
                                   if page in SLOW_PAGES else page for page in PLAN])
-def test_documented_commands_run(page, stage, tmp_path, monkeypatch, capsys):
+def test_documented_commands_run(page, stage, tmp_path, monkeypatch, capsys, same_environment):
     folder = tmp_path / "work"
     folder.mkdir()
     (folder / "examples").symlink_to(REPO / "examples")  # what the commands name in the repository
