@@ -154,7 +154,6 @@ def _trained(run_dir) -> list[float]:
     return losses
 
 
-@pytest.mark.slow  # a real pretraining run each (the CLI in this process)
 @pytest.mark.parametrize("kind, extra, tokenizer_type, recipe, model, level", [
     ("wordpiece", ["--lowercase"], "BertWordPieceLowerCase", "bert_pretrain", "bert_tiny",
      "sentence"),
