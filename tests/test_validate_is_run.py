@@ -41,6 +41,29 @@ def pairs(path, *more):
             *[o for o in TINY_PAIRS if "synthetic" not in o], *more]
 
 
+def renamed(c, name: str, fmt: str) -> str:
+    """A copy of the local pairs whose sentence1 column is called premise, as `fmt` files."""
+    import pandas as pd
+
+    out = c.tmp / name
+    out.mkdir()
+    for split in ("train", "validation"):
+        rows = pd.read_json(c.pairs_dir / f"{split}.jsonl", lines=True).rename(
+            columns={"sentence1": "premise"})
+        if fmt == "csv":
+            rows.to_csv(out / f"{split}.csv", index=False)
+        elif fmt == "parquet":
+            rows.to_parquet(out / f"{split}.parquet")
+        else:
+            rows.to_json(out / f"{split}.jsonl", orient="records", lines=True)
+    return str(out)
+
+
+def a_file(c) -> str:
+    (c.tmp / "notes.txt").write_text("not a checkpoint\n")
+    return str(c.tmp / "notes.txt")
+
+
 # row -> (the command, from the test's inputs `c`; the first problem, None for a run that
 # starts)
 CASES = {
@@ -81,6 +104,23 @@ CASES = {
                             "no such file"),
     "resume from nowhere": (lambda c: [*TINY_PAIRS, f"trainer.resume={c.tmp / 'step_1'}"],
                             "no such checkpoint directory"),
+    "resume from a file": (lambda c: [*TINY_PAIRS, f"trainer.resume={a_file(c)}"],
+                           "is not a checkpoint: neither a step_NNNNNNNN directory"),
+    "resume from a folder of no checkpoint": (
+        lambda c: [*TINY_PAIRS, f"trainer.resume={c.empty}"],
+        "is not a checkpoint: neither a step_NNNNNNNN directory"),
+    # a column the task reads is missing, in each format (the run read the files to find out)
+    "local jsonl without the text column": (
+        lambda c: pairs(renamed(c, "jsonl_premise", "jsonl")),
+        "the train split has no column 'sentence1' (data.text_a_column)"),
+    "local csv without the text column": (
+        lambda c: pairs(renamed(c, "csv_premise", "csv")),
+        "the train split has no column 'sentence1' (data.text_a_column)"),
+    "local parquet without the text column": (
+        lambda c: pairs(renamed(c, "parquet_premise", "parquet")),
+        "the train split has no column 'sentence1' (data.text_a_column)"),
+    "local data, the column renamed by its key": (
+        lambda c: pairs(renamed(c, "mapped", "csv"), "data.text_a_column=premise"), None),
     # what trainer.best_metric needs: an evaluation
     "best metric, no validation file": (
         lambda c: pairs(c.train_only, "trainer.best_metric=validation/accuracy"),

@@ -115,37 +115,19 @@ class CheckpointProtocol:
         if choice == "auto":
             return self._newest_intact(self.root, "trainer.resume=auto", self.root.parent)
         path, given = Path(choice), f"trainer.resume={choice}"
-        if not path.exists() and not path.is_symlink():
-            raise InputError(f"{given}: no such checkpoint directory; use trainer.resume=auto "
-                             f"or a path to a step_NNNNNNNN directory")
-        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-        if path.name.startswith(checkpoint.TEMP):
-            raise InputError(f"{given} is not a checkpoint: {checkpoint.interrupted_save(path)}; "
-                             f"resume from a step_NNNNNNNN directory beside it (`rapidformer "
-                             f"verify {run_dir}` lists the intact ones) or with "
-                             f"trainer.resume=auto")
+        problem = resume_path_problem(choice)
+        if problem:
+            raise InputError(problem)
         if checkpoint.NAME.match(path.name) or (path / checkpoint.MANIFEST).is_file():
+            run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
             checkpoint.require_intact(
                 path, self.verified(path), given,
                 f"resume from an intact one (`rapidformer verify {run_dir}` lists them) with "
                 f"trainer.resume=PATH or trainer.resume=auto, or start fresh (a new "
                 f"trainer.output_dir, or trainer.overwrite=true without trainer.resume)")
             return path
-        if path.is_dir():
-            for root in (path / "checkpoints", path):
-                if checkpoint.Survey(root).steps:
-                    return self._newest_intact(root, given, path, fresh=False)
-            if (path / "checkpoints").is_dir():
-                left = checkpoint.Survey(path / "checkpoints").interrupted
-                raise InputError(f"{given}: no checkpoint under {path / 'checkpoints'}"
-                                 + (f" (only interrupted saves: "
-                                    f"{', '.join(p.name for p in left)})" if left else "")
-                                 + "; give a step_NNNNNNNN directory, or start fresh")
-        aside = (" (a damaged checkpoint that a later save of its step set aside)"
-                 if checkpoint.SET_ASIDE.match(path.name) else "")
-        raise InputError(f"{given} is not a checkpoint{aside}: neither a step_NNNNNNNN directory "
-                         f"nor a run directory with checkpoints under checkpoints/; give one of "
-                         f"those, or trainer.resume=auto")
+        root = next(r for r in (path / "checkpoints", path) if checkpoint.Survey(r).steps)
+        return self._newest_intact(root, given, path, fresh=False)
 
     def _newest_intact(self, root: Path, given: str, run_dir: Path, fresh: bool = True
                        ) -> Path | None:
@@ -212,3 +194,35 @@ def _attempt(write) -> BaseException | None:
         return exc
     return None
 
+
+def resume_path_problem(choice: str) -> str | None:
+    """Why trainer.resume=`choice` (a path) names no checkpoint to resume from, by its shape
+    alone (no file is read, nothing collective): the run's refusal, which the refusal pass asks
+    too so that validate and the run's start refuse it alike. None: a step_NNNNNNNN directory
+    (whose files `locate` verifies) or a run directory with one."""
+    path, given = Path(choice), f"trainer.resume={choice}"
+    if not path.exists() and not path.is_symlink():
+        return (f"{given}: no such checkpoint directory; use trainer.resume=auto or a path to "
+                f"a step_NNNNNNNN directory")
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    if path.name.startswith(checkpoint.TEMP):
+        return (f"{given} is not a checkpoint: {checkpoint.interrupted_save(path)}; resume from "
+                f"a step_NNNNNNNN directory beside it (`rapidformer verify {run_dir}` lists the "
+                f"intact ones) or with trainer.resume=auto")
+    if checkpoint.NAME.match(path.name) or (path / checkpoint.MANIFEST).is_file():
+        return None
+    if path.is_dir():
+        for root in (path / "checkpoints", path):
+            if checkpoint.Survey(root).steps:
+                return None
+        if (path / "checkpoints").is_dir():
+            left = checkpoint.Survey(path / "checkpoints").interrupted
+            return (f"{given}: no checkpoint under {path / 'checkpoints'}"
+                    + (f" (only interrupted saves: {', '.join(p.name for p in left)})"
+                       if left else "")
+                    + "; give a step_NNNNNNNN directory, or start fresh")
+    aside = (" (a damaged checkpoint that a later save of its step set aside)"
+             if checkpoint.SET_ASIDE.match(path.name) else "")
+    return (f"{given} is not a checkpoint{aside}: neither a step_NNNNNNNN directory nor a run "
+            f"directory with checkpoints under checkpoints/; give one of those, or "
+            f"trainer.resume=auto")

@@ -26,6 +26,11 @@ def check_paths(cfg: RunConfig, output_dir: str) -> None:
         problems.append(f"trainer.resume={resume}: no such checkpoint directory; use "
                         f"trainer.resume=auto (the newest complete checkpoint in "
                         f"trainer.output_dir) or the path of a step_NNNNNNNN directory")
+    elif resume and resume != "auto":
+        from rapidformer.checkpoint.protocol import resume_path_problem
+
+        if problem := resume_path_problem(resume):  # a file, a folder of no checkpoint
+            problems.append(problem)
     if cfg.user_script and (problem := user_script_problem(cfg.user_script)):
         problems.append(problem)
     if problems:
