@@ -73,6 +73,9 @@ class RapidformerEngine:
         self._kv_cache_was_on = False  # set by compose
         self.padding_batch = False  # an evaluation loader's padding batch is being read
         ENGINES_CREATED += 1
+        from rapidformer.observability.quiet import library_bars
+
+        library_bars(cfg.trainer.progress_bar and self.is_main_process)
 
     @property
     def is_main_process(self) -> bool:

@@ -20,7 +20,6 @@ Printed once, by the process that started the run (the launcher of a multi-proce
 """
 from __future__ import annotations
 
-import glob
 import shlex
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import yaml
 
 from rapidformer.checkpoint import store
 from rapidformer.config.compose import override, override_key
+from rapidformer.config.run_paths import anchored, names_a_path
 from rapidformer.observability.format import format_value
 from rapidformer.observability.records import (NO_EVALUATION, STOPPED, planned_stop,
                                                read_metrics, stop_words, stopped_early)
@@ -72,12 +72,17 @@ def _from_anywhere(item: str, start: Path) -> str:
     text, name = value.strip("'\""), override_key(item)
     # a group's option (model=bert_tiny) is a name, not a path, even where a folder shares it
     if not sep or ("." not in name and name != "user_script") or name.startswith("hydra.") or \
-            not text or Path(text).is_absolute() or "," in text or text.startswith(("${", "[")):
+            not names_a_path(text, start):
         return item
-    named = start / text
-    reads = named.exists() if not any(c in text for c in "*?[") else bool(glob.glob(
-        str(named)))
-    return override(key, start / text) if reads else item
+    return override(key, start / text)
+
+
+def _resolved(run_dir: Path) -> dict:
+    try:
+        plain = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return plain if isinstance(plain, dict) else {}
 
 
 def resume_command(run_dir: Path, argv: list[str] | None = None,
@@ -92,6 +97,9 @@ def resume_command(run_dir: Path, argv: list[str] | None = None,
     last = {override_key(o): o for o in run_overrides(run_dir, argv)}  # a key set twice: the last
     replaced = {*RUN_DIR_KEYS, *(override_key(s) for s in settings)}
     kept = [_from_anywhere(o, start) for o in last.values() if override_key(o) not in replaced]
+    # a relative path the run's config took from a recipe or config file, not the command line
+    kept += [override(f"++{key}", path) for key, path in anchored(_resolved(run_dir), start).items()
+             if key not in last and key not in replaced]
     folders = [part for d in _config_dirs(hydra) for part in ("--config-dir", d)]
     return shlex.join(["python", "-m", "rapidformer", *folders, *kept, *settings,
                        override("trainer.output_dir", run_dir), "trainer.resume=auto"])

@@ -12,6 +12,7 @@ import yaml
 
 from rapidformer.checkpoint import store
 from rapidformer.checkpoint.state import read_state
+from rapidformer.config.run_paths import with_anchored_paths
 from rapidformer.errors import ConfigError, InputError
 
 log = logging.getLogger("rapidformer")
@@ -41,7 +42,8 @@ def run_config(run_dir: Path) -> dict:
     if not isinstance(plain, dict) or "task" not in plain:
         raise InputError(f"{path} holds no run config (no 'task' key); give a training run's "
                          f"directory")
-    return plain
+    # its relative paths are the folder's the run started in, wherever this verb runs
+    return with_anchored_paths(plain, run_dir)
 
 
 def _fixed(key: str) -> bool:

@@ -126,6 +126,20 @@ def install() -> None:
             logger.setLevel(level)
 
 
+def library_bars(show: bool) -> None:
+    """The libraries' own progress bars (datasets' Map and its file reads, transformers'
+    'Loading weights' and 'Writing model shards'), off where the run shows none of its own
+    (trainer.progress_bar=false, a rank other than 0, a verb that prints its result): a bar
+    of a step that takes milliseconds tells the user nothing. Shown under RAPIDFORMER_DEBUG=1."""
+    if show or debug_enabled():
+        return
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+
+
 def megatron_on_cpu() -> None:
     """megatron-core runs on the CPU in this process (accelerators/megatron_cpu.py)."""
     if not debug_enabled():

@@ -4,7 +4,7 @@
     rapidformer show +recipe=X [overrides]      the resolved config (secrets redacted)
     rapidformer validate +recipe=X [overrides]  every problem at once; exit code 0 when none
     rapidformer plan +recipe=X [overrides]      parameters and the memory plan of every mode
-    rapidformer env                             versions, devices, what each accelerator needs
+    rapidformer env [--json]                    versions, devices, what each accelerator needs
     rapidformer export RUN_DIR --to DIR         a Hugging Face model from any checkpoint
     rapidformer verify RUN_DIR|CHECKPOINT       every byte of the checkpoints against their manifests
     rapidformer eval RUN_DIR [overrides]        a checkpoint's metrics on the run's or other data
@@ -38,6 +38,20 @@ VERBS = {
 }
 
 
+# verbs that read a training command's overrides and flags, not argparse's: -h/--help is theirs
+OWN_ARGS = ("show", "validate", "plan", "env")
+
+
+def verb_usage(name: str) -> str:
+    """The verb's line of this module's table, and what it takes."""
+    line = next(line.strip() for line in __doc__.splitlines()
+                if line.strip().startswith(f"rapidformer {name} "))
+    command, _, what = line.partition("  ")
+    takes = ("" if name == "env" else "\nIt takes what a training command takes: +recipe=NAME, "
+             "overrides (key=value) and seed flags (--flag); `rapidformer ls` lists the options.")
+    return f"usage: {command.strip()}\n\n{what.strip()}{takes}"
+
+
 def run_verb(name: str, argv: list[str]) -> int:
     """The verb's exit code; a RapidformerError it raises is one line on stderr, not a
     traceback (RAPIDFORMER_DEBUG=1 shows the traceback)."""
@@ -45,6 +59,9 @@ def run_verb(name: str, argv: list[str]) -> int:
 
     from rapidformer.errors import RapidformerError, debug_enabled
 
+    if name in OWN_ARGS and ("-h" in argv or "--help" in argv):
+        print(verb_usage(name))
+        return 0
     module = importlib.import_module(VERBS[name][0])
     try:
         return getattr(module, f"{name}_command")(argv)

@@ -42,6 +42,7 @@ def evaluate(run_dir: Path, choice: str | None = None, overrides: list[str] = ()
     import torch
 
     from rapidformer.engine import RapidformerEngine
+    from rapidformer.observability.quiet import library_bars
     from rapidformer.planning.run_plan import RunPlan
     from rapidformer.tasks import task_class
 
@@ -51,6 +52,7 @@ def evaluate(run_dir: Path, choice: str | None = None, overrides: list[str] = ()
     ckpt = restore.choose_checkpoint(run_dir, choice)
     state, saved = restore.checkpoint_weights(ckpt)
     datasets.disable_progress_bars()
+    library_bars(False)  # the metrics are the verb's output
     engine = RapidformerEngine(cfg, run_dir, plan=RunPlan.for_process(cfg))
     # the tokenizer saved with the checkpoint, as a resumed run uses it (a trained vocabulary
     # must be the one the weights learned)

@@ -99,7 +99,14 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
     if problem:
         raise InputError(problem)
     ckpt, run_dir = locate(path, step)
-    cfg = build_run_config(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    from rapidformer.config.run_paths import with_anchored_paths
+    from rapidformer.observability.quiet import library_bars
+
+    library_bars(False)  # the line naming the export is the verb's output
+
+    # its relative paths (a local model=hf folder) are the folder's the run started in
+    cfg = build_run_config(with_anchored_paths(
+        yaml.safe_load((run_dir / "config.yaml").read_text()), run_dir))
     saved = read_state(ckpt)
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
         if (ckpt / "tokenizer").is_dir() else None
