@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
+import sys
 import time
 
 
@@ -30,9 +32,10 @@ def main() -> None:
             time.sleep(60)
     if fault is not None:
         raise ValueError(f"RAPIDFORMER_TUNING_FAULTS: no fault {fault!r} (crash or hang)")
-    from rapidformer.cli.console import main as cli
-
-    cli(["run", *__import__("sys").argv[1:]])
+    # the CLI as `rapidformer run OVERRIDES...` runs it (by module name: the
+    # tuning package is below the CLI, which imports it)
+    sys.argv = ["rapidformer", "run", *sys.argv[1:]]
+    runpy.run_module("rapidformer.cli.console", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":
