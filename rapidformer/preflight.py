@@ -9,7 +9,7 @@
                        transforms (libraries, device kinds), the logger, the inductor options,
                        the hub models it loads (offline: in the cache), a local model's shape,
                        and the paths the run writes and resumes from; and what the run reads
-                       (data/inputs.py: data files, tokenizer files, pretraining data against
+                       (run_inputs.py: data files, tokenizer files, pretraining data against
                        its tokenizer and task)
 
 `rapidformer validate`, `rapidformer plan`, `--cfg` and dry runs, and the run itself all go
@@ -28,7 +28,7 @@ from rapidformer.accelerators.table import requested
 from rapidformer.config.compose import resolve
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import build_run_config, check_values
-from rapidformer.data.inputs import input_problems
+from rapidformer.run_inputs import input_problems
 from rapidformer.errors import ConfigError, Problem, caught, refusal
 from rapidformer.refusals import config_problems
 

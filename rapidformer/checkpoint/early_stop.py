@@ -34,3 +34,12 @@ def early_stop_of(trainer_cfg, saved: dict | None, marker: dict | None,
                 record.get("evaluations_without_improvement", 0) >= patience:
             return record
     return None
+
+
+def early_stop_reason(metric: str, min_delta: float, evaluations: int) -> str:
+    """Why early stopping ended a run, in the words the log, the summary, the status and a
+    refused resume share: "no improvement of more than 0.5 in validation/loss for 2
+    evaluations"."""
+    by = f" of more than {min_delta:g}" if min_delta else ""
+    return (f"no improvement{by} in {metric} for {evaluations} evaluation"
+            f"{'' if evaluations == 1 else 's'}")

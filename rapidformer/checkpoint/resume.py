@@ -138,8 +138,7 @@ def stopped_early(saved: CheckpointState, where: Path, trainer_cfg, total: int) 
     after a step that replaces its best and export (a phrase after "checkpoint PATH "); or
     None. A larger patience, or none, trains on."""
     from rapidformer.checkpoint import store
-    from rapidformer.observability.records import early_stop_reason
-    from rapidformer.checkpoint.early_stop import early_stop_of
+    from rapidformer.checkpoint.early_stop import early_stop_of, early_stop_reason
 
     record = early_stop_of(trainer_cfg, (saved.train_state or {}).get("best"),
                            store.read_best(where.parent), saved.step)

@@ -290,7 +290,7 @@ def _pretraining_problems(cfg: RunConfig) -> list[str]:
 
 def best_without_evaluations(metric: str, why: str, pretraining: bool) -> str:
     """trainer.best_metric where nothing is evaluated, `why`: the refusal the config's checks,
-    the refusal pass (data/inputs.py) and the templates share."""
+    the refusal pass (run_inputs.py) and the templates share."""
     fix = ("give validation a share of data.split and trainer.eval_iters >= 1" if pretraining
            else "give a validation split (or a data.split with a validation share)")
     return (f"trainer.best_metric={metric} needs evaluations, but {why}; {fix}, or set "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rapidformer.checkpoint.early_stop import early_stop_reason
+
 
 def drop_torn_record(path: Path) -> None:
     """A run killed mid-write leaves a last line without its newline; a resumed run appending
@@ -51,15 +53,6 @@ def planned_stop(records: list[dict]) -> dict | None:
 def stopped_early(stop: dict | None) -> dict | None:
     """The early stop's details of a stop record (`planned_stop`), or None."""
     return (stop or {}).get(STOPPED, {}).get(EARLY)
-
-
-def early_stop_reason(metric: str, min_delta: float, evaluations: int) -> str:
-    """Why early stopping ended a run, in the words the log, the summary, the status and a
-    refused resume share: "no improvement of more than 0.5 in validation/loss for 2
-    evaluations"."""
-    by = f" of more than {min_delta:g}" if min_delta else ""
-    return (f"no improvement{by} in {metric} for {evaluations} evaluation"
-            f"{'' if evaluations == 1 else 's'}")
 
 
 def stop_words(stop: dict) -> str:

@@ -43,7 +43,8 @@ from rapidformer.observability.compile_log import CompileLog
 from rapidformer.observability.console import logs_through
 from rapidformer.observability.grad_spikes import GradNormSpikes
 from rapidformer.observability.metrics import MetricsSink
-from rapidformer.observability.records import EARLY, STOPPED, early_stop_reason
+from rapidformer.checkpoint.early_stop import early_stop_reason
+from rapidformer.observability.records import EARLY, STOPPED
 from rapidformer.observability.step_profiler import StepProfiler
 from rapidformer.runtime.preemption import StopSignals, newest_checkpoint
 
