@@ -72,3 +72,29 @@ def test_a_recipes_own_peft_settings_stay_quiet_when_the_command_picks_peft_none
     assert cfg.peft.name == "none"
     with pytest.raises(ConfigError, match="peft.r=8 has no effect with peft=none"):
         settle(compose(["+recipe=llama_lora", "peft=none", "peft.r=8"]), "out")
+
+
+@pytest.mark.parametrize("argv, code, out, err", [
+    (["lst"], 2, None, "no verb 'lst'; did you mean 'ls'?"),
+    (["exprot", "RUN"], 2, None, "no verb 'exprot'; did you mean 'export'?"),
+    (["quickstart"], 2, None, "no verb 'quickstart'; did you mean '+recipe=quickstart'?"),
+    (["ls", "peft"], 0, "\npeft:\n  lora ", None),
+    (["ls", "nosuch"], 2, None, "no config group 'nosuch'; the groups are recipe, task"),
+    (["ls", "--help"], 0, "usage: rapidformer ls [-h] [GROUP ...]", None),
+    (["run", "ls"], 2, None, "'ls' after 'run' is a verb, not an override"),
+    (["train", "validate"], 2, None, "'validate' after 'train' is a verb, not an override"),
+    (["train", "--help"], 0, "python -m rapidformer", None),
+])
+def test_verbs_mistyped_listed_and_run(argv, code, out, err, capsys):
+    """A mistyped verb is named with the closest verb (or the recipe it names); `ls GROUP` lists
+    that group; `run` / `train` is the explicit training verb, and takes no verb after it."""
+    from tests.test_verbs import cli
+
+    got_code, got_out, got_err = cli(argv, capsys)
+    assert got_code == code, (got_out, got_err)
+    if out is not None:
+        assert out in got_out
+    if err is not None:
+        assert err in got_err
+    if argv == ["ls", "peft"]:
+        assert "\nmemory:" not in got_out  # that group only

@@ -192,3 +192,14 @@ def test_own_text_to_a_pretraining_run(own_text, tmp_path, monkeypatch, capsys, 
         pytest.fail(f"the pretraining run exited {exc.code}: {capsys.readouterr().err[-2000:]}")
     losses = _trained(run)
     assert losses[-1] < losses[0] - 0.5, losses  # it learns one's own text
+
+
+@pytest.mark.parametrize("inputs, says_json_lines", [
+    (["texts/a.txt"], True), (["corpus.jsonl"], False), (["corpus.jsonl", "texts/*.txt"], True)])
+def test_plain_text_input_is_told_that_preprocessing_reads_json_lines(own_text, tmp_path, capsys,
+                                                                     inputs, says_json_lines):
+    code = vocab(["--input", *[str(own_text / i) for i in inputs], "--type", "wordpiece",
+                  "--vocab-size", "300", "--output-dir", str(tmp_path / "v")])
+    out = capsys.readouterr().out
+    assert code == 0 and "for rapidformer-preprocess-data: --vocab-file" in out
+    assert ("rapidformer-preprocess-data reads JSON lines" in out) == says_json_lines

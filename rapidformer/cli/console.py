@@ -52,10 +52,15 @@ def not_a_verb(word: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TRAIN_VERBS:
+    training = argv[0] if argv and argv[0] in TRAIN_VERBS else None
+    if training:
         argv = argv[1:]
     elif argv and (problem := not_a_verb(argv[0])) and argv[0] not in VERBS:
         print(f"rapidformer: error: {problem}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if training and argv and argv[0] in VERBS:  # `rapidformer run ls`: a verb is no override
+        print(f"rapidformer: error: '{argv[0]}' after '{training}' is a verb, not an override; "
+              f"run it alone: rapidformer {argv[0]} ...", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     if argv and argv[0] in VERBS:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `rapidformer ls | head` ends quietly
