@@ -98,3 +98,16 @@ def test_verbs_mistyped_listed_and_run(argv, code, out, err, capsys):
         assert err in got_err
     if argv == ["ls", "peft"]:
         assert "\nmemory:" not in got_out  # that group only
+
+
+def test_a_plan_says_which_vocabulary_it_counts_when_the_tokenizer_is_not_here(capsys):
+    """A plan for another machine: the tokenizer named is not here, so model.vocab_size is what
+    the embeddings are counted with, and the plan says so (it said nothing)."""
+    from tests.test_verbs import cli
+
+    code, out, _ = cli(["plan", "+recipe=gpt_pretrain", "data.path=x",
+                        "model.tokenizer=nothere.json", "model.merge_file=nothere.txt",
+                        "model.vocab_size=50257", "memory.device_memory_gb=80"], capsys)
+    assert code == 0
+    assert "vocabulary: model.tokenizer=nothere.json is not on this machine; the plan counts " \
+           "model.vocab_size=50,257 entries" in out

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from rapidformer.accelerators.precision import compute_bytes
 from rapidformer.accelerators.table import select
 from rapidformer.errors import ConfigError
-from rapidformer.planning.model_shape import ModelShape, model_shape
+from rapidformer.planning.model_shape import ModelShape, assumed_vocabulary, model_shape
 from rapidformer.config.sizes import data_parallel_size, launched_world_size
 from rapidformer.refusals import config_problems
 
@@ -219,6 +219,8 @@ def plan_report(cfg: RunConfig, shape: ModelShape) -> str:
              f"per rank: {ws} process{'es' if ws > 1 else ''} (data parallel {d}), micro batch "
              f"{cfg.trainer.micro_batch_size} x sequence {cfg.data.max_seq_length}, "
              f"precision {cfg.precision.dtype}"]
+    if assumed := assumed_vocabulary(cfg):
+        lines.append(assumed)
     if capacity is None:
         lines.append("device: no GPU here and memory.device_memory_gb not set: no fit column "
                      "(set memory.device_memory_gb=80 to plan for an 80 GB GPU)")

@@ -94,6 +94,20 @@ def vocab_size(cfg: RunConfig) -> int:
     return m.vocab_size
 
 
+def assumed_vocabulary(cfg: RunConfig) -> str | None:
+    """What the plan says when the vocabulary it counts is not the tokenizer's: a tokenizer file
+    named but not on this machine (a plan for another machine) leaves model.vocab_size."""
+    from pathlib import Path
+
+    m = cfg.model
+    if m.source != "config" or m.embedding_rows is not None or not m.tokenizer \
+            or Path(m.tokenizer).exists():
+        return None
+    return (f"vocabulary: model.tokenizer={m.tokenizer} is not on this machine; the plan counts "
+            f"model.vocab_size={m.vocab_size:,} entries (set it to the tokenizer's size for an "
+            f"exact plan; the run itself refuses a missing tokenizer)")
+
+
 def trained_vocab_size(cfg: RunConfig) -> int:
     """The entries of the WordPiece vocabulary that training trains on the training split: at
     most model.vocab_size, fewer when the texts hold fewer words (the quickstart's synthetic
