@@ -83,7 +83,9 @@ HALF = (torch.bfloat16, torch.float16)
 
 def varlen_attention(module, query, key, value, cu_seq_lens, max_length: int, scaling, dropout):
     """Attention within each sequence of a packed row; query/key/value [1, heads, T, dim],
-    returns [1, T, heads, dim] as transformers' attention functions do. bf16/fp16 on a GPU:
+    returns [1, T, heads, dim] as transformers' attention functions do. `max_length` bounds
+    every segment, the tail that pads the row included: the flash kernel computes only the
+    first `max_length` positions of each (models/unpadded.py). bf16/fp16 on a GPU:
     the variable-length flash kernel, which has no dropout (`flash_drops_dropout` tells the
     run before it starts: a log call here would break the compiled graph in every layer);
     otherwise the sequences are put back into rows of `max_length` for SDPA (the attention

@@ -15,6 +15,14 @@ batch's B sequences and one tail segment that pads T up to a multiple of `token_
 that a compiled model meets few shapes), `cu_seq_lens_q` has B + 2 entries, and the tail's
 tokens have label -100.
 
+The attention is told the longest segment a row can hold (`longest_segment`): a sequence (at most
+data.max_seq_length tokens) or the tail (under a multiple of tokens: 255 with graph=compile's
+256). The variable-length flash kernel computes only that many positions of each segment; the
+rest of a longer one is left as whatever memory held (`empty_like`), forward and backward
+alike, and reaches the weights' gradients (a NaN times a zero gradient is NaN). Telling it
+data.max_seq_length alone made MRPC fine-tuning at 128 tokens with graph=compile NaN from its
+second step on a GPU (issue 37); the collate refuses a batch with a longer segment.
+
 The task heads see the packed layout through `use_unpadded_forward`, which gives the model a
 forward that takes either layout: the [CLS] of each sequence is read at its start
 (classification, next-sentence prediction), token heads run on every real token, and the
@@ -36,7 +44,7 @@ import torch
 
 from rapidformer.data.counts import with_counts
 from rapidformer.data.lengths import IGNORE, fill_value, round_up
-from rapidformer.errors import ConfigError
+from rapidformer.errors import ConfigError, InputError
 
 log = logging.getLogger("rapidformer")
 
@@ -81,20 +89,38 @@ def unpad_batch(batch: dict, pad_id: int, token_multiple: int) -> dict:
     return out
 
 
+def longest_segment(max_length: int, token_multiple: int) -> int:
+    """The longest segment of a packed row: a sequence (at most `max_length` tokens) or the
+    tail that pads the row up to a multiple of `token_multiple` (at most that many tokens, when
+    the batch has no real token). The attention kernel must be told at least this."""
+    return max(max_length, token_multiple)
+
+
 class Unpad:
     """Collate step: the wrapped collate function's padded batch, unpadded; with
-    `mlm_multiple`, also the masked-LM positions."""
+    `mlm_multiple`, also the masked-LM positions. With `longest` (what the model's attention
+    is told, `longest_segment`), a batch with a longer segment is refused."""
 
     def __init__(self, collate, pad_id: int, token_multiple: int = 64,
-                 mlm_multiple: int | None = None):
+                 mlm_multiple: int | None = None, longest: int | None = None):
         self.collate, self.pad_id = collate, pad_id
         self.token_multiple, self.mlm_multiple = token_multiple, mlm_multiple
+        self.longest = longest
 
     def __call__(self, features):
         batch = unpad_batch(dict(self.collate(features)), self.pad_id, self.token_multiple)
         if self.mlm_multiple:
             batch["masked_positions"] = masked_positions(batch["labels"], self.mlm_multiple)
         ends = batch["cu_seq_lens_q"]  # B sequences, then the tail that pads the row
+        if self.longest is not None:
+            segment = int((ends[1:] - ends[:-1]).max())
+            if segment > self.longest:
+                raise InputError(
+                    f"trainer.unpad: a packed batch holds a segment of {segment} tokens, "
+                    f"longer than the {self.longest} the attention computes per sequence "
+                    f"(data.max_seq_length, or the multiple the row is rounded up to): the "
+                    f"data reached the collate untruncated; set data.max_seq_length to the "
+                    f"longest example")
         return with_counts(batch, samples=ends.numel() - 2, tokens=int(ends[-2]),
                            slots=batch["input_ids"].numel())
 
@@ -127,8 +153,9 @@ def supported(model) -> str | None:
 
 def use_unpadded_forward(model, max_length: int):
     """Give a Hugging Face BERT task model a forward that also takes the packed layout and
-    `masked_positions`; batches without them go to the model's own forward. Set before any
-    wrapper (DDP, torch.compile, FSDP2), which then call it."""
+    `masked_positions`; batches without them go to the model's own forward. `max_length`: the
+    longest segment of the packed rows it will see, the tail included (`longest_segment`). Set
+    before any wrapper (DDP, torch.compile, FSDP2), which then call it."""
     kind = supported(model)
     if kind is None:
         raise ConfigError([f"trainer.unpad and the masked-positions head drive Hugging Face "

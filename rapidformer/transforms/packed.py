@@ -46,6 +46,11 @@ class PackedSequences(ModelTransform):
         return cfg.trainer.unpad or cfg.data.packing
 
     @classmethod
+    def settings(cls, cfg: RunConfig) -> list[str]:
+        return [s for s, on in (("trainer.unpad=true", cfg.trainer.unpad),
+                                ("data.packing=true", cfg.data.packing)) if on]
+
+    @classmethod
     def config_problems(cls, cfg: RunConfig) -> list[str]:
         t, m, d, task = cfg.trainer, cfg.model, cfg.data, cfg.task.name
         p: list[str] = []
@@ -98,10 +103,11 @@ class PackedSequences(ModelTransform):
             from rapidformer.data.chat import PackedCollate
 
             return PackedCollate(pad_id, bucket_lengths(d.pad_to, d.max_seq_length, compiled))
-        from rapidformer.models.unpadded import Unpad
+        from rapidformer.models.unpadded import Unpad, longest_segment
 
-        return Unpad(collate, pad_id, token_multiple(d.pad_to, compiled),
-                     mlm_multiple=mlm_multiple)
+        multiple = token_multiple(d.pad_to, compiled)
+        return Unpad(collate, pad_id, multiple, mlm_multiple=mlm_multiple,
+                     longest=longest_segment(d.max_seq_length, multiple))
 
     # --- the model -----------------------------------------------------------------------------
     def apply(self, model: nn.Module, context: ApplyContext) -> nn.Module:
@@ -109,13 +115,15 @@ class PackedSequences(ModelTransform):
         decoder rows need none: transformers reads the restarting positions itself)."""
         if not self.cfg.trainer.unpad:
             return model
-        from rapidformer.models.unpadded import use_unpadded_forward
+        from rapidformer.models.unpadded import longest_segment, use_unpadded_forward
 
         d = self.cfg.data
-        use_unpadded_forward(model, d.max_seq_length)
+        multiple = token_multiple(d.pad_to, context.rounds_lengths)
+        # the tail that rounds a row up is a segment too, longer than a sequence when the
+        # multiple is (256 under graph=compile, 128-token MRPC): the kernel must cover it
+        use_unpadded_forward(model, longest_segment(d.max_seq_length, multiple))
         log.info("trainer.unpad: training batches are packed without padding (rounded up "
-                 "to %d tokens); evaluation batches stay padded",
-                 token_multiple(d.pad_to, context.rounds_lengths))
+                 "to %d tokens); evaluation batches stay padded", multiple)
         dropout = getattr(getattr(model, "config", None), "attention_probs_dropout_prob", 0.0)
         if dropout and flash_drops_dropout(context.device, DTYPES[self.cfg.precision.dtype]):
             log.warning("trainer.unpad: attention dropout (%.2g) is not applied on the GPU: "
