@@ -50,3 +50,24 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     losses = train_losses(run)
     assert all(math.isfinite(losses[s]) for s in (1, 2, 3, 4))
     assert all(math.isnan(losses[s]) for s in (5, 6)) and 7 not in losses
+
+
+def test_the_advice_is_true_of_the_run_that_stopped():
+    """A bf16 run is not told to use bf16 (issue 37's run was), clipping is suggested only
+    where it is off, and the accelerators the run used are named to rule out one at a time."""
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
+    from rapidformer.templates.loop import nonfinite_advice
+
+    def advice(*overrides):
+        return nonfinite_advice(settle(compose(["+recipe=quickstart", *overrides]), "out")[1])
+
+    issue = advice("precision=bf16", "trainer.unpad=true", "graph=compile",
+                   "graph.mode=reduce-overhead")
+    assert issue == ("Lower trainer.lr; to tell whether an accelerator is at fault, rerun "
+                     "without each of graph=compile, graph.mode=reduce-overhead, "
+                     "trainer.unpad=true (a setting the loss depends on is a bug: please "
+                     "report it)")
+    assert advice("precision=fp16", "trainer.clip_grad=0") == (
+        "Lower trainer.lr, set trainer.clip_grad or use precision=bf16 or fp32")
+    assert advice("precision=fp32") == "Lower trainer.lr"

@@ -39,6 +39,7 @@ from rapidformer.data.counts import BatchCounts, take_counts
 from rapidformer.data.lengths import expected_recompiles
 from rapidformer.errors import NonFiniteLoss, Preempted
 from rapidformer.templates.best import BestTracker
+from rapidformer.transforms import settings as transform_settings
 from rapidformer.observability.compile_log import CompileLog
 from rapidformer.observability.console import logs_through
 from rapidformer.observability.grad_spikes import GradNormSpikes
@@ -56,6 +57,26 @@ LOOPS_STARTED = 0  # the user-script runner checks that a script trained
 STEP_LINES = {"step": "step %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s",
               "iteration": "iteration %d/%d loss %.4f lr %.3e grad_norm %.3f %.1f samples/s "
                            "(%.1f%% waiting for data)"}
+
+
+def nonfinite_advice(cfg) -> str:
+    """What to try after the loss stopped being finite, true of this run: clipping where it is
+    off, fp16's narrow range only for an fp16 run, and the accelerators it runs with (a loss
+    should not depend on them: issue 37's NaN came from the packed attention under
+    graph=compile)."""
+    fixes = ["lower trainer.lr"] + (["set trainer.clip_grad"] if not cfg.trainer.clip_grad
+                                    else [])
+    if cfg.precision.dtype == "fp16":
+        fixes.append("use precision=bf16 or fp32")
+    advice = ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+    graph = [] if cfg.graph.name == "eager" else [f"graph={cfg.graph.name}"] + (
+        [f"graph.mode={cfg.graph.mode}"] if cfg.graph.mode else [])
+    accelerators = [*graph, *transform_settings(cfg)]
+    if accelerators:
+        advice += (f"; to tell whether an accelerator is at fault, rerun without each of "
+                   f"{', '.join(accelerators)} (a setting the loss depends on is a bug: "
+                   f"please report it)")
+    return advice[0].upper() + advice[1:]
 
 
 class LoopControl:
@@ -396,9 +417,8 @@ class _Window:
                       else "no checkpoint was written")
             raise NonFiniteLoss(
                 f"the loss was NaN or infinite for {peak} steps in a row (by step {step}); "
-                f"stopped without saving: {newest}. Lower trainer.lr, set trainer.clip_grad, "
-                f"or use precision=bf16 or fp32; trainer.max_nonfinite_steps={limit} sets how "
-                f"many such steps stop a run")
+                f"stopped without saving: {newest}. {nonfinite_advice(engine.cfg)}; "
+                f"trainer.max_nonfinite_steps={limit} sets how many such steps stop a run")
         return run == 0
 
     def flush(self, optimizer, engine, step: int) -> dict:

@@ -48,6 +48,11 @@ def environment_problems(cfg: RunConfig, device: torch.device) -> list[Problem]:
             for problem in t.environment_problems(cfg, device)]
 
 
+def settings(cfg: RunConfig) -> list[str]:
+    """The overrides that turn on the configured transforms, in TRANSFORMS' order."""
+    return [s for t in TRANSFORMS if t.wanted(cfg) for s in t.settings(cfg)]
+
+
 def rounds_lengths(cfg: RunConfig) -> bool:
     """Whether batch lengths are rounded to multiples: a compiled model meets few shapes, and
     a transform may need them (float8's matmuls)."""
@@ -149,4 +154,5 @@ class Transforms:
 
 
 __all__ = ["TRANSFORMS", "ApplyContext", "ModelTransform", "StateFilter", "Transforms",
-           "config_problems", "environment_problems", "offline_weights", "rounds_lengths"]
+           "config_problems", "environment_problems", "offline_weights", "rounds_lengths",
+           "settings"]

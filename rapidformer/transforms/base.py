@@ -73,6 +73,12 @@ class ModelTransform:
         raise NotImplementedError
 
     @classmethod
+    def settings(cls, cfg: RunConfig) -> list[str]:
+        """The overrides that turn it on, as a command line writes them (a stopped run's advice
+        names them)."""
+        return []
+
+    @classmethod
     def rounds_lengths(cls, cfg: RunConfig) -> bool:
         """Whether this transform needs batch lengths rounded to multiples of 16 in eager mode
         too (as a compiled model's are)."""

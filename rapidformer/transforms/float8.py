@@ -124,6 +124,10 @@ class Float8(ModelTransform):
         return cfg.precision.fp8_scaling is not None
 
     @classmethod
+    def settings(cls, cfg: RunConfig) -> list[str]:
+        return [f"precision={cfg.precision.name}"]
+
+    @classmethod
     def rounds_lengths(cls, cfg: RunConfig) -> bool:
         return cls.wanted(cfg)  # the weight-gradient matmul needs a multiple of 16 tokens
 

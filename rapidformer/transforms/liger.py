@@ -72,6 +72,10 @@ class LigerKernels(ModelTransform):
         return cfg.kernels.name != "none"
 
     @classmethod
+    def settings(cls, cfg: RunConfig) -> list[str]:
+        return [f"kernels={cfg.kernels.name}"]
+
+    @classmethod
     def config_problems(cls, cfg: RunConfig) -> list[str]:
         m = cfg.model
         if cfg.kernels.name == "none" or not (m.is_megatron or cfg.graph.name == "ort"):

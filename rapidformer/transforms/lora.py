@@ -214,6 +214,10 @@ class LoRA(ModelTransform):
         return cfg.peft.name != "none"
 
     @classmethod
+    def settings(cls, cfg: RunConfig) -> list[str]:
+        return [f"peft={cfg.peft.name}"]
+
+    @classmethod
     def config_problems(cls, cfg: RunConfig) -> list[str]:
         """peft's adapters on Hugging Face models trained by torch, DeepSpeed or FSDP2;
         qlora's 4-bit base on one CUDA GPU per replica. (A key of an option not picked is
