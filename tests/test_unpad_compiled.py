@@ -118,6 +118,7 @@ def pretrained_like(out: Path, device: str) -> Path:
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **SHAPES[device])).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
+    losses = []
     for step in range(200):
         chunk = texts[(step * 64) % len(texts):][:64]
         enc = tokenizer(chunk, padding=True, return_tensors="pt")
@@ -131,7 +132,10 @@ def pretrained_like(out: Path, device: str) -> Path:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    assert float(loss) < 3.0, f"masked-LM loss {float(loss):.2f} after 200 steps: not trained"
+        losses.append(float(loss))
+    # on the CPU shape 5.0 -> 1.7; MiniLM's shape was at 2.0 by step 60 (CPU, bf16 autocast)
+    assert losses[-1] < min(2.5, losses[0] / 2), f"masked-LM losses {losses[0]:.2f} -> " \
+        f"{losses[-1]:.2f} in 200 steps: the weights did not leave their initialization"
     model.save_pretrained(out)
     return out
 
