@@ -94,5 +94,5 @@ def test_a_sweep_with_a_failed_job_runs_every_job_and_exits_non_zero(tmp_path, c
     summary = (tmp_path / "summary.md").read_text()
     assert f"| FAILED: {error} |" in summary
     out, err = capsys.readouterr()
-    assert f"| FAILED: {error} |" in out
+    assert f"| FAILED: {error} |" in err  # the table beside the sweep's own lines (stderr)
     assert "rapidformer: sweep: 1 of 2 jobs did not succeed (job 0: failed)" in err

@@ -85,11 +85,17 @@ def test_resume_continues_with_the_same_losses(tmp_path):
 def test_design_card_command_stops_with_one_clear_sentence(tmp_path):
     result = run_cli(["+recipe=bert_mrpc", "precision=fp16", "memory=zero3"], cwd=tmp_path)
     assert result.returncode == 2
-    # on a CPU machine: DeepSpeed has no fp16 (on a GPU the hub names would be next)
-    assert result.stderr.strip() == (
-        "rapidformer: recipe: bert_mrpc\n"
-        "rapidformer: error: invalid config: precision=fp16 with memory=zero3: DeepSpeed has no "
-        "fp16 on a CPU; use precision=bf16 or fp32, or run on a GPU")
+    # on a CPU machine, offline: DeepSpeed has no fp16, and the hub's model and dataset are out
+    # of reach; every problem at once, one line each (validate says the same)
+    lines = [line for line in result.stderr.strip().splitlines()
+             if not line.startswith("rapidformer: the Hugging Face hub")]  # the offline note
+    assert lines == [
+        "rapidformer: recipe: bert_mrpc",
+        "rapidformer: error: invalid config (3 problems):",
+        "  - precision=fp16 with memory=zero3: DeepSpeed has no fp16 on a CPU; use precision=bf16 "
+        "or fp32, or run on a GPU", lines[3], lines[4]]
+    assert lines[3].startswith("  - cannot load the model 'bert-base-cased' (model.name_or_path)")
+    assert lines[4].startswith("  - cannot load the dataset 'glue/mrpc' (data.path, data.subset)")
     assert "Traceback" not in result.stderr + result.stdout
     assert not (tmp_path / "outputs").exists()  # refused before a run directory was made
 

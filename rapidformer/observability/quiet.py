@@ -70,6 +70,11 @@ RECORDS: list[tuple[str, int, str]] = [
     # never used
     ("bitsandbytes.backends.cpu.ops", logging.WARNING,
      r"Failed to load CPU gemm_4bit_forward from kernels-community"),
+    # and where transformers' `kernels` package is installed (a dependency of transformers'
+    # newer releases), bitsandbytes' CPU probe goes through the hub's kernel loader, which says
+    # offline that it skips a trust check of a kernel that is never used (the same probe)
+    ("kernels._internals.hf_hub", logging.WARNING,
+     r"Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"),
     # torch elastic's agent logs the stop signal the launcher received; the launcher has said
     # so itself (runtime/launch.py: "received SIGINT: passed on to N worker(s) ...") and ends
     # with the run's stop message. Other signals (SIGHUP, SIGQUIT) are still logged
