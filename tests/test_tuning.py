@@ -179,7 +179,10 @@ def test_a_crashing_a_hanging_and_a_diverging_candidate_cost_themselves_only(tmp
     result = assert_ok(run_cli(
         ["tune", "--json", *SEARCH, "accelerate.max_candidates=0",
          "accelerate.candidate_timeout_s=25", f"accelerate.cache_dir={tmp_path / 'cache'}",
-         "accelerate.extra_candidates=['trainer.seed=7','trainer.seed=8','trainer.lr=1000']"],
+         # the budget, not the run's length, bounds this search (a loaded machine's 25 s hang
+         # would otherwise spend a budget of max_fraction x a run of seconds)
+         "accelerate.max_fraction=100000", "accelerate.budget_s=600",
+         "accelerate.extra_candidates=['trainer.lr=1000','trainer.seed=7','trainer.seed=8']"],
         tmp_path, module="rapidformer.cli",
         env={"RAPIDFORMER_TUNING_FAULTS": json.dumps(faults)}))
     record = json.loads(result.stdout)

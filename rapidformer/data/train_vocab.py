@@ -333,11 +333,11 @@ def main(argv=None) -> None:
            f"alone take that many)" if entries > args.vocab_size else ""
     print(f"wrote {' and '.join(map(str, written))}: {entries} entries{note}, from {texts} "
           f"texts in {nfiles} file{'s' if nfiles > 1 else ''} ({time.time() - started:.1f} s)")
-    print(f"for rapidformer-preprocess-data: {next_step(args, written)}")
     plain = [f for f in input_files(args.input) if not is_json_lines(f, args.format)]
     if plain:  # preprocess_data reads JSON lines only
         print(f"rapidformer-preprocess-data reads JSON lines ({{\"text\": ...}} a line), not "
               f"plain text such as {plain[0]}: write each text as one JSON line first")
+    print(f"for rapidformer-preprocess-data: {next_step(args, written)}")
 
 
 if __name__ == "__main__":

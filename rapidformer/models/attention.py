@@ -137,7 +137,11 @@ def training_attention(module, query, key, value, attention_mask, scaling=None, 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if cu_seq_lens is not None and attention_mask is None:
+    # a packed encoder batch: transformers from 5.25 also builds the block-diagonal mask of the
+    # packed sequences from position_ids; the same attention, which the varlen path computes
+    # without an [L, L] mask (a causal module's packed rows keep transformers' causal mask)
+    packed_encoder = attention_mask is None or getattr(module, "is_causal", True) is False
+    if cu_seq_lens is not None and packed_encoder:
         return varlen_attention(module, query, key, value, cu_seq_lens, kwargs["max_length_q"],
                                 scaling, dropout)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
