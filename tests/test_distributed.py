@@ -114,13 +114,23 @@ def test_two_nodes_of_one_process_each(tmp_path, single_process_losses):
               f"launcher.master_port={port}", f"trainer.output_dir={run}"]
     # output to files, not pipes: a full pipe would block one node while the other waits for it
     outputs = [tmp_path / f"node{rank}.out" for rank in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, "-m", "rapidformer", *common,
-                               f"launcher.node_rank={rank}"], cwd=tmp_path,
-                              env={**os.environ, **OFFLINE_ENV}, stdout=open(out, "w"),
-                              stderr=subprocess.STDOUT)
-             for rank, out in zip((0, 1), outputs)]
+
+    def start(rank):
+        return subprocess.Popen([sys.executable, "-m", "rapidformer", *common,
+                                 f"launcher.node_rank={rank}"], cwd=tmp_path,
+                                env={**os.environ, **OFFLINE_ENV}, stdout=open(outputs[rank], "w"),
+                                stderr=subprocess.STDOUT)
+
+    # (a second node that starts well before the first still writes config.yaml, environment.json
+    # and logs/ into a shared run directory before the first claims it: a known race)
+    first = start(0)
+    second = start(1)
+    procs = [first, second]
     try:
-        codes = [p.wait(timeout=300) for p in procs]
+        codes = [first.wait(timeout=300)]
+        if codes[0] != 0:  # the second would wait for it until its rendezvous times out
+            second.kill()
+        codes.append(second.wait(timeout=300))
     finally:
         for p in procs:
             p.kill()

@@ -21,6 +21,10 @@ from rapidformer.errors import (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, Preempted, R
 
 log = logging.getLogger("rapidformer")
 
+# Hydra's settings for a process that does not hold the run directory (holds_directory)
+NOT_HOLDING = ("hydra.output_subdir=null", "~hydra.job_logging.handlers.file",
+               "hydra.job_logging.root.handlers=[console]")
+
 
 def report(error: BaseException) -> None:
     kind = "stopped" if isinstance(error, Preempted) else "error"
@@ -207,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
             # .hydra/ there, and the run its files), else trainer.output_dir
             job_dir = _given(overrides, "hydra.run.dir", composed)
             held_dir = job_dir or output_dir
+            if not holds_directory(run_cfg.launcher):
+                # another node's process holds the directory: Hydra writes no .hydra/ and no log
+                # file into it here (on a shared file system, written before the holder's claim,
+                # they made it refuse the directory as not a run's, and this node waited for it)
+                overrides = [*overrides, *NOT_HOLDING]
             start = RunStart(held_dir)
             stack.enter_context(claimed(held_dir, run_cfg.trainer.resume,
                                         run_cfg.trainer.overwrite,
