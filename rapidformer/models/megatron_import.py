@@ -10,15 +10,14 @@ be the run's (model.*): a mismatch is refused before the model is built.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
-from pathlib import Path
 
 import torch
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
+from rapidformer.models.megatron_shards import checkpoint_model_type
 from rapidformer.models.megatron_shards import copy_shards, load_global_state  # noqa: F401 (copy_shards: its callers' name for it here)
 from rapidformer.models.megatron_vocab import VOCAB_MULTIPLE
 
@@ -39,28 +38,14 @@ def read_gpt2_config(directory: str):
     missing directory or another architecture is refused."""
     from transformers import GPT2Config
 
-    path = Path(directory).expanduser()
-    if not path.exists():
-        raise InputError(f"model.init_from_hf={directory} does not exist; give a Hugging Face "
-                         f"GPT-2 checkpoint directory (config.json and its weights, as "
-                         f"save_pretrained writes them)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise InputError(f"model.init_from_hf={directory} has no config.json, so it is not a "
-                         f"Hugging Face checkpoint directory; give the directory that "
-                         f"save_pretrained wrote")
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-        raise InputError(f"model.init_from_hf={directory}: config.json is not a JSON object "
-                         f"({error}); give the directory that save_pretrained wrote") from error
+    path, model_type = checkpoint_model_type(directory, "GPT-2")
     if model_type != "gpt2":
         raise InputError(f"model.init_from_hf={directory} is a Hugging Face {model_type} "
                          f"checkpoint (config.json model_type={model_type!r}); model=megatron_gpt "
                          f"starts only from GPT-2 checkpoints (model_type 'gpt2'): give a GPT-2 "
                          f"directory, or train this one as it is with model=hf "
                          f"model.name_or_path={directory}")
-    return GPT2Config.from_json_file(str(config_file))
+    return GPT2Config.from_json_file(str(path / "config.json"))
 
 
 @functools.lru_cache(maxsize=None)

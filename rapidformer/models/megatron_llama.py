@@ -39,6 +39,7 @@ import torch
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError, InputError
+from rapidformer.models.megatron_shards import checkpoint_model_type
 
 # config.json model_type -> the transformers class prefix (LlamaConfig, LlamaForCausalLM, ...)
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -95,21 +96,7 @@ def _transformers_class(family: str, suffix: str):
 def read_config(directory: str):
     """The checkpoint's config (config.json only, never the network); a missing directory or
     another architecture is refused."""
-    path = Path(directory).expanduser()
-    if not path.exists():
-        raise InputError(f"model.init_from_hf={directory} does not exist; give a Hugging Face "
-                         f"Llama, Mistral or Qwen2 checkpoint directory (config.json and its "
-                         f"weights, as save_pretrained writes them)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise InputError(f"model.init_from_hf={directory} has no config.json, so it is not a "
-                         f"Hugging Face checkpoint directory; give the directory that "
-                         f"save_pretrained wrote")
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-        raise InputError(f"model.init_from_hf={directory}: config.json is not a JSON object "
-                         f"({error}); give the directory that save_pretrained wrote") from error
+    path, model_type = checkpoint_model_type(directory, "Llama, Mistral or Qwen2")
     if model_type not in FAMILIES:
         other = " or model=megatron_gpt" if model_type == "gpt2" else ""
         raise InputError(f"model.init_from_hf={directory} is a Hugging Face {model_type} "

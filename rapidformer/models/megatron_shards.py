@@ -13,10 +13,14 @@ rank r's shard is the r-th chunk of gate followed by the r-th chunk of up.
 """
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from rapidformer.errors import InputError
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -129,3 +133,26 @@ def load_global_state(model: torch.nn.Module, state, num_layers: int, what: str)
     if problems:
         raise InputError(f"{what}: {'; '.join(problems)}")
     return copied
+
+
+def checkpoint_model_type(directory: str, accepted: str) -> tuple[Path, str | None]:
+    """A Hugging Face checkpoint directory's path and config.json's model_type, read from the
+    file alone (never the network); a missing directory, a missing config.json or one that is
+    no JSON object is refused (`accepted`: the checkpoints the model starts from, for the
+    message)."""
+    path = Path(directory).expanduser()
+    if not path.exists():
+        raise InputError(f"model.init_from_hf={directory} does not exist; give a Hugging Face "
+                         f"{accepted} checkpoint directory (config.json and its weights, as "
+                         f"save_pretrained writes them)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InputError(f"model.init_from_hf={directory} has no config.json, so it is not a "
+                         f"Hugging Face checkpoint directory; give the directory that "
+                         f"save_pretrained wrote")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise InputError(f"model.init_from_hf={directory}: config.json is not a JSON object "
+                         f"({error}); give the directory that save_pretrained wrote") from error
+    return path, model_type
