@@ -87,3 +87,12 @@ def pretraining_data(tmp_path_factory) -> dict:
     from rapidformer.data.corpus import write_pretraining_sample
 
     return write_pretraining_sample(tmp_path_factory.mktemp("pretraining_data"))
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a test's own rendezvous of several processes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.conftest import FAST, OFFLINE_ENV, assert_ok, run_cli, train_losses
+from tests.conftest import FAST, OFFLINE_ENV, assert_ok, free_port, run_cli, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -99,15 +98,9 @@ def test_a_dead_worker_stops_the_job_naming_its_rank(tmp_path):
     assert "worker rank 1 failed with exit code 7" in result.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_of_one_process_each(tmp_path, single_process_losses):
     """Two launcher invocations on this machine, node_rank 0 and 1, one master address."""
-    port = _free_port()
+    port = free_port()
     run = tmp_path / "run"
     common = [*SMALL, "launcher.nnodes=2", "launcher.master_addr=127.0.0.1",
               "launcher.collective_timeout=60",

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import OFFLINE_ENV
+from tests.conftest import OFFLINE_ENV, free_port
 
 COMMON = ["trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.device=cpu",
           "trainer.micro_batch_size=8", "trainer.global_batch_size=null", "trainer.epochs=1",
@@ -110,17 +109,11 @@ def _worker(rank: int, world: int, port: int, root: str):
     Path(root, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def evaluations(tmp_path_factory) -> tuple[dict, list[dict]]:
     """(one process's metrics, each of 2 ranks'), task by task."""
     root = tmp_path_factory.mktemp("eval_reduce")
-    ranks = mp.start_processes(_worker, args=(2, _free_port(), str(root)), nprocs=2,
+    ranks = mp.start_processes(_worker, args=(2, free_port(), str(root)), nprocs=2,
                                join=False, start_method="spawn")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # three processes on CI's two cores: no thread team spinning

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import OFFLINE_ENV
+from tests.conftest import OFFLINE_ENV, free_port
 
 VOCAB, SEQ, BATCH = 300, 32, 3
 
@@ -300,9 +299,7 @@ def test_tensor_parallel_models_give_the_same_outputs_and_gradients(tmp_path):
     """TP=2 (2 heads of 4 on each rank): GPT, GPT with sequence parallelism and padded BERT,
     built with megatron-core's local attention and with SDPAttention, give the same logits
     for every real token and the same gradients on each rank's shard."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "results.json"
     mp.start_processes(_tp_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
     for rank in (0, 1):

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import OFFLINE_ENV
+from tests.conftest import OFFLINE_ENV, free_port
 
 VOCAB, SEQ, BATCH = 300, 16, 2
 PADDED_VOCAB = 384  # 300 rounded up to a multiple of 128
@@ -307,9 +306,7 @@ def _layout_worker(rank: int, port: int, layout: str, directory: str, out: str):
 def test_layouts_import_the_checkpoint_and_export_it_back(tmp_path, gpt2_dir, layout):
     """Each rank cuts its shard of the checkpoint: the sharded model's logits are GPT-2's, and
     gathering the shards back through the export gives the checkpoint's tensors."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "results.json"
     mp.start_processes(_layout_worker, args=(port, layout, str(gpt2_dir), str(out)), nprocs=2,
                        start_method="spawn")

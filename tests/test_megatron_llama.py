@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import OFFLINE_ENV, assert_ok, run_cli, train_losses
+from tests.conftest import OFFLINE_ENV, assert_ok, free_port, run_cli, train_losses
 
 VOCAB, SEQ, BATCH = 300, 16, 2
 PADDED_VOCAB = 384  # 300 rounded up to a multiple of 128
@@ -275,25 +274,11 @@ def test_config_refusals():
 
 # --- tensor and pipeline parallelism: 2 gloo ranks ---------------------------------------------
 def _sharded_logits(model) -> torch.Tensor | None:
-    """The whole vocabulary's logits on the last stage (None elsewhere): TP shards gathered,
-    PP's hidden states sent from the first stage to the last."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    """The whole vocabulary's logits on the last stage (None elsewhere), as for GPT-2 (the same
+    tokens: the same VOCAB, SEQ, BATCH and seed)."""
+    from tests.test_megatron_import import _megatron_logits
 
-    tokens, positions = _tokens(), torch.arange(SEQ).expand(BATCH, SEQ)
-    with torch.no_grad():
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            if ps.is_pipeline_first_stage():
-                dist.send(model(tokens, positions, None).contiguous(),
-                          ps.get_pipeline_model_parallel_next_rank())
-                return None
-            hidden = torch.empty(SEQ, BATCH, model.config.hidden_size)
-            dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(hidden)
-        logits = model(tokens, positions, None)
-    shards = [torch.empty_like(logits) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(shards, logits, group=ps.get_tensor_model_parallel_group())
-    return torch.cat(shards, -1)
+    return _megatron_logits(model)
 
 
 # (layout, its overrides, the checkpoint): TP cuts the fused q/k/v by key/value group and
@@ -343,9 +328,7 @@ def _layout_worker(rank: int, port: int, directories: dict, out: str):
 # 18 s measured on 2 shared cores
 @pytest.mark.slow
 def test_layouts_cut_the_checkpoint_and_gather_it_back(tmp_path, checkpoints):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "results.json"
     mp.start_processes(_layout_worker, args=(port, {k: str(v) for k, v in checkpoints.items()},
                                              str(out)), nprocs=2, start_method="spawn")

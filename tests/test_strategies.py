@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.conftest import OFFLINE_ENV
+from tests.conftest import OFFLINE_ENV, free_port
 
 pytestmark = pytest.mark.slow  # each fixture trains every case: 20 s to minutes
 
@@ -147,9 +146,7 @@ def _worker(rank: int, world: int, port: int, cases: dict, run_dir: str, out: st
 
 def on_two_ranks(cases: dict, run_dir: Path) -> dict:
     """run_contract for each case on 2 gloo ranks, processes started here; rank 0's results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = run_dir / "results.json"
     mp.start_processes(_worker, args=(2, port, cases, str(run_dir), str(out)), nprocs=2,
                        start_method="spawn")

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import OFFLINE_ENV
+from tests.conftest import OFFLINE_ENV, free_port
 
 BATCH = 4
 # (examples, batch size): the evaluations of each case
@@ -171,12 +170,6 @@ def _worker(rank: int, world: int, port: int, root: str, data: dict):
     Path(root, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict:
     from rapidformer.data.corpus import write_pretraining_sample
@@ -190,7 +183,7 @@ def table(tmp_path_factory, corpus) -> tuple[dict, list[dict], float]:
     """(one process's metrics, each of 2 ranks', the seconds the ranks took), case by case."""
     root = tmp_path_factory.mktemp("uneven_eval")
     start = time.monotonic()
-    ranks = mp.start_processes(_worker, args=(2, _free_port(), str(root), corpus), nprocs=2,
+    ranks = mp.start_processes(_worker, args=(2, free_port(), str(root), corpus), nprocs=2,
                                join=False, start_method="spawn")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # three processes on CI's two cores: no thread team spinning
