@@ -159,8 +159,11 @@ def test_packed_rows_give_the_unpacked_batch_loss(tokenizer):
     padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE,
                                     return_tensors="pt")(list(ds))
     lengths = [len(ids) for ids in ds["input_ids"]]
-    packed_ds = pack(ds, sum(lengths[:3]))
+    # rows of the three longest examples' total: best-fit decreasing puts those three in the
+    # first row and the shortest alone in the second
+    packed_ds = pack(ds, sum(sorted(lengths)[-3:]))
     assert list(packed_ds["num_examples"]) == [3, 1]
+    assert len(packed_ds["input_ids"][1]) == min(lengths)
     packed = PackedCollate(tokenizer.pad_token_id)(list(packed_ds))
     counts = take_counts(packed)  # what the metrics window reads, not the model
     assert counts.samples == 4
@@ -177,6 +180,57 @@ def test_packed_rows_give_the_unpacked_batch_loss(tokenizer):
         # the test bites: positions that do not restart let the examples see each other
         joined = dict(packed, position_ids=torch.arange(packed["input_ids"].shape[1]).expand(2, -1))
         assert loss(joined) != pytest.approx(loss(padded), rel=1e-3)
+
+
+def _first_fit_by_scan(lengths, capacity):
+    """Best-fit decreasing the slow way: every open bin scanned for the fullest that fits."""
+    bins, free = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [b for b in range(len(bins)) if 0 < lengths[i] <= free[b]]
+        if fits:
+            b = min(fits, key=lambda b: free[b])
+            bins[b].append(i)
+            free[b] -= lengths[i]
+        else:
+            bins.append([i])
+            free.append(capacity - lengths[i])
+    return sorted(free)
+
+
+@pytest.mark.parametrize("capacity", [1, 5, 64, 2048])
+def test_best_fit_decreasing_fills_rows_as_a_scan_of_every_row_does(capacity):
+    import random
+
+    from rapidformer.data.chat import best_fit_decreasing
+
+    rng = random.Random(capacity)
+    for _ in range(60):
+        lengths = [rng.randint(1, capacity + 2) for _ in range(rng.randint(0, 80))]
+        bins = best_fit_decreasing(lengths, capacity)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert all(b == sorted(b) for b in bins)  # the data's order inside a row
+        # a row over capacity holds one example longer than it, alone
+        assert all(sum(lengths[i] for i in b) <= capacity or len(b) == 1 for b in bins)
+        assert sorted(capacity - sum(lengths[i] for i in b) for b in bins) == \
+            _first_fit_by_scan(lengths, capacity)
+
+
+def test_packing_chats_of_instruction_lengths_leaves_under_one_percent_empty():
+    import random
+
+    from rapidformer.data.chat import best_fit_decreasing
+
+    rng = random.Random(0)
+    lengths = [min(2048, int(rng.lognormvariate(5.3, 0.8))) + 1 for _ in range(20000)]
+    bins = best_fit_decreasing(lengths, 2048)
+    assert sum(lengths) / (2048 * len(bins)) > 0.99
+    # what filling rows in the data's order left: a row closes when the next example overflows
+    rows, used = 1, 0
+    for n in lengths:
+        if used + n > 2048:
+            rows, used = rows + 1, 0
+        used += n
+    assert sum(lengths) / (2048 * rows) < 0.95
 
 
 def sft_args(data_dir) -> list[str]:
