@@ -66,6 +66,10 @@ def test_an_sft_run_on_instruction_lengths_with_a_real_models_output_size(tmp_pa
     assert len(losses) == 3 and all(loss == loss for loss in losses)
     # real tokens a conversation: a few hundred, not a few dozen
     assert all(r["tokens_per_s"] / r["samples_per_s"] > 150 for r in records if "loss" in r)
+    # the first step's seconds, once, in the first record: within that record's window
+    timed = [r for r in records if "first_step_s" in r]
+    assert [r["step"] for r in timed] == [1]
+    assert 0 < timed[0]["first_step_s"] <= timed[0]["window_s"]
 
 
 def test_fewer_embedding_rows_than_tokens_are_refused(tmp_path):

@@ -142,6 +142,8 @@ class LoopControl:
         """Step `step` is done (`result`: its StepResult). At trainer.log_interval and at the
         last step the window becomes one metrics record (`fields` first) and one log line."""
         self.window.add_step(result)
+        if step == self.start_step + 1:
+            self.window.first_step_done(self.engine.device)
         self.compiling.step_done()
         self.profiler.step_done(step)
         self.progress.update(1)
@@ -362,6 +364,7 @@ class _Window:
         self.nonfinite_run = self.nonfinite_peak = 0
         self.step_loss = 0.0
         self.loss_scale, self.skipped_steps = None, 0  # fp16 loss scaling, as of the last step
+        self.first_step_s = None  # set by first_step_done, written once
         self.reset()
 
     def reset(self):
@@ -371,6 +374,14 @@ class _Window:
         self.slots = 0  # token positions computed, padding included
         self.data_wait = 0.0  # seconds blocked waiting for the next batch
         self.started = time.perf_counter()
+
+    def first_step_done(self, device: torch.device) -> None:
+        """The process's first step is done: its seconds from the loop's start (compilation,
+        allocator growth and the first batch included) go into this window's record. One
+        device synchronization, once: the time users wait before training runs at speed."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.first_step_s = time.perf_counter() - self.started
 
     def add_micro(self, loss, batch=None):
         self.loss_sum = self.loss_sum + loss.float()
@@ -448,6 +459,8 @@ class _Window:
                   # the window's wall time: accelerate=auto's search (rapidformer/tuning/) sums
                   # it to time the warm-up steps apart from the rest
                   "window_s": elapsed}
+        if self.first_step_s is not None:
+            record["first_step_s"], self.first_step_s = self.first_step_s, None
         if self.spikes.check(step, record["grad_norm_max"]):
             record["grad_norm_spikes"] = self.spikes.count
         if self.loss_scale is not None:
