@@ -39,11 +39,29 @@ RF_ROWS = {"rf-lora": ["peft.base_dtype=bf16"],
            "rf-lora-packed": [*PACKED, "peft.base_dtype=bf16"],
            "rf-lora-packed-fp32base": [*PACKED, "peft.base_dtype=fp32"],
            "rf-qlora-packed": ["peft=qlora", *PACKED],
-           "rf-qlora-packed-fp32base": ["peft=qlora", *PACKED, "peft.base_dtype=fp32"]}
+           "rf-qlora-packed-fp32base": ["peft=qlora", *PACKED, "peft.base_dtype=fp32"],
+           # the output layer on every position, through the model's forward (the earlier path)
+           "rf-lora-packed-allhead": [*PACKED, "peft.base_dtype=bf16", "task.lm_head=all"],
+           # liger-kernel's RMSNorm/SwiGLU/RoPE, with its fused linear cross-entropy on every
+           # position, and with the labelled head computing the loss instead
+           "rf-lora-packed-liger": [*PACKED, "peft.base_dtype=bf16", "kernels=liger"],
+           "rf-lora-packed-liger-labelled": [*PACKED, "peft.base_dtype=bf16", "kernels=liger",
+                                             "kernels.fused_linear_cross_entropy=false"],
+           "rf-qlora-packed-liger": ["peft=qlora", *PACKED, "kernels=liger",
+                                     "kernels.fused_linear_cross_entropy=false"]}
 CHILD_ROWS = {"hf-peft": "plain Hugging Face LlamaForCausalLM (bf16) + peft LoRA, a loop by "
                          "hand, padded to the longest in each batch",
               "trl-padded": "TRL SFTTrainer, peft LoRA on the bf16 model, padded batches",
-              "trl-packed": "TRL SFTTrainer, packing=True (BFD, padding-free), peft LoRA"}
+              "trl-packed": "TRL SFTTrainer, packing=True (BFD, padding-free), peft LoRA",
+              "trl-packed-liger": "TRL SFTTrainer, packing=True, use_liger_kernel=True (its "
+                                  "layer kernels; TRL's own chunked head computes the loss)",
+              "trl-qlora-packed": "TRL SFTTrainer, packing=True, the model loaded in 4 bits "
+                                  "(bitsandbytes NF4, double quantization, bf16 compute), "
+                                  "peft LoRA",
+              "unsloth-padded": "Unsloth FastLanguageModel (bf16) + its LoRA, hf-peft's loop by "
+                                "hand, padded to the longest in each batch",
+              "unsloth-packed": "Unsloth, padding-free: whole conversations in one row of "
+                                "--packed-batch x --seq tokens (packed_seq_lengths), same loop"}
 LOG_INTERVAL = 5
 SKIP = 10  # the first steps (warm-up, allocator growth) are not in the means
 ROW_TIMEOUT = 420
@@ -72,7 +90,7 @@ def rapidformer_row(row: str, args, work: Path) -> dict:
     command = [sys.executable, "-m", "rapidformer", *common(args, work), *RF_ROWS[row],
                f"trainer.micro_batch_size={batch}", f"trainer.global_batch_size={batch}",
                f"trainer.output_dir={out}"]
-    base, _, windows = run_cli(row, command, work, timeout=ROW_TIMEOUT)
+    base, _, windows = run_cli(row, command, work, timeout=args.row_timeout)
     if windows is None:
         return base
     later = [r for r in windows if r["step"] > SKIP] or windows
@@ -81,7 +99,9 @@ def rapidformer_row(row: str, args, work: Path) -> dict:
             "samples_per_s": round(mean("samples_per_s"), 1),
             "padding_frac": round(mean("padding_frac"), 3),
             "peak_mem_gb": round(max(r.get("peak_mem_gb", 0) for r in windows), 2),
-            "loss_at_end": round(windows[-1]["loss"], 4), "tokenizer": str(out / "tokenizer")}
+            "loss_at_end": round(windows[-1]["loss"], 4),
+            "first_step_s": round(windows[0]["first_step_s"], 1),
+            "tokenizer": str(out / "tokenizer")}
 
 
 def child_row(row: str, args, work: Path, tokenizer_dir: str) -> dict:
@@ -94,9 +114,10 @@ def child_row(row: str, args, work: Path, tokenizer_dir: str) -> dict:
     base = {"row": row, "command": CHILD_ROWS[row]}
     started = time.perf_counter()
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=ROW_TIMEOUT)
+        result = subprocess.run(command, capture_output=True, text=True,
+                                timeout=args.row_timeout)
     except subprocess.TimeoutExpired:
-        return {**base, "error": f"ran past its {ROW_TIMEOUT} s limit"}
+        return {**base, "error": f"ran past its {args.row_timeout} s limit"}
     keep_log(row, result)
     if result.returncode != 0:
         return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}
@@ -123,12 +144,20 @@ def _model_and_rows(args):
     rows = encode_rows(rows, tokenizer, cfg.data, "response", "train", EncodeCounts())
     m = cfg.model
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=m.embedding_rows or len(tokenizer), hidden_size=m.hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
-        max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
-        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa"))
+    # made in bf16 where it trains (an 8B model's fp32 init on the host takes minutes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=m.embedding_rows or len(tokenizer), hidden_size=m.hidden_size,
+                num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
+                max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+                tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(default)
     return tokenizer, rows, model.to(torch.bfloat16)
 
 
@@ -140,9 +169,10 @@ def lora_config():
                                       "up_proj", "down_proj"])
 
 
-def trl_child(args, packed: bool) -> None:
+def trl_child(args, packed: bool, liger: bool = False, four_bit: bool = False) -> None:
     """TRL's SFTTrainer on the same token/label rows (a processed dataset: input_ids and labels,
-    which it takes as they are), its own collator and packing."""
+    which it takes as they are), its own collator and packing. `four_bit`: QLoRA as TRL's
+    documentation does it, the model loaded from a directory with a BitsAndBytesConfig."""
     import torch
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -151,11 +181,26 @@ def trl_child(args, packed: bool) -> None:
     rows = rows.select_columns(["input_ids", "labels"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    quantization = None
+    if four_bit:
+        from transformers import BitsAndBytesConfig
+
+        saved = Path(args.work) / "trl-base"
+        model.save_pretrained(saved)
+        del model
+        torch.cuda.empty_cache()
+        model = str(saved)
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=torch.bfloat16)
     clock = {}
 
     class Clock(TrainerCallback):
+        def on_train_begin(self, targs, state, control, **kwargs):
+            clock["begin"] = time.perf_counter()
+
         def on_step_end(self, targs, state, control, **kwargs):
-            if state.global_step in (SKIP, args.iters):
+            if state.global_step in (1, SKIP, args.iters):
                 sync()
                 clock[state.global_step] = time.perf_counter()
 
@@ -166,10 +211,11 @@ def trl_child(args, packed: bool) -> None:
         bf16=True, use_cpu=device == "cpu", logging_steps=LOG_INTERVAL, report_to=[],
         save_strategy="no", packing=packed, max_length=args.seq, gradient_checkpointing=False,
         dataloader_num_workers=2, optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",
-        seed=0, dataset_num_proc=4)
+        seed=0, dataset_num_proc=4, use_liger_kernel=liger,
+        model_init_kwargs={"dtype": torch.bfloat16} if four_bit else None)
     trainer = SFTTrainer(model=model, args=config, train_dataset=rows,
                          processing_class=tokenizer, peft_config=lora_config(),
-                         callbacks=[Clock()])
+                         quantization_config=quantization, callbacks=[Clock()])
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     real_per_row = sum(lengths) / len(lengths)
     if device == "cuda":
@@ -183,7 +229,8 @@ def trl_child(args, packed: bool) -> None:
         "samples_per_s": None if packed else round(batch * steps / elapsed, 1),
         "real_tokens_per_row": round(real_per_row, 1),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if device == "cuda" else None, "loss_at_end": round(float(losses[-1]), 4)}))
+        if device == "cuda" else None, "loss_at_end": round(float(losses[-1]), 4),
+        "first_step_s": round(clock[1] - clock["begin"], 1)}))
 
 
 def hf_child(args) -> None:
@@ -220,6 +267,7 @@ def hf_child(args) -> None:
     model.train()
     tokens = samples = slots = 0
     started, loss, step = None, None, 0
+    begin, first_step_s = time.perf_counter(), None
     while step < args.iters:
         for ids, labels, mask in loader:
             step += 1
@@ -230,6 +278,9 @@ def hf_child(args) -> None:
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if step == 1:
+                sync()
+                first_step_s = time.perf_counter() - begin
             if step == SKIP:
                 sync()
                 started = time.perf_counter()
@@ -245,7 +296,8 @@ def hf_child(args) -> None:
         "tokens_per_s": round(tokens / elapsed), "samples_per_s": round(samples / elapsed, 1),
         "padding_frac": round(1 - tokens / slots, 3),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if device.type == "cuda" else None, "loss_at_end": round(float(loss), 4)}))
+        if device.type == "cuda" else None, "loss_at_end": round(float(loss), 4),
+        "first_step_s": round(first_step_s, 1)}))
 
 
 def main() -> None:
@@ -263,6 +315,8 @@ def main() -> None:
                         help="CPU: llama_tiny, seq 512, 4096 output rows, no QLoRA")
     parser.add_argument("--out", default="docs/benchmarks/lora_sft.json")
     parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--row-timeout", type=float, default=ROW_TIMEOUT,
+                        help="seconds a row may run (its process: start, steps and exit)")
     parser.add_argument("--child", choices=list(CHILD_ROWS), help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -273,11 +327,15 @@ def main() -> None:
         if not args.child:
             args.overrides = [*args.overrides, "trainer.device=cpu"]
             args.iters, args.batch, args.packed_batch, args.examples = SKIP + 4, 4, 1, 300
-            args.rows = [r for r in args.rows if "qlora" not in r]
+            args.rows = [r for r in args.rows if "qlora" not in r and "liger" not in r]
     if args.child == "hf-peft":
         return hf_child(args)
+    if args.child in ("unsloth-padded", "unsloth-packed"):
+        from _unsloth_child import unsloth_child  # imports unsloth first, in this fresh process
+        return unsloth_child(args, packed=args.child == "unsloth-packed")
     if args.child:
-        return trl_child(args, packed=args.child == "trl-packed")
+        return trl_child(args, packed="packed" in args.child, liger="liger" in args.child,
+                         four_bit="qlora" in args.child)
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-lora-sft-") as temp:
         work = Path(temp)

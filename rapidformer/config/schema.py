@@ -25,21 +25,18 @@ class TaskConfig:
         "sequence_classification"
     # null: the number of distinct labels in the training split
     num_labels: Optional[int] = None
-    # token_classification: give every sub-token of a word the word's label (else only the
-    # first sub-token is scored and trained on; the others get -100)
+    # token_classification: every sub-token of a word gets its label (else the first only)
     label_all_tokens: bool = False
-    # question_answering: a context longer than data.max_seq_length is read in windows that
-    # overlap by doc_stride tokens; answers are at most max_answer_length tokens, chosen from the
-    # n_best_size best starts and ends of each window
+    # question_answering: a context over data.max_seq_length is read in windows overlapping by
+    # doc_stride tokens; answers of at most max_answer_length, from the n_best_size best ends
     doc_stride: int = 32
     max_answer_length: int = 30
     n_best_size: int = 20
     # masked_lm: mask whole words (all their sub-tokens together) instead of single tokens;
     # data.mask_prob is the share of tokens masked, drawn anew every time a batch is made
     whole_word_masking: bool = False
-    # masked_lm, bert_pretraining: run BERT's MLM head (a hidden x vocabulary matmul) on the
-    # masked positions only (masked; the same loss, NVIDIA's and MLPerf's BERT do so) or on every
-    # position (all). Hugging Face BERT models; other models run their own head
+    # masked_lm, bert_pretraining: BERT's MLM head on the masked positions only (masked; the same
+    # loss, as NVIDIA's and MLPerf's BERT) or on every position (all); Hugging Face BERT models
     mlm_head: Literal["masked", "all"] = "masked"
     # bert_pretraining: next-sentence prediction beside masked LM (Megatron's binary head), on
     # sentence-level data (preprocessed with --split-sentences); false trains masked LM alone,
@@ -54,6 +51,9 @@ class TaskConfig:
     # sft (supervised fine-tuning of a causal LM on chat or prompt/response rows): the tokens
     # the loss is on, the assistant's (response) or every token of the conversation (all)
     loss_on: Literal["response", "all"] = "response"
+    # sft: the output layer at the labelled positions only, in chunks (the same loss, no logits
+    # kept; transforms/labelled_head.py) or on every position by the model's forward (all)
+    lm_head: Literal["labelled", "all"] = "labelled"
     # sft: at each evaluation, answers generated (greedy) for the first N validation prompts,
     # written to RUN_DIR/generations.jsonl; 0 turns it off
     sample_generations: int = 4

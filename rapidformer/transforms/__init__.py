@@ -1,7 +1,8 @@
 """The model transforms (transforms/base.py: the protocol), in the one order they apply:
 
+    LigerKernels     kernels=liger           before the model moves, before peft wraps it
+    LabelledHead     task.lm_head=labelled   (task=sft) the same: it wraps the model's forward
     LoRA             peft=lora/qlora         before the model moves to its device
-    LigerKernels     kernels=liger           on the device, before the strategy prepares it
     Float8           precision=fp8           after liger (its SwiGLU module keeps linear layers)
     PackedSequences  trainer.unpad, data.packing
 
@@ -21,6 +22,7 @@ from torch import nn
 from rapidformer.errors import Problem
 from rapidformer.transforms.base import WHOLE_MODEL, ApplyContext, ModelTransform, StateFilter
 from rapidformer.transforms.float8 import Float8
+from rapidformer.transforms.labelled_head import LabelledHead
 from rapidformer.transforms.liger import LigerKernels
 from rapidformer.transforms.lora import LoRA
 from rapidformer.transforms.packed import PackedSequences
@@ -33,7 +35,9 @@ if TYPE_CHECKING:
 # float8 then converts), the packed path last, on the final modules
 # liger-kernel first: it patches the Hugging Face model's own modules and forward, which peft's
 # adapters then wrap (patched after peft, it would patch the peft wrapper's forward instead)
-TRANSFORMS: tuple[type[ModelTransform], ...] = (LigerKernels, LoRA, Float8, PackedSequences)
+# the labelled head wraps the Hugging Face model's forward, after liger's and before peft's
+TRANSFORMS: tuple[type[ModelTransform], ...] = (LigerKernels, LabelledHead, LoRA, Float8,
+                                                PackedSequences)
 BY_NAME = {t.name: t for t in TRANSFORMS}
 
 
