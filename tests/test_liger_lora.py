@@ -68,3 +68,81 @@ def test_lora_with_liger_trains_to_the_losses_it_reaches_without(tmp_path):
     assert losses["liger"][-1] < losses["liger"][0]
     for a, b in zip(losses["none"], losses["liger"]):
         assert a == pytest.approx(b, rel=0.03)
+
+
+# --- kernels=auto (the default): liger where it measured faster, the model's own layers elsewhere
+def _auto_cfg(*overrides: str):
+    from rapidformer.config.compose import resolve
+
+    return resolve(compose(["+recipe=llama_lora", *overrides]), "out", check=False)[1]
+
+
+@pytest.mark.parametrize("overrides, device, has_liger, model, decision", [
+    ([], "cuda", True, "llama", None),
+    (["peft=none"], "cuda", True, "llama", None),  # full fine-tuning: task=sft still
+    ([], "cpu", True, "llama", "the run is on 'cpu'"),
+    ([], "cuda", False, "llama", "liger-kernel is not installed (pip install"),
+    ([], "cuda", True, "gpt2", "no kernels for model type 'gpt2'"),
+    (["task=causal_lm"], "cuda", True, "llama", "task=causal_lm: liger-kernel is measured "
+                                                "faster for task=sft only"),
+])
+def test_auto_picks_liger_only_where_it_measured_faster(monkeypatch, overrides, device,
+                                                        has_liger, model, decision):
+    import types
+    import sys
+
+    from rapidformer.transforms import liger
+
+    monkeypatch.setattr(liger, "installed", lambda name: has_liger)
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None, "mistral": None, "qwen2": None}
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    cfg = _auto_cfg(*overrides)
+    assert cfg.kernels.name == "auto"
+    stand_in = types.SimpleNamespace(config=types.SimpleNamespace(model_type=model))
+    why = liger.auto_choice(cfg, stand_in, torch.device(device))
+    assert why == decision if decision is None else decision in why
+
+
+def test_auto_is_never_refused_and_on_a_cpu_keeps_the_models_layers(caplog):
+    from rapidformer.transforms.liger import applied_fused_loss
+
+    cfg = settle(compose(["+recipe=llama_lora", "trainer.device=cpu"]), "out",
+                 environment=True, claims=False)[1]
+    assert cfg.kernels.name == "auto"
+    model = tiny_llama()
+    forward = model.forward
+    with caplog.at_level("INFO", logger="rapidformer"):
+        model = Transforms(cfg).apply(model, ApplyContext(run_dir=None,
+                                                          device=torch.device("cpu")),
+                                      before_move=True)
+    assert "kernels=auto: the model's own layers (the run is on 'cpu'" in caplog.text
+    assert not applied_fused_loss(model.get_base_model())
+    # the labelled head took the loss (the model's forward is wrapped, under peft's)
+    assert model.get_base_model().forward.__func__ is not forward.__func__
+    assert "the output layer runs at the labelled positions only" in caplog.text
+
+
+@pytest.mark.parametrize("overrides", [["model=megatron_gpt_tiny", "task=causal_lm"],
+                                       ["graph=ort"]])
+def test_auto_with_what_liger_cannot_patch_is_not_refused(overrides):
+    from rapidformer.transforms import config_problems
+
+    cfg = _auto_cfg(*overrides)
+    assert not [p for p in config_problems(cfg) if "kernels" in p]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_auto_applies_liger_to_sft_and_its_loss_takes_over(caplog):
+    pytest.importorskip("liger_kernel")
+    from rapidformer.transforms.liger import applied_fused_loss
+
+    cfg = _cfg()
+    assert cfg.kernels.name == "auto"
+    with caplog.at_level("INFO", logger="rapidformer"):
+        model = Transforms(cfg).apply(tiny_llama(), ApplyContext(
+            run_dir=None, device=torch.device("cuda")), before_move=True)
+    assert "kernels=auto: liger-kernel" in caplog.text
+    assert applied_fused_loss(model.get_base_model())
+    assert "fused linear cross-entropy computes it" in caplog.text

@@ -394,9 +394,9 @@ class LauncherConfig:
 
 @dataclass
 class KernelsConfig:
-    # liger: liger-kernel's Triton kernels in the model families it covers (Llama, Mistral,
-    # Qwen, Gemma, ...), on CUDA GPUs; none: the model's own layers
-    name: Literal["none", "liger"] = "none"
+    # liger: liger-kernel's Triton kernels (Llama, Mistral, Qwen, ...) on CUDA GPUs; none: the
+    # model's own layers; auto: liger where it measured faster (transforms/liger.py), else none
+    name: Literal["none", "liger", "auto"] = "auto"
     # causal LM training: the output head's matmul and the cross-entropy in one kernel that
     # never materializes the [tokens, vocab] logits
     fused_linear_cross_entropy: bool = True

@@ -21,7 +21,7 @@ from torch import nn
 
 from rapidformer.models.chunked_loss import next_token_loss
 from rapidformer.transforms.base import ApplyContext, ModelTransform
-from rapidformer.transforms.liger import fuses_the_loss
+from rapidformer.transforms.liger import applied_fused_loss, fuses_the_loss
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import RunConfig
@@ -56,7 +56,8 @@ class LabelledHead(ModelTransform):
         return []
 
     def apply(self, model: nn.Module, context: ApplyContext) -> nn.Module:
-        reason = why_not(model)
+        reason = "liger-kernel's fused linear cross-entropy computes it" \
+            if applied_fused_loss(model) else why_not(model)
         if reason:
             log.info("task.lm_head=labelled: the model's own forward computes the loss (%s)",
                      reason)
