@@ -9,6 +9,10 @@ Packed: padding-free, as Unsloth's own trainer does it — whole conversations c
 row of at most --packed-batch x --seq tokens, position ids restarting at each, and their lengths as
 `packed_seq_lengths` (Unsloth's attention keeps them apart; no attention mask, no pad).
 
+QLoRA (four_bit): the same, the saved bf16 base loaded back with load_in_4bit=True, Unsloth's
+4-bit path (bitsandbytes NF4, bf16 compute); checkpointing="unsloth" is Unsloth's own activation
+checkpointing (its default, layer inputs offloaded to the host), the lowest-memory setting.
+
 Unsloth patches transformers and peft when it is imported, so this runs in a fresh child process
 and imports it first. BENCH_UNSLOTH_SITE, when set, is put first on sys.path before that (the
 folder holding unsloth and the trl/datasets versions it pins), so the other rows keep theirs.
@@ -27,11 +31,12 @@ from pathlib import Path
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def unsloth_child(args, packed: bool, checkpointing=False) -> None:
+def unsloth_child(args, packed: bool, four_bit: bool = False, checkpointing=False) -> None:
     """One row: prints one JSON line, or exits 1 with the error as the last stderr line.
-    checkpointing: Unsloth's use_gradient_checkpointing (False here; "unsloth" is its default)."""
+    four_bit: the base loaded in 4 bits (load_in_4bit). checkpointing: Unsloth's
+    use_gradient_checkpointing (False, or "unsloth": its default)."""
     try:
-        _run(args, packed, checkpointing)
+        _run(args, packed, four_bit, checkpointing)
     except BaseException as error:  # noqa: BLE001 — reported, never turned into numbers
         if isinstance(error, SystemExit) and not error.code:
             raise
@@ -59,7 +64,7 @@ def _import_unsloth(work: str):
     return unsloth
 
 
-def _run(args, packed: bool, checkpointing) -> None:
+def _run(args, packed: bool, four_bit: bool, checkpointing) -> None:
     unsloth = _import_unsloth(args.work)
     import torch
     from unsloth import FastLanguageModel
@@ -74,9 +79,11 @@ def _run(args, packed: bool, checkpointing) -> None:
     model.save_pretrained(saved)
     tokenizer.save_pretrained(saved)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the bf16 copy's blocks: the 4-bit load needs the room
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = FastLanguageModel.from_pretrained(
-        model_name=str(saved), max_seq_length=args.seq, dtype=torch.bfloat16, load_in_4bit=False,
+        model_name=str(saved), max_seq_length=args.seq, dtype=torch.bfloat16, load_in_4bit=four_bit,
         load_in_8bit=False, full_finetuning=False, use_gradient_checkpointing=checkpointing,
         offload_embedding=False, fix_tokenizer=False, local_files_only=True)
     model = FastLanguageModel.get_peft_model(
@@ -128,7 +135,7 @@ def _run(args, packed: bool, checkpointing) -> None:
         if device.type == "cuda" else None, "loss_at_end": round(float(loss.detach()), 4),
         "first_step_s": round(first_step, 2), "unsloth": unsloth.__version__,
         "unsloth_backend": "cpu" if getattr(unsloth, "_IS_CPU_BACKEND", False) else device.type,
-        "gradient_checkpointing": checkpointing,
+        "gradient_checkpointing": checkpointing, "load_in_4bit": four_bit,
         "flash_attn": bool(getattr(unsloth_utils, "HAS_FLASH_ATTENTION", False)),
         "xformers": getattr(unsloth_utils, "xformers_version", None)}))
 

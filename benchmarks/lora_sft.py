@@ -40,6 +40,8 @@ RF_ROWS = {"rf-lora": ["peft.base_dtype=bf16"],
            "rf-lora-packed-fp32base": [*PACKED, "peft.base_dtype=fp32"],
            "rf-qlora-packed": ["peft=qlora", *PACKED],
            "rf-qlora-packed-fp32base": ["peft=qlora", *PACKED, "peft.base_dtype=fp32"],
+           # the lowest-memory setting: QLoRA with activation checkpointing (per-layer recompute)
+           "rf-qlora-packed-ckpt": ["peft=qlora", *PACKED, "trainer.checkpoint_activations=true"],
            # the output layer on every position, through the model's forward (the earlier path)
            "rf-lora-packed-allhead": [*PACKED, "peft.base_dtype=bf16", "task.lm_head=all"],
            # liger-kernel's RMSNorm/SwiGLU/RoPE, with its fused linear cross-entropy on every
@@ -58,10 +60,16 @@ CHILD_ROWS = {"hf-peft": "plain Hugging Face LlamaForCausalLM (bf16) + peft LoRA
               "trl-qlora-packed": "TRL SFTTrainer, packing=True, the model loaded in 4 bits "
                                   "(bitsandbytes NF4, double quantization, bf16 compute), "
                                   "peft LoRA",
+              "trl-qlora-packed-ckpt": "trl-qlora-packed with gradient_checkpointing=True (TRL's "
+                                       "default)",
               "unsloth-padded": "Unsloth FastLanguageModel (bf16) + its LoRA, hf-peft's loop by "
                                 "hand, padded to the longest in each batch",
               "unsloth-packed": "Unsloth, padding-free: whole conversations in one row of "
-                                "--packed-batch x --seq tokens (packed_seq_lengths), same loop"}
+                                "--packed-batch x --seq tokens (packed_seq_lengths), same loop",
+              "unsloth-qlora-packed": "unsloth-packed on a 4-bit base (load_in_4bit: bitsandbytes "
+                                      "NF4)",
+              "unsloth-qlora-packed-ckpt": "unsloth-qlora-packed with use_gradient_checkpointing="
+                                           "'unsloth' (its default: offloaded to the host)"}
 LOG_INTERVAL = 5
 SKIP = 10  # the first steps (warm-up, allocator growth) are not in the means
 ROW_TIMEOUT = 420
@@ -169,7 +177,8 @@ def lora_config():
                                       "up_proj", "down_proj"])
 
 
-def trl_child(args, packed: bool, liger: bool = False, four_bit: bool = False) -> None:
+def trl_child(args, packed: bool, liger: bool = False, four_bit: bool = False,
+              checkpointing: bool = False) -> None:
     """TRL's SFTTrainer on the same token/label rows (a processed dataset: input_ids and labels,
     which it takes as they are), its own collator and packing. `four_bit`: QLoRA as TRL's
     documentation does it, the model loaded from a directory with a BitsAndBytesConfig."""
@@ -209,7 +218,8 @@ def trl_child(args, packed: bool, liger: bool = False, four_bit: bool = False) -
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=args.iters,
         learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         bf16=True, use_cpu=device == "cpu", logging_steps=LOG_INTERVAL, report_to=[],
-        save_strategy="no", packing=packed, max_length=args.seq, gradient_checkpointing=False,
+        save_strategy="no", packing=packed, max_length=args.seq,
+        gradient_checkpointing=checkpointing,
         dataloader_num_workers=2, optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",
         seed=0, dataset_num_proc=4, use_liger_kernel=liger,
         model_init_kwargs={"dtype": torch.bfloat16} if four_bit else None)
@@ -330,12 +340,13 @@ def main() -> None:
             args.rows = [r for r in args.rows if "qlora" not in r and "liger" not in r]
     if args.child == "hf-peft":
         return hf_child(args)
-    if args.child in ("unsloth-padded", "unsloth-packed"):
+    if args.child and args.child.startswith("unsloth-"):
         from _unsloth_child import unsloth_child  # imports unsloth first, in this fresh process
-        return unsloth_child(args, packed=args.child == "unsloth-packed")
+        return unsloth_child(args, packed="packed" in args.child, four_bit="qlora" in args.child,
+                             checkpointing="unsloth" if "ckpt" in args.child else False)
     if args.child:
         return trl_child(args, packed="packed" in args.child, liger="liger" in args.child,
-                         four_bit="qlora" in args.child)
+                         four_bit="qlora" in args.child, checkpointing="ckpt" in args.child)
     rows = []
     with tempfile.TemporaryDirectory(prefix="rapidformer-lora-sft-") as temp:
         work = Path(temp)
