@@ -17,6 +17,8 @@ for a CPU, what autocast and compilation do there:
                                    document pretraining, 1.09x on long)
     liger                     1.1  with a vocabulary >= 32k (the logits   -    (CUDA only)
                                    never exist); 1.0 below
+    no kernels                0.8  where kernels=auto picks liger (1.23x  -    (auto is the
+                                   on LoRA SFT at 1B)                          model's own there)
     mbs x2 / x4               1.1 / 1.15 below 200M parameters (fewer,    1.05 / 1.05
                                    larger kernels), 1.03 / 1.03 above
     mbs / 2                   0.9  (only pays when the larger one does    0.95
@@ -59,6 +61,7 @@ def factor(setting: Setting, c: Context) -> float | None:
         "compile(reduce-overhead)": (1.6 if small else 1.25) if gpu else None,
         "unpad": 1.4 if gpu else 1.3, "packing": 1.4 if gpu else 1.3,
         "liger": (1.1 if c.vocab >= LARGE_VOCAB else 1.0) if gpu else None,
+        "no kernels": 0.8 if gpu else None,
     }
     if setting.label in table:
         return table[setting.label]

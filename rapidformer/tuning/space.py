@@ -4,7 +4,7 @@
     precision               fp32, bf16, fp16, fp8
     graph                   eager, compile, compile with graph.mode=reduce-overhead (CUDA graphs)
     sequences               trainer.unpad=true (encoders), data.packing=true (task=sft)
-    kernels                 liger
+    kernels                 liger (kernels=none where kernels=auto picks liger)
     micro_batch_size        half, double, four times the config's, the global batch kept
     checkpoint_activations  true
 
@@ -78,7 +78,15 @@ def axis_settings(cfg: RunConfig, axis: str) -> list[Setting]:
             out.append(Setting(axis, "packing", (("data.packing", "true"),)))
         return out
     if axis == "kernels":
-        return [] if cfg.kernels.name == "liger" else [Setting(axis, "liger", (("kernels", "liger"),))]
+        # kernels=auto is liger for the tasks it picks it for (on a GPU, installed): the other
+        # side is then the model's own layers
+        from rapidformer.transforms.liger import AUTO_TASKS
+
+        if cfg.kernels.name == "liger":
+            return []
+        if cfg.kernels.name == "auto" and cfg.task.name in AUTO_TASKS:
+            return [Setting(axis, "no kernels", (("kernels", "none"),))]
+        return [Setting(axis, "liger", (("kernels", "liger"),))]
     if axis == "micro_batch_size":
         b, dp = t.micro_batch_size, data_parallel_size(cfg)
         global_batch = t.global_batch_size or b * dp
