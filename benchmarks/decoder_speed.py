@@ -1,7 +1,7 @@
 """Decoder pretraining speed: rapidformer through its CLI (`+recipe=llama_pretrain`: a Llama
-3.2 1B-shaped model, bf16, torch.compile) in bf16, float8 (precision=fp8) and with liger-kernel
-(kernels=liger), against a plain Hugging Face + torch.compile loop on the same samples, in one
-call on one GPU.
+3.2 1B-shaped model, bf16, torch.compile) in bf16, float8 (precision=fp8), with liger-kernel
+(kernels=liger) and with fused q|k|v and gate|up projections (kernels.fused_projections=true),
+against a plain Hugging Face + torch.compile loop on the same samples, in one call on one GPU.
 
 Data: the project's generated documents as Megatron mmap files, GPT-2 BPE trained on them and
 the vocabulary padded to GPT-2's 50,257 entries (the output head of a real model). Seq 2048,
@@ -10,6 +10,7 @@ the same order.
 
     python benchmarks/decoder_speed.py                              # GPU: every row
     python benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 --iters 200
+    python benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-bf16-fused rf-fp8 rf-fp8-fused
     python benchmarks/decoder_speed.py --smoke                      # CPU, tiny, a few steps
 
 Each row: tokens/s and MFU (bf16 peak) over the log windows after step 20, peak GB, the first
@@ -35,7 +36,10 @@ RF_ROWS = {"rf-bf16": [],
            "rf-fp8": ["precision=fp8"],
            "rf-fp8-rowwise": ["precision=fp8", "precision.fp8_scaling=rowwise"],
            "rf-liger": ["kernels=liger"],
-           "rf-fp8-liger": ["precision=fp8", "kernels=liger"]}
+           "rf-fp8-liger": ["precision=fp8", "kernels=liger"],
+           # q|k|v and gate|up as one linear layer each (float8 then takes the 512-wide k/v too)
+           "rf-bf16-fused": ["kernels.fused_projections=true"],
+           "rf-fp8-fused": ["precision=fp8", "kernels.fused_projections=true"]}
 HF_ROWS = ("hf-compile",)
 VOCAB_SIZE = 50257
 LOG_INTERVAL = 10

@@ -397,12 +397,12 @@ class KernelsConfig:
     # liger: liger-kernel's Triton kernels (Llama, Mistral, Qwen, ...) on CUDA GPUs; none: the
     # model's own layers; auto: liger where it measured faster (transforms/liger.py), else none
     name: Literal["none", "liger", "auto"] = "auto"
-    # causal LM training: the output head's matmul and the cross-entropy in one kernel that
-    # never materializes the [tokens, vocab] logits
+    # causal LM training: the output head's matmul and the cross-entropy in one kernel, no logits
     fused_linear_cross_entropy: bool = True
     rms_norm: bool = True
     swiglu: bool = True
     rope: bool = True
+    fused_projections: bool = False  # one matmul for q|k|v, one for gate|up (any name)
 
 
 @dataclass

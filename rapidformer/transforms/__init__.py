@@ -2,6 +2,7 @@
 
     LigerKernels     kernels=liger           before the model moves, before peft wraps it
     LabelledHead     task.lm_head=labelled   (task=sft) the same: it wraps the model's forward
+    FusedProjections kernels.fused_projections  q|k|v and gate|up as one linear layer each
     LoRA             peft=lora/qlora         before the model moves to its device
     Float8           precision=fp8           after liger (its SwiGLU module keeps linear layers)
     PackedSequences  trainer.unpad, data.packing
@@ -22,6 +23,7 @@ from torch import nn
 from rapidformer.errors import Problem
 from rapidformer.transforms.base import WHOLE_MODEL, ApplyContext, ModelTransform, StateFilter
 from rapidformer.transforms.float8 import Float8
+from rapidformer.transforms.fused_projections import FusedProjections
 from rapidformer.transforms.labelled_head import LabelledHead
 from rapidformer.transforms.liger import LigerKernels
 from rapidformer.transforms.lora import LoRA
@@ -36,8 +38,9 @@ if TYPE_CHECKING:
 # liger-kernel first: it patches the Hugging Face model's own modules and forward, which peft's
 # adapters then wrap (patched after peft, it would patch the peft wrapper's forward instead)
 # the labelled head wraps the Hugging Face model's forward, after liger's and before peft's
-TRANSFORMS: tuple[type[ModelTransform], ...] = (LigerKernels, LabelledHead, LoRA, Float8,
-                                                PackedSequences)
+# fused projections before float8, which then converts the fused linear layers
+TRANSFORMS: tuple[type[ModelTransform], ...] = (LigerKernels, LabelledHead, FusedProjections,
+                                                LoRA, Float8, PackedSequences)
 BY_NAME = {t.name: t for t in TRANSFORMS}
 
 
