@@ -203,3 +203,16 @@ def test_on_a_gpu_in_bf16_the_loss_and_adapter_gradients_are_the_models_own():
         assert torch.cosine_similarity(g.float().flatten(), own_grads[name].float().flatten(),
                                        dim=0) > 0.99
     assert peak < own_peak  # the [tokens, 32000] logits and their fp32 copies never exist
+
+
+def test_under_zero3_the_models_own_forward_computes_the_loss(caplog):
+    from rapidformer.config.compose import compose, resolve
+    from rapidformer.transforms.base import ApplyContext
+
+    _, cfg = resolve(compose(["+recipe=llama_sft", "memory=zero3"]), "unused", check=False)
+    model = tiny_llama()
+    forward = model.forward
+    with caplog.at_level("INFO", logger="rapidformer"):
+        LabelledHead(cfg).apply(model, ApplyContext(torch.device("cpu"), None))
+    assert model.forward == forward
+    assert "memory=zero3 partitions the output layer" in caplog.text

@@ -339,3 +339,10 @@ def test_sft_refuses_trainer_unpad(tmp_path):
     with pytest.raises(ConfigError, match="trainer.unpad=true with task=sft: not yet.*data.packing=true"):
         pretrain(tmp_path / "run", [*sft_args(tmp_path / "data"), "trainer.unpad=true"])
 
+
+
+def test_best_fit_decreasing_leaves_out_examples_of_no_tokens():
+    from rapidformer.data.chat import best_fit_decreasing
+
+    assert best_fit_decreasing([0, 3, 0, 1], 4) == [[1, 3]]
+    assert best_fit_decreasing([], 4) == []

@@ -231,14 +231,17 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     of each row empty (about a tenth of a 2048-token row on instruction-length chats, computed
     as padding); best-fit decreasing leaves almost nothing (TRL's and Megatron's packers do the
     same). Each bin lists its examples in the data's order; the bins come in the order they
-    were opened (the training loader shuffles them). O(n log capacity): a Fenwick tree counts
-    the open bins by free space, to find the smallest free space >= a length."""
+    were opened (the training loader shuffles them); an example of no tokens is in none. O(n log
+    capacity): a Fenwick tree counts the open bins by free space, to find the smallest free
+    space >= a length."""
     free = _FreeSpaceCounts(capacity)
     open_bins: dict[int, list[int]] = {}  # free tokens -> bins with that much free, a stack
     bins: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         n = lengths[i]
-        room = free.smallest_at_least(n) if 0 < n <= capacity else None
+        if n == 0:
+            continue
+        room = free.smallest_at_least(n) if n <= capacity else None
         if room is None:
             bins.append([i])
             b, left = len(bins) - 1, capacity - n

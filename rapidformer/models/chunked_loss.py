@@ -20,6 +20,12 @@ from rapidformer.data.lengths import IGNORE
 
 # logits a chunk holds (fp32): 2**27 is 0.5 GB, about a thousand positions at 128k entries
 CHUNK_ELEMENTS = 2**27
+# the logits' gradients are computed in the forward, before any loss scaling: in fp16 the
+# probabilities of a 128k vocabulary (about 1e-5) would fall to fp16's subnormals and their
+# sum over the vocabulary would lose its precision, so they are scaled by this power of two
+# for the fp16 matmuls (softmax - one-hot is at most 1 in magnitude: no overflow) and unscaled
+# in fp32; the division by the labelled count waits for the backward, in fp32 too
+FP16_GRAD_SCALE = 2.0**10
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -30,8 +36,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, count, dtype):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight.to(dtype)
+        scale = FP16_GRAD_SCALE if dtype == torch.float16 else 1.0
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) \
+        # fp32 when the matmuls are fp16 (their scaled results are unscaled in fp32)
+        kept = torch.float32 if scale != 1.0 else dtype
+        grad_hidden = torch.empty(hidden.shape, dtype=kept, device=hidden.device) \
             if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if need_weight else None
@@ -47,25 +56,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss += torch.where(valid, lse - picked, 0.0).sum()
             if not (need_hidden or need_weight):
                 continue
-            # d loss / d logits = (softmax - one_hot(target)) / count on the labelled rows
+            # d (sum of the rows' losses) / d logits = softmax - one_hot(target), labelled rows
             grad = logits.sub_(lse[:, None]).exp_()
             grad.scatter_add_(1, safe[:, None], -torch.ones_like(picked[:, None]))
-            grad.mul_((valid.float() / count)[:, None])
+            grad.mul_((valid.float() * scale)[:, None])
             grad = grad.to(dtype)
             if need_hidden:
-                grad_hidden[start:start + rows] = grad @ w
+                grad_hidden[start:start + rows] = (grad @ w).to(kept)
             if need_weight:
                 grad_weight += (grad.T @ h).float()
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.dtypes, ctx.scale = (hidden.dtype, weight.dtype), scale
         return loss / count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, count = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        return (None if grad_hidden is None else (grad_hidden * grad_loss).to(hidden_dtype),
-                None if grad_weight is None else (grad_weight * grad_loss).to(weight_dtype),
+        factor = grad_loss.float() / (count * ctx.scale)
+        return (None if grad_hidden is None else (grad_hidden.float() * factor).to(hidden_dtype),
+                None if grad_weight is None else (grad_weight * factor).to(weight_dtype),
                 None, None, None)
 
 
@@ -81,6 +91,8 @@ def next_token_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         keep = (targets != IGNORE).nonzero().squeeze(1)
         hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     count = (targets != IGNORE).sum().clamp(min=1).float()
+    if not torch.is_grad_enabled():  # an evaluation: no gradient buffers (a head that trains
+        hidden, weight = hidden.detach(), weight.detach()  # would still ask for its own)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
         else hidden.dtype

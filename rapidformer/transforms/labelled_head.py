@@ -8,7 +8,7 @@ runs the backbone and the chunked loss and returns the loss without logits; any 
 (generation, a caller that wants logits) is the model's own forward. Off, as the model's own
 forward: kernels=liger with its fused linear cross-entropy (which then computes the loss),
 Megatron models (their own loss), graph=ort, a head with a bias or scaled or capped logits, and
-a head partitioned by DeepSpeed ZeRO-3 (gathered only by its own forward).
+a head partitioned by DeepSpeed ZeRO-3 (memory=zero3: gathered only by its own forward).
 """
 from __future__ import annotations
 
@@ -56,8 +56,12 @@ class LabelledHead(ModelTransform):
         return []
 
     def apply(self, model: nn.Module, context: ApplyContext) -> nn.Module:
-        reason = "liger-kernel's fused linear cross-entropy computes it" \
-            if applied_fused_loss(model) else why_not(model)
+        if applied_fused_loss(model):
+            reason = "liger-kernel's fused linear cross-entropy computes it"
+        elif self.cfg.memory.name == "zero3":
+            reason = "memory=zero3 partitions the output layer, which only its own forward gathers"
+        else:
+            reason = why_not(model)
         if reason:
             log.info("task.lm_head=labelled: the model's own forward computes the loss (%s)",
                      reason)
@@ -90,7 +94,8 @@ def wrap_forward(model: nn.Module) -> None:
     import torch
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    own = model.forward
+    # an attribute, not a closure: a deep copy of the model rebinds it to the copy
+    model._rapidformer_own_forward = model.forward
 
     @functools.wraps(type(model).forward)
     def forward(self, *args, labels=None, **kwargs):
@@ -100,7 +105,7 @@ def wrap_forward(model: nn.Module) -> None:
         if (args or labels is None or not asked <= KNOWN_ARGUMENTS
                 or kwargs.get("return_dict") is False or kwargs.get("use_cache")
                 or getattr(head.weight, "ds_id", None) is not None):
-            return own(*args, labels=labels, **kwargs)
+            return self._rapidformer_own_forward(*args, labels=labels, **kwargs)
         inputs = {k: kwargs[k] for k in ("input_ids", "attention_mask", "position_ids")
                   if kwargs.get(k) is not None}
         hidden = getattr(self, self.base_model_prefix)(**inputs, use_cache=False) \
