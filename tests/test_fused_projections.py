@@ -106,10 +106,18 @@ def test_other_layers_are_left_alone_and_a_model_without_any_is_refused():
     from rapidformer.transforms.base import ApplyContext
     from rapidformer.transforms.fused_projections import FusedProjections
 
+    import types
+
     model = tiny_llama()
-    model.model.layers[1].mlp = torch.nn.Sequential(torch.nn.Linear(64, 64))  # e.g. liger's
-    assert fuse_projections(model) == (2, 1)
+    model.model.layers[1].mlp = torch.nn.Sequential(torch.nn.Linear(64, 64))  # another module
+    # liger-kernel 0.8 patches a family's MLP on the instance, its class unchanged: its SwiGLU
+    # kernel reads gate_proj and up_proj by name, so that MLP keeps them
+    mlp = model.model.layers[0].mlp
+    mlp.forward = types.MethodType(lambda self, x: self.down_proj(
+        torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)), mlp)
+    assert fuse_projections(model) == (2, 0)
     assert fuse_projections(model) == (0, 0)  # applied once
+    assert mlp(torch.ones(1, 64)).shape == (1, 64)
     cfg = RunConfig(kernels=KernelsConfig(fused_projections=True))
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=96))
     with pytest.raises(InputError, match="found no Llama, Mistral or Qwen2 attention or MLP"):
@@ -182,6 +190,8 @@ def test_a_training_run_has_the_same_losses_checkpoints_and_export(tmp_path, pre
     (["graph=ort"], "kernels.fused_projections=true with graph=ort"),
     (["memory=zero2"], "kernels.fused_projections=true with memory=zero2: DeepSpeed ZeRO"),
     (["memory=fsdp"], "kernels.fused_projections=true with memory=fsdp: FSDP2's distributed"),
+    (["model=bert_tiny"], "kernels.fused_projections=true with model=bert_tiny (arch=bert): "
+                          "it fuses the projections of Hugging Face Llama"),
 ])
 def test_combinations_it_does_not_serve_are_refused(tmp_path, overrides, message):
     args = ["+recipe=llama_pretrain", "model=llama_tiny", "data.path=unused",

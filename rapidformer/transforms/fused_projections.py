@@ -20,8 +20,10 @@ Where the hooks are not the whole story it refuses: peft's adapters target the p
 replaces; DeepSpeed ZeRO and FSDP2 save and consolidate through their own views of the
 parameters (ZeRO's parameter names, DCP's fully-qualified names), which would be the fused ones;
 Megatron models have their own fused layers (linear_qkv, linear_fc1); graph=ort exports the
-model to ONNX. Not yet measured on a GPU: off by default (benchmarks/decoder_speed.py's
-rf-bf16-fused and rf-fp8-fused rows).
+model to ONNX. A module whose forward was replaced on the instance (liger-kernel's SwiGLU
+patch) keeps its layers. The fused classes are made at run time: pickling the whole module
+(`torch.save(model)`) is not supported; its state dict is. Not yet measured on a GPU: off by
+default (benchmarks/decoder_speed.py's rf-bf16-fused and rf-fp8-fused rows).
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ log = logging.getLogger("rapidformer")
 # module, the config's key, or not at all
 FAMILIES = {"Llama": None, "Mistral": "config", "Qwen2": "attribute"}
 KEY = "kernels.fused_projections"
+# config-built architectures (model.arch) whose decoders it fuses
+CONFIG_ARCHS = ("llama", "mistral", "qwen2")
 
 
 def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
@@ -166,13 +170,14 @@ def _is_linear(*modules) -> bool:
 
 def fuse_projections(model: nn.Module) -> tuple[int, int]:
     """Fuse, in place, the projections of every attention and MLP of a family in FAMILIES;
-    (attentions, MLPs) fused. An MLP that is not the family's own (liger-kernel's SwiGLU
-    module, whose kernel reads contiguous gate and up rows) keeps its layers."""
+    (attentions, MLPs) fused. A module whose forward was replaced on the instance keeps its
+    layers: liger-kernel 0.8 patches the family's MLP that way (its SwiGLU kernel reads
+    gate_proj and up_proj by name) and keeps its class, so the class alone does not tell."""
     attentions = mlps = 0
     for module in list(model.modules()):
         cls = type(module)
         family = cls.__name__.removesuffix("Attention").removesuffix("MLP")
-        if family not in FAMILIES or cls.__name__ == family:
+        if family not in FAMILIES or cls.__name__ == family or "forward" in vars(module):
             continue
         hf = sys.modules[cls.__module__]
         if cls.__name__.endswith("Attention") and _is_linear(module.q_proj, module.k_proj,
@@ -222,6 +227,9 @@ class FusedProjections(ModelTransform):
             p.append(f"{KEY}=true with model={m.name}: it fuses Hugging Face Llama, Mistral and "
                      f"Qwen2 projections, and megatron-core's layers are fused already "
                      f"(linear_qkv, linear_fc1); set {KEY}=false")
+        elif m.source == "config" and m.arch not in CONFIG_ARCHS:
+            p.append(f"{KEY}=true with model={m.name} (arch={m.arch}): it fuses the projections "
+                     f"of Hugging Face Llama, Mistral and Qwen2 decoders only; set {KEY}=false")
         elif cfg.graph.name == "ort":
             p.append(f"{KEY}=true with graph=ort: ONNX Runtime trains the model it exports to "
                      f"ONNX, not the fused torch modules; set {KEY}=false or use graph=compile")
