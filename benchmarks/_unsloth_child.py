@@ -69,7 +69,8 @@ def _run(args, packed: bool, four_bit: bool, checkpointing) -> None:
     import torch
     from unsloth import FastLanguageModel
 
-    from lora_sft import SKIP, _model_and_rows, micro_batch  # after unsloth (it imports torch only)
+    # after unsloth (lora_sft imports torch only)
+    from lora_sft import SKIP, _model_and_rows, heldout, micro_batch
     from rapidformer.data.lengths import IGNORE
 
     if args.iters <= SKIP:
@@ -127,12 +128,14 @@ def _run(args, packed: bool, four_bit: bool, checkpointing) -> None:
             break
     sync()
     elapsed = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     unsloth_utils = sys.modules.get("unsloth.models._utils")  # the GPU backend's (not on CPU)
     print(json.dumps({
         "micro_batch": batch, "tokens_per_s": round(tokens / elapsed),
         "samples_per_s": round(samples / elapsed, 1), "padding_frac": round(1 - tokens / slots, 3),
-        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if device.type == "cuda" else None, "loss_at_end": round(float(loss.detach()), 4),
+        "peak_mem_gb": None if peak is None else round(peak, 2),
+        "loss_at_end": round(float(loss.detach()), 4),
+        **heldout(model, tokenizer, args),
         "first_step_s": round(first_step, 2), "unsloth": unsloth.__version__,
         "unsloth_backend": "cpu" if getattr(unsloth, "_IS_CPU_BACKEND", False) else device.type,
         "gradient_checkpointing": checkpointing, "load_in_4bit": four_bit,

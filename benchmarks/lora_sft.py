@@ -73,6 +73,10 @@ CHILD_ROWS = {"hf-peft": "plain Hugging Face LlamaForCausalLM (bf16) + peft LoRA
 LOG_INTERVAL = 5
 SKIP = 10  # the first steps (warm-up, allocator growth) are not in the means
 ROW_TIMEOUT = 420
+# held-out conversations every row is scored on after training (rapidformer's validation split):
+# each system draws its own training batches, so the train loss of the last step differs by batch;
+# the held-out loss of the same text is what "trains as well" compares
+HELDOUT = 64
 
 
 def common(args, work: Path) -> list[str]:
@@ -80,7 +84,7 @@ def common(args, work: Path) -> list[str]:
     return ["+recipe=llama_lora", f"model={args.model}", "peft.modules_to_save=null",
             f"data.path={work / 'data'}", f"data.max_seq_length={args.seq}",
             f"model.max_position_embeddings={max(args.seq, 128)}", *workload,
-            f"data.synthetic_train_size={args.examples}", "data.synthetic_eval_size=16",
+            f"data.synthetic_train_size={args.examples}", f"data.synthetic_eval_size={HELDOUT}",
             "trainer.epochs=null", f"trainer.train_iters={args.iters}",
             "trainer.lr=2e-4", "scheduler=constant", "scheduler.warmup_iters=0",
             f"trainer.log_interval={LOG_INTERVAL}", f"trainer.eval_interval={args.iters}",
@@ -109,7 +113,19 @@ def rapidformer_row(row: str, args, work: Path) -> dict:
             "peak_mem_gb": round(max(r.get("peak_mem_gb", 0) for r in windows), 2),
             "loss_at_end": round(windows[-1]["loss"], 4),
             "first_step_s": round(windows[0]["first_step_s"], 1),
+            "heldout_loss": validation_loss(out / "metrics.jsonl"),
             "tokenizer": str(out / "tokenizer")}
+
+
+def validation_loss(metrics: Path) -> float | None:
+    """The run's last validation/loss (its evaluation after the last step), from metrics.jsonl."""
+    found = None
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            value = json.loads(line).get("validation/loss")
+            if value is not None:
+                found = round(float(value), 4)
+    return found
 
 
 def child_row(row: str, args, work: Path, tokenizer_dir: str) -> dict:
@@ -133,23 +149,35 @@ def child_row(row: str, args, work: Path, tokenizer_dir: str) -> dict:
             **json.loads(result.stdout.strip().splitlines()[-1])}
 
 
+def _config(args):
+    from rapidformer.config.compose import compose, resolve
+
+    return resolve(compose(common(args, Path(args.work))), tempfile.mkdtemp())[1]
+
+
+def _encoded(args, cfg, tokenizer, split: str):
+    """A split of the rapidformer run's data as that run encodes it (the same token/label rows)."""
+    from datasets import load_dataset
+
+    from rapidformer.data.chat import EncodeCounts, encode_rows
+
+    rows = load_dataset("json", data_files=str(Path(args.work) / "data" / f"{split}.jsonl"),
+                        split="train")
+    return encode_rows(rows, tokenizer, cfg.data, "response", split, EncodeCounts())
+
+
 def _model_and_rows(args):
     """The rapidformer run's tokenizer and token/label rows (the same conversations, the same
     masks) and the same model, random, its base in bf16 (a bf16 checkpoint as loaded)."""
     import torch
-    from datasets import load_dataset
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from rapidformer.config.compose import compose, resolve
-    from rapidformer.data.chat import EncodeCounts, encode_rows
     from rapidformer.tasks.sft import ready_for_chat
 
-    work = Path(args.work)
-    _, cfg = resolve(compose(common(args, work)), tempfile.mkdtemp())
+    cfg = _config(args)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     ready_for_chat(tokenizer, cfg.data.chat_template)  # what the sft task does to it
-    rows = load_dataset("json", data_files=str(work / "data" / "train.jsonl"), split="train")
-    rows = encode_rows(rows, tokenizer, cfg.data, "response", "train", EncodeCounts())
+    rows = _encoded(args, cfg, tokenizer, "train")
     m = cfg.model
     torch.manual_seed(0)
     # made in bf16 where it trains (an 8B model's fp32 init on the host takes minutes)
@@ -167,6 +195,38 @@ def _model_and_rows(args):
     finally:
         torch.set_default_dtype(default)
     return tokenizer, rows, model.to(torch.bfloat16)
+
+
+def heldout(model, tokenizer, args) -> dict:
+    """{"heldout_loss": ...}, or {"heldout_error": ...} where scoring failed (the row's speed
+    numbers stand either way)."""
+    try:
+        return {"heldout_loss": heldout_loss(model, tokenizer, args)}
+    except Exception as error:  # noqa: BLE001 — reported beside the row, never as a number
+        return {"heldout_error": f"{type(error).__name__}: {' '.join(str(error).split())}"[:400]}
+
+
+def heldout_loss(model, tokenizer, args) -> float:
+    """The trained model's mean loss over every labelled token of the held-out conversations
+    (the rapidformer rows' validation split, encoded as they encode it), one conversation a
+    forward under bf16 autocast: the number rapidformer's rows report as validation/loss."""
+    import torch
+
+    from rapidformer.data.lengths import IGNORE
+
+    rows = _encoded(args, _config(args), tokenizer, "validation")
+    device = next(p.device for p in model.parameters())
+    total = count = 0.0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        for ids, labels in zip(rows["input_ids"], rows["labels"]):
+            ids, labels = (torch.tensor([x], device=device) for x in (ids, labels))
+            n = int((labels[:, 1:] != IGNORE).sum())
+            total += float(model(input_ids=ids, labels=labels, use_cache=False).loss) * n
+            count += n
+    model.train(was_training)
+    return round(total / count, 4)
 
 
 def lora_config():
@@ -240,7 +300,8 @@ def trl_child(args, packed: bool, liger: bool = False, four_bit: bool = False,
         "real_tokens_per_row": round(real_per_row, 1),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if device == "cuda" else None, "loss_at_end": round(float(losses[-1]), 4),
-        "first_step_s": round(clock[1] - clock["begin"], 1)}))
+        "first_step_s": round(clock[1] - clock["begin"], 1),
+        **heldout(trainer.model, tokenizer, args)}))
 
 
 def hf_child(args) -> None:
@@ -307,7 +368,8 @@ def hf_child(args) -> None:
         "padding_frac": round(1 - tokens / slots, 3),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if device.type == "cuda" else None, "loss_at_end": round(float(loss), 4),
-        "first_step_s": round(first_step_s, 1)}))
+        "first_step_s": round(first_step_s, 1),
+        **heldout(model, tokenizer, args)}))
 
 
 def main() -> None:
