@@ -50,7 +50,12 @@ RF_ROWS = {"rf-lora": ["peft.base_dtype=bf16"],
            "rf-lora-packed-liger-labelled": [*PACKED, "peft.base_dtype=bf16", "kernels=liger",
                                              "kernels.fused_linear_cross_entropy=false"],
            "rf-qlora-packed-liger": ["peft=qlora", *PACKED, "kernels=liger",
-                                     "kernels.fused_linear_cross_entropy=false"]}
+                                     "kernels.fused_linear_cross_entropy=false"],
+           # each adapted layer as one function: the input saved once, the mask drawn again
+           "rf-lora-packed-fused": [*PACKED, "peft.base_dtype=bf16", "peft.fused=true"],
+           "rf-qlora-packed-fused": ["peft=qlora", *PACKED, "peft.fused=true"],
+           "rf-qlora-packed-ckpt-fused": ["peft=qlora", *PACKED, "peft.fused=true",
+                                          "trainer.checkpoint_activations=true"]}
 CHILD_ROWS = {"hf-peft": "plain Hugging Face LlamaForCausalLM (bf16) + peft LoRA, a loop by "
                          "hand, padded to the longest in each batch",
               "trl-padded": "TRL SFTTrainer, peft LoRA on the bf16 model, padded batches",

@@ -3,7 +3,8 @@ backward (unique storages, by module, dtype and shape) and the process's live an
 around one forward/backward, for
 
 - `rf-all` / `rf-labelled`: rapidformer's own training step (`+recipe=llama_lora
-  data.packing=true peft.base_dtype=bf16 precision=bf16`, task.lm_head=all or labelled), run
+  data.packing=true peft.base_dtype=bf16 precision=bf16`, task.lm_head=all or labelled;
+  `rf-fused`: labelled with peft.fused=true), run
   through the engine as `rapidformer train` runs it (autocast, transforms, packed collate); the
   probe wraps the task's run_forward_step and the strategy's backward;
 - `hf`: benchmarks/lora_sft.py's hand loop (a bf16 LlamaForCausalLM, peft's get_peft_model, bf16
@@ -38,7 +39,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("rf-all", "rf-labelled", "hf", "trl")
+VARIANTS = ("rf-all", "rf-labelled", "rf-fused", "hf", "trl")
+# the rapidformer variants' settings beside the common ones (rf_overrides)
+RF_VARIANTS = {"rf-all": ["task.lm_head=all"], "rf-labelled": ["task.lm_head=labelled"],
+               "rf-fused": ["task.lm_head=labelled", "peft.fused=true"]}
 GB = 1e9
 
 
@@ -150,10 +154,10 @@ def measured(model, forward, backward) -> dict:
 
 # --- the variants ------------------------------------------------------------------------------
 
-def rf_overrides(args, work: Path, lm_head: str) -> list[str]:
+def rf_overrides(args, work: Path, variant: str) -> list[str]:
     return ["+recipe=llama_lora", "model=llama_1b", f"model.num_layers={args.layers}",
             "peft.modules_to_save=null", "data.packing=true", "peft.base_dtype=bf16",
-            "precision=bf16", f"task.lm_head={lm_head}", f"data.path={work / 'data'}",
+            "precision=bf16", *RF_VARIANTS[variant], f"data.path={work / 'data'}",
             f"data.max_seq_length={args.seq}", f"model.max_position_embeddings={args.seq}",
             "data.synthetic_lengths=instruction", "model.embedding_rows=128256",
             f"data.synthetic_train_size={args.examples}", "data.synthetic_eval_size=8",
@@ -164,7 +168,7 @@ def rf_overrides(args, work: Path, lm_head: str) -> list[str]:
             "scheduler=constant", "scheduler.warmup_iters=0", "trainer.lr=2e-4"]
 
 
-def rapidformer_variant(args, lm_head: str) -> dict:
+def rapidformer_variant(args, variant: str) -> dict:
     import torch
 
     from rapidformer.config.compose import compose
@@ -174,7 +178,7 @@ def rapidformer_variant(args, lm_head: str) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="rf-memprobe-"))
     run = work / "run"
-    _, cfg = settle(compose(rf_overrides(args, work, lm_head)), str(run))
+    _, cfg = settle(compose(rf_overrides(args, work, variant)), str(run))
     task = task_class("sft")(engine=RapidformerEngine(cfg, run))
     result = {}
     own_forward = task.run_forward_step
@@ -312,7 +316,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.child:
-        result = (rapidformer_variant(args, args.child.split("-")[1])
+        result = (rapidformer_variant(args, args.child)
                   if args.child.startswith("rf-") else hf_variant(args, args.child == "trl"))
         print("RESULT " + json.dumps(result))
         return

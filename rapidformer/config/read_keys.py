@@ -70,6 +70,7 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "peft.quant_type": ("peft.name", ("qlora",)),
     "peft.double_quant": ("peft.name", ("qlora",)),
     "peft.base_dtype": ("peft.name", ("lora", "qlora")),
+    "peft.fused": ("peft.name", ("lora", "qlora")),
     # memory=auto sets both from the mode it picks
     "memory.offload_optimizer": ("memory.name", ("zero1", "zero2", "zero3", "fsdp")),
     "memory.offload_params": ("memory.name", ("zero3", "fsdp")),

@@ -426,6 +426,11 @@ class PeftConfig:
     # changes (a bf16 checkpoint's weights; qlora's base) and fp32 otherwise; bf16 also rounds
     # an fp32 base (the export then holds the rounded base); fp32 always
     base_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    # each adapted layer's base and adapter as one autograd function that saves the layer's
+    # input once (q/k/v share it) and draws the dropout mask again in the backward, instead of
+    # a dropped copy and a mask per adapter (transforms/lora_fused.py): less activation memory;
+    # eager training steps only. Off until measured on a GPU
+    fused: bool = False
 
 
 @dataclass

@@ -170,6 +170,16 @@ def attach(model: nn.Module, cfg: RunConfig, run_dir: Path | None = None
     except ValueError as exc:  # a target of a kind LoRA cannot adapt, in peft's words
         raise ConfigError([f"peft.target_modules={targets}: {exc}"]) from exc
     held = hold_frozen_base(model, frozen_base_dtype(model, p, cfg.precision.dtype))
+    if p.fused:
+        from rapidformer.transforms.lora_fused import fused_layers
+
+        if not fused_layers(model):
+            raise ConfigError([f"peft.fused=true: none of the adapted layers ({', '.join(targets)}) "
+                               f"is a torch.nn.Linear or bitsandbytes 4-bit layer, which the "
+                               f"fused function covers; set peft.fused=false"])
+        log.info("peft.fused: %d adapted layers train through one function each (the input "
+                 "saved once, the dropout mask drawn again in the backward); evaluation and "
+                 "compiled graphs take peft's own path", fused_layers(model))
     trainable, total = model.get_nb_trainable_parameters()
     model_state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()
                             if t.requires_grad)
@@ -253,6 +263,15 @@ class LoRA(ModelTransform):
             p.append(f"peft.base_dtype=bf16 with precision={cfg.precision.dtype}: a bf16 base "
                      f"computes under bf16 autocast only; use precision=bf16, or "
                      f"peft.base_dtype=auto")
+        if pe.fused and cfg.memory.name in ("zero3", "fsdp"):
+            p.append(f"peft.fused=true with memory={cfg.memory.name}: the fused function reads "
+                     f"each base layer's weight outside the layer's forward, where "
+                     f"{'ZeRO-3' if cfg.memory.name == 'zero3' else 'FSDP2'} has not gathered "
+                     f"it; set peft.fused=false, or use memory=none, zero1 or zero2")
+        if pe.fused and m.source == "config" and m.arch == "gpt2":
+            p.append(f"peft.fused=true with model={m.name}: GPT-2's Conv1D layers keep peft's "
+                     f"own path (the fused function covers torch.nn.Linear and bitsandbytes' "
+                     f"4-bit layers); set peft.fused=false, or use a Llama-shaped model")
         if pe.name == "qlora":
             p.extend(_qlora_problems(cfg))
         return p

@@ -118,9 +118,14 @@ def lora_config(model: nn.Module, p: PeftConfig, targets: list[str], task: str |
     # GPT-2's Conv1D stores its weight as (in, out): LoRA's update is transposed for it
     conv1d = any(is_conv1d(m) and any(matches(n, t) for t in targets)
                  for n, m in model.named_modules())
-    return peft.LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout,
-                           target_modules=targets, modules_to_save=p.modules_to_save or None,
-                           task_type=task, fan_in_fan_out=conv1d, bias="none")
+    config = peft.LoraConfig(r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout,
+                             target_modules=targets, modules_to_save=p.modules_to_save or None,
+                             task_type=task, fan_in_fan_out=conv1d, bias="none")
+    if p.fused:
+        from rapidformer.transforms.lora_fused import register
+
+        register(config)
+    return config
 
 
 # --- the frozen base -------------------------------------------------------------------------

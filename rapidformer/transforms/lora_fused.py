@@ -1,0 +1,187 @@
+"""peft.fused=true: each adapted linear layer's base and LoRA paths as one autograd function that
+keeps less for the backward than peft's modules do.
+
+peft's LoRA layer runs `base(x) + B(A(dropout(x))) * scaling` as separate modules: every adapter
+casts its input, draws its own dropout mask and saves both the mask and the dropped input (a
+copy of the input) for A's weight gradient. In a decoder layer q, k and v read the same input and
+gate and up another, so one layer saves six input copies and seven masks; at 8,192 tokens on a
+Llama 3.2 1B shape that is about 0.5 GB a layer, the largest share of a LoRA step's activations.
+Here the function saves the input itself (one tensor that q, k and v share) and the rank-r
+product x·Aᵀ, and draws the mask again in the backward from a seed (same device, shape and seed:
+the same mask), so nothing of the input's size is saved per adapter. The frozen base needs no
+saved input either: its input gradient is dy·W (bitsandbytes' 4-bit weights dequantized for it,
+as its own backward does).
+
+The mask's values are 0 and 1 (the 1/(1-p) of inverted dropout is folded into the adapter's
+scale, in fp32), so the arithmetic is peft's; the masks come from another random stream than
+peft's dropout modules, so runs with peft.dropout > 0 differ from peft.fused=false in which
+elements drop, not in distribution. Evaluation, torch.no_grad, a compiled graph (which traces
+peft's own modules), merged or disabled adapters, several active adapters, DoRA and other LoRA
+variants, and base layers other than torch.nn.Linear and bitsandbytes' Linear4bit take peft's
+path unchanged. Activation checkpointing's recompute reproduces the seed: torch.utils.checkpoint
+restores the CPU random state the seed is drawn from.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from peft.tuners.lora.layer import Linear as PeftLinear
+
+# per device: the generator the masks are drawn with (reseeded for every draw)
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+SEED_RANGE = 2**62
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    generator = _GENERATORS.get(device)
+    if generator is None:
+        generator = _GENERATORS[device] = torch.Generator(device=device)
+    return generator
+
+
+def keep_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """1 where an element is kept, 0 where dropout drops it, in `like`'s dtype: the same tensor
+    for the same device, shape, p and seed."""
+    generator = _generator(like.device)
+    generator.manual_seed(seed)
+    return torch.empty_like(like).bernoulli_(1.0 - p, generator=generator)
+
+
+def base_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The frozen base's weight as [out, in] in `dtype` (bitsandbytes 4-bit: dequantized)."""
+    weight = base.weight
+    if getattr(weight, "quant_state", None) is not None:
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+    return weight.to(dtype)
+
+
+def base_output(base: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if getattr(base.weight, "quant_state", None) is not None:
+        return base(x).to(dtype)  # bitsandbytes' 4-bit matmul, computed in its compute dtype
+    bias = None if base.bias is None else base.bias.to(dtype)
+    return F.linear(x, base.weight.to(dtype), bias)
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """y = base(x) + ((x ⊙ mask) Aᵀ) Bᵀ · scale, scale = lora scaling / (1 - p), computed in
+    `dtype`; saves x, A, B and the [..., r] product (x ⊙ mask) Aᵀ."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, base, scale, p, seed, dtype):
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(dtype)
+            dropped = xc * keep_mask(xc, p, seed) if p else xc
+            u = dropped @ a.to(dtype).t()
+            y = base_output(base, xc, dtype) + (u @ b.to(dtype).t()) * scale
+        ctx.save_for_backward(x, a, b, u)
+        ctx.base, ctx.scale, ctx.p, ctx.seed, ctx.dtype = base, scale, p, seed, dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, a, b, u = ctx.saved_tensors
+        dtype, scale, p = ctx.dtype, ctx.scale, ctx.p
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.to(dtype).reshape(-1, dy.shape[-1])
+            u2 = u.reshape(-1, u.shape[-1])
+            xc = x.to(dtype).reshape(-1, x.shape[-1])
+            mask = keep_mask(xc, p, ctx.seed) if p else None
+            g = (dy2 @ b.to(dtype)) * scale  # [tokens, r]
+            grad_b = ((dy2.t() @ u2) * scale).to(b.dtype) if ctx.needs_input_grad[2] else None
+            grad_a = None
+            if ctx.needs_input_grad[1]:
+                grad_a = (g.t() @ (xc * mask if p else xc)).to(a.dtype)
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                lora = g @ a.to(dtype)
+                grad_x = dy2 @ base_weight(ctx.base, dtype) + (lora * mask if p else lora)
+                grad_x = grad_x.reshape(x.shape).to(x.dtype)
+        return grad_x, grad_a, grad_b, None, None, None, None, None
+
+
+class FusedMixin:
+    """The forward of a peft LoRA layer that takes LoRALinearFunction where it applies."""
+
+    fused_base_types: tuple[type, ...] = (nn.Linear,)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        fused = None if args or kwargs else self._fused_forward(x)
+        return super().forward(x, *args, **kwargs) if fused is None else fused
+
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        if (not self.training or not torch.is_grad_enabled() or self.disable_adapters
+                or self.merged or torch.compiler.is_compiling()
+                or type(self.base_layer) not in self.fused_base_types
+                or getattr(self, "fan_in_fan_out", False)):
+            return None
+        active = [name for name in self.active_adapters if name in self.lora_A]
+        if len(active) != 1:
+            return None
+        name = active[0]
+        lora_a, lora_b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
+        if (name in self.lora_variant or self.lora_bias.get(name, False)
+                or type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear
+                or lora_a.bias is not None or lora_b.bias is not None):
+            return None
+        if isinstance(dropout, nn.Identity):
+            p = 0.0
+        elif type(dropout) is nn.Dropout:
+            p = float(dropout.p)
+        else:
+            return None
+        if p >= 1.0:
+            return None
+        dtype = _compute_dtype(x, lora_a.weight)
+        if dtype is None:
+            return None
+        seed = int(torch.randint(SEED_RANGE, (), device="cpu")) if p else 0
+        return LoRALinearFunction.apply(x, lora_a.weight, lora_b.weight, self.base_layer,
+                                        float(self.scaling[name]) / (1.0 - p), p, seed, dtype)
+
+
+def _compute_dtype(x: torch.Tensor, adapter_weight: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype where it is on (what peft's path computes the matmuls in); otherwise the
+    input's, when the adapter's weights share it (None: mixed dtypes, peft's casts decide)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype if x.dtype == adapter_weight.dtype else None
+
+
+class FusedLinear(FusedMixin, PeftLinear):
+    """peft's lora.Linear with the fused function (torch.nn.Linear bases)."""
+
+
+MAPPING: dict[type, type] = {}
+try:  # bitsandbytes' 4-bit layers (peft=qlora): peft defines its class where bitsandbytes imports
+    from peft.tuners.lora.bnb import Linear4bit as PeftLinear4bit
+    import bitsandbytes as bnb
+
+    class FusedLinear4bit(FusedMixin, PeftLinear4bit):
+        """peft's bitsandbytes Linear4bit LoRA layer with the fused function."""
+
+        fused_base_types = (bnb.nn.Linear4bit,)
+
+        def __init__(self, base_layer, adapter_name, config, **kwargs):
+            # peft's 4-bit dispatcher passes the layer's quantization settings, which its class
+            # reads from the layer itself
+            for key in ("compute_dtype", "compress_statistics", "quant_type"):
+                kwargs.pop(key, None)
+            super().__init__(base_layer, adapter_name, config=config, **kwargs)
+
+    MAPPING[bnb.nn.Linear4bit] = FusedLinear4bit  # first: Linear4bit is a torch.nn.Linear too
+except ImportError:  # no bitsandbytes, or a peft built without its 4-bit layers
+    pass
+MAPPING[nn.Linear] = FusedLinear
+
+
+def register(config) -> None:
+    """Make peft build the fused layers for `config`'s targets (peft's custom-module mapping,
+    checked before its own dispatch)."""
+    config._register_custom_module(dict(MAPPING))
+
+
+def fused_layers(model: nn.Module) -> int:
+    return sum(isinstance(m, FusedMixin) for m in model.modules())
