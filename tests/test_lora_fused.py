@@ -196,11 +196,9 @@ def test_peft_path_where_the_function_does_not_apply():
     for model in (plain, fused):
         model.eval()
     torch.testing.assert_close(fused(x), plain(x))
-    with torch.no_grad():
+    with torch.no_grad():  # in training, the function (reentrant checkpointing's forward)
         fused.train()
-        plain.train()
-        layer = fused.base_model.model.q_proj
-        assert layer._fused_forward(x) is None
+        assert fused.base_model.model.q_proj._fused_forward(x) is not None
     with fused.disable_adapter():
         fused.train()
         assert fused.base_model.model.q_proj._fused_forward(x) is None
@@ -295,6 +293,7 @@ def test_four_bit_base_matches_bitsandbytes_backward(device="cpu"):
     (["memory=fsdp"], "peft.fused=true with memory=fsdp"),
     (["model=gpt2_tiny"], "peft.fused=true with model=gpt2_tiny: GPT-2's Conv1D layers"),
     (["peft=none"], "peft.fused=true has no effect with peft=none"),
+    (["graph=compile"], "peft.fused=true with graph=compile: a compiled graph traces peft's"),
 ])
 def test_combinations_the_fused_function_does_not_take_are_refused(overrides, message):
     from rapidformer.config.compose import compose
@@ -366,3 +365,67 @@ def test_without_dropout_a_run_trains_as_peft_s_modules_do(tmp_path, monkeypatch
         losses[fused] = [r["loss"] for r in records if "loss" in r]
     assert len(losses[True]) >= 2 and len(calls) == 20 * 14
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-4)
+
+
+# --- cases an adversarial review found (fixed) ---
+
+def test_a_permuted_input_draws_the_same_mask_in_the_backward(monkeypatch):
+    """The mask is drawn into a contiguous tensor in the forward as in the backward (bernoulli_
+    fills memory order: a permuted input's strides gave another mask, gradients 50 % off)."""
+    record = RecordMasks(monkeypatch)
+    model = adapted(True, 0.3)
+    leaf = torch.randn(5, 2, 32, requires_grad=True)
+    x = leaf.transpose(0, 1)  # [2, 5, 32], not contiguous (e.g. a permute before a Linear)
+    fused = grads(model, x)
+    masks = record.drawn[:3]
+    params = [q for q in model.parameters() if q.requires_grad]
+    wanted = torch.autograd.grad(reference(model, x, masks, 0.3).float().sum(), [x, *params])
+    for got, want in zip(fused, wanted):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reentrant_checkpoint_gradients_are_the_losses():
+    """use_reentrant=True runs the forward under no_grad and the recompute with gradients: both
+    take the fused function, with the same seed (peft's mask in one and the fused one in the
+    other gave gradients of another loss)."""
+    model = adapted(True, 0.2)
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(5)
+    loss = model(x).float().sum()
+    direct = torch.autograd.grad(loss, [x, *params])
+    torch.manual_seed(5)
+    loss_ck = checkpoint(model, x, use_reentrant=True).float().sum()
+    loss_ck.backward()
+    torch.testing.assert_close(loss_ck, loss)
+    for got, want in zip([x.grad, *[p.grad for p in params]], direct):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_linear_beside_conv1d_targets_merges():
+    """A torch.nn.Linear adapted beside GPT-2 Conv1D targets (model=hf GPT-2 with
+    peft.target_modules=[c_attn,lm_head]) gets fan_in_fan_out=False, as peft's own dispatch
+    gives it, and trains fused; its merge equals its unmerged outputs."""
+    from transformers.pytorch_utils import Conv1D
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.head = Conv1D(24, 16), nn.Linear(24, 10)
+
+        def forward(self, x):
+            return self.head(self.c_attn(x))
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "head"],
+                             fan_in_fan_out=True)
+    register(config)
+    model = peft.get_peft_model(Model(), config)
+    assert fused_layers(model) == 1  # the Linear; the Conv1D keeps peft's layer
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.5)
+    model.eval()
+    x = torch.randn(3, 16)
+    unmerged = model(x)
+    torch.testing.assert_close(model.merge_and_unload()(x), unmerged, rtol=1e-5, atol=1e-5)

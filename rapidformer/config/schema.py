@@ -429,7 +429,7 @@ class PeftConfig:
     # each adapted layer's base and adapter as one autograd function that saves the layer's
     # input once (q/k/v share it) and draws the dropout mask again in the backward, instead of
     # a dropped copy and a mask per adapter (transforms/lora_fused.py): less activation memory;
-    # eager training steps only. Off until measured on a GPU
+    # graph=eager only. Off until measured on a GPU
     fused: bool = False
 
 

@@ -268,6 +268,10 @@ class LoRA(ModelTransform):
                      f"each base layer's weight outside the layer's forward, where "
                      f"{'ZeRO-3' if cfg.memory.name == 'zero3' else 'FSDP2'} has not gathered "
                      f"it; set peft.fused=false, or use memory=none, zero1 or zero2")
+        if pe.fused and cfg.graph.name == "compile":
+            p.append("peft.fused=true with graph=compile: a compiled graph traces peft's own "
+                     "LoRA modules, so the fused function would never run; set "
+                     "peft.fused=false with graph=compile, or use graph=eager with peft.fused")
         if pe.fused and m.source == "config" and m.arch == "gpt2":
             p.append(f"peft.fused=true with model={m.name}: GPT-2's Conv1D layers keep peft's "
                      f"own path (the fused function covers torch.nn.Linear and bitsandbytes' "

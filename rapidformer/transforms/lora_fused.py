@@ -15,11 +15,13 @@ as its own backward does).
 The mask's values are 0 and 1 (the 1/(1-p) of inverted dropout is folded into the adapter's
 scale, in fp32), so the arithmetic is peft's; the masks come from another random stream than
 peft's dropout modules, so runs with peft.dropout > 0 differ from peft.fused=false in which
-elements drop, not in distribution. Evaluation, torch.no_grad, a compiled graph (which traces
-peft's own modules), merged or disabled adapters, several active adapters, DoRA and other LoRA
-variants, and base layers other than torch.nn.Linear and bitsandbytes' Linear4bit take peft's
-path unchanged. Activation checkpointing's recompute reproduces the seed: torch.utils.checkpoint
-restores the CPU random state the seed is drawn from.
+elements drop, not in distribution. Evaluation, a compiled graph (which traces peft's own
+modules: graph=compile is refused with it), merged or disabled adapters, several active
+adapters, DoRA and other LoRA variants, and base layers other than torch.nn.Linear and
+bitsandbytes' Linear4bit take peft's path unchanged. In training the function runs under
+torch.no_grad too, so activation checkpointing's recompute (which torch.utils.checkpoint runs
+with the CPU random state the seed is drawn from restored) draws the forward's masks, reentrant
+or not.
 """
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ def _generator(device: torch.device) -> torch.Generator:
 
 def keep_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """1 where an element is kept, 0 where dropout drops it, in `like`'s dtype: the same tensor
-    for the same device, shape, p and seed."""
+    for the same device, number of elements, p and seed. Drawn into a contiguous tensor whatever
+    `like`'s strides (bernoulli_ fills memory order: a permuted input's mask would be another)."""
     generator = _generator(like.device)
     generator.manual_seed(seed)
-    return torch.empty_like(like).bernoulli_(1.0 - p, generator=generator)
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device).bernoulli_(
+        1.0 - p, generator=generator)
 
 
 def base_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -76,6 +80,8 @@ class LoRALinearFunction(torch.autograd.Function):
             dropped = xc * keep_mask(xc, p, seed) if p else xc
             u = dropped @ a.to(dtype).t()
             y = base_output(base, xc, dtype) + (u @ b.to(dtype).t()) * scale
+            if getattr(base.weight, "quant_state", None) is not None:
+                y = y.to(x.dtype)  # peft's 4-bit layer returns its input's dtype
         ctx.save_for_backward(x, a, b, u)
         ctx.base, ctx.scale, ctx.p, ctx.seed, ctx.dtype = base, scale, p, seed, dtype
         return y
@@ -112,7 +118,10 @@ class FusedMixin:
         return super().forward(x, *args, **kwargs) if fused is None else fused
 
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        if (not self.training or not torch.is_grad_enabled() or self.disable_adapters
+        # in training the fused function runs under no_grad too: reentrant checkpointing's
+        # forward runs without gradients and its recompute with them, and both must draw the
+        # same mask (from the same seed)
+        if (not self.training or self.disable_adapters
                 or self.merged or torch.compiler.is_compiling()
                 or type(self.base_layer) not in self.fused_base_types
                 or getattr(self, "fan_in_fan_out", False)):
@@ -153,6 +162,13 @@ def _compute_dtype(x: torch.Tensor, adapter_weight: torch.Tensor) -> torch.dtype
 class FusedLinear(FusedMixin, PeftLinear):
     """peft's lora.Linear with the fused function (torch.nn.Linear bases)."""
 
+    def __init__(self, base_layer, adapter_name, config, **kwargs):
+        # what peft's own dispatch does for a torch.nn.Linear (the custom mapping runs before
+        # it): its weight is [out, in], whatever a Conv1D target beside it set
+        if kwargs.get("fan_in_fan_out") or config.fan_in_fan_out:
+            kwargs["fan_in_fan_out"] = config.fan_in_fan_out = False
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+
 
 MAPPING: dict[type, type] = {}
 try:  # bitsandbytes' 4-bit layers (peft=qlora): peft defines its class where bitsandbytes imports
@@ -184,4 +200,6 @@ def register(config) -> None:
 
 
 def fused_layers(model: nn.Module) -> int:
-    return sum(isinstance(m, FusedMixin) for m in model.modules())
+    """The adapted layers that train through the fused function (base layers it covers)."""
+    return sum(isinstance(m, FusedMixin) and type(m.base_layer) in m.fused_base_types
+               and not getattr(m, "fan_in_fan_out", False) for m in model.modules())
