@@ -77,3 +77,29 @@ def test_a_deep_copy_of_a_wrapped_model_runs_its_own_weights():
         ids = torch.randint(0, 96, (1, 8))
         logits = twin(input_ids=ids, use_cache=False).logits  # the fallback: no labels
     assert bool((logits == 0).all())
+
+
+def test_an_output_layer_with_lora_adapters_trains_them():
+    """peft.target_modules naming lm_head: the wrapped forward would read the base weight only
+    (the adapters never trained); the model's own forward runs the adapted head instead."""
+    import peft
+
+    b = _batch(96, 2, 24)
+    losses, grads = {}, {}
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = tiny_llama()
+        if wrap:
+            wrap_forward(model)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj",
+                                                                               "lm_head"]))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1)
+        loss = model(**b, use_cache=False).loss
+        loss.backward()
+        losses[wrap] = float(loss)
+        grads[wrap] = _grads(model)
+    head_grads = [n for n in grads[True] if "lm_head.lora_" in n]
+    assert len(head_grads) == 2 and all(float(grads[True][n].abs().sum()) > 0 for n in head_grads)
+    assert abs(losses[True] - losses[False]) < 1e-5

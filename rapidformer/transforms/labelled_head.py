@@ -102,9 +102,12 @@ def wrap_forward(model: nn.Module) -> None:
         head = self.get_output_embeddings()
         # peft passes inputs_embeds=None, output_attentions=None, ...: unset is not asked for
         asked = {k for k, v in kwargs.items() if v is not None and v is not False}
+        # a head that peft adapts (peft.target_modules naming it) computes more than
+        # hidden @ weight.T: its own forward runs it with the adapter
         if (args or labels is None or not asked <= KNOWN_ARGUMENTS
                 or kwargs.get("return_dict") is False or kwargs.get("use_cache")
-                or getattr(head.weight, "ds_id", None) is not None):
+                or getattr(head.weight, "ds_id", None) is not None
+                or getattr(head, "base_layer", None) is not None):
             return self._rapidformer_own_forward(*args, labels=labels, **kwargs)
         inputs = {k: kwargs[k] for k in ("input_ids", "attention_mask", "position_ids")
                   if kwargs.get(k) is not None}
