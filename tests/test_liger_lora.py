@@ -146,3 +146,39 @@ def test_on_a_gpu_auto_applies_liger_to_sft_and_its_loss_takes_over(caplog):
     assert "kernels=auto: liger-kernel" in caplog.text
     assert applied_fused_loss(model.get_base_model())
     assert "fused linear cross-entropy computes it" in caplog.text
+
+
+def test_an_adapted_output_layer_turns_the_fused_loss_off(caplog):
+    """peft.target_modules naming lm_head: liger's fused loss reads the head's weight itself,
+    and the head's adapters would never train; its other kernels stay."""
+    pytest.importorskip("liger_kernel")
+    from rapidformer.transforms.liger import applied_fused_loss
+
+    cfg = _cfg("kernels=liger", "peft.target_modules=[q_proj,v_proj,lm_head]")
+    with caplog.at_level("INFO", logger="rapidformer"):
+        model = Transforms(cfg).apply(tiny_llama(), ApplyContext(
+            run_dir=None, device=torch.device("cpu")), before_move=True)
+    assert not applied_fused_loss(model.get_base_model())
+    assert "fused_linear_cross_entropy=False, as peft adapts the output layer (lm_head)" in \
+        caplog.text
+    assert {n for n, p in model.named_parameters() if "lm_head.lora_" in n and p.requires_grad}
+    cfg = _cfg("kernels=liger", "peft.target_modules=[q_proj,v_proj]")
+    model = Transforms(cfg).apply(tiny_llama(), ApplyContext(
+        run_dir=None, device=torch.device("cpu")), before_move=True)
+    assert applied_fused_loss(model.get_base_model())
+
+
+@pytest.mark.parametrize("overrides, head", [
+    (["peft.target_modules=[q_proj,lm_head]"], "lm_head"),
+    (["peft.target_modules=[model.layers.0.self_attn.q_proj,lm_head]"], "lm_head"),
+    ([], None),  # the family's projections: not the head
+    (["peft.target_modules=[q_proj]", "peft.modules_to_save=[lm_head]"], None),  # trained in full
+    (["peft=none"], None),
+])
+def test_which_runs_adapt_the_output_layer(overrides, head):
+    from rapidformer.transforms.liger import adapted_output_layer
+
+    if "peft=none" not in overrides:
+        overrides = ["peft.modules_to_save=null", *overrides]
+    cfg = settle(compose(["+recipe=llama_lora", "trainer.device=cpu", *overrides]), "out")[1]
+    assert adapted_output_layer(cfg, tiny_llama()) == head

@@ -147,5 +147,24 @@ class LigerKernels(ModelTransform):
             log.info("kernels=auto: liger-kernel (task=%s on a CUDA GPU; kernels=none turns "
                      "it off)", self.cfg.task.name)
             k = replace(k, name="liger")
+        head = adapted_output_layer(self.cfg, model)
+        if head and k.fused_linear_cross_entropy:
+            # its loss reads the output layer's weight itself: peft's adapters on that layer
+            # would never train
+            log.info("kernels=liger: fused_linear_cross_entropy=False, as peft adapts the output "
+                     "layer (%s), whose adapters the fused loss does not read", head)
+            k = replace(k, fused_linear_cross_entropy=False)
         apply_kernels(model, k)
         return model
+
+
+def adapted_output_layer(cfg: RunConfig, model: torch.nn.Module) -> str | None:
+    """The output layer's name where peft.target_modules names it (LoRA adapters on it)."""
+    from rapidformer.transforms.lora_layers import matches
+
+    targets = cfg.peft.target_modules if cfg.peft.name != "none" else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not targets or head is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is head
+                 and any(matches(name, t) for t in targets)), None)
