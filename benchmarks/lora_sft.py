@@ -55,7 +55,16 @@ RF_ROWS = {"rf-lora": ["peft.base_dtype=bf16"],
            "rf-lora-packed-fused": [*PACKED, "peft.base_dtype=bf16", "peft.fused=true"],
            "rf-qlora-packed-fused": ["peft=qlora", *PACKED, "peft.fused=true"],
            "rf-qlora-packed-ckpt-fused": ["peft=qlora", *PACKED, "peft.fused=true",
-                                          "trainer.checkpoint_activations=true"]}
+                                          "trainer.checkpoint_activations=true"],
+           # the checkpointed layers' inputs in pinned host memory (Unsloth's default
+           # checkpointing offloads them too)
+           "rf-qlora-packed-ckpt-offload": ["peft=qlora", *PACKED,
+                                            "trainer.checkpoint_activations=true",
+                                            "trainer.offload_activations=true"],
+           # every memory setting at once: the lowest-memory rapidformer row
+           "rf-qlora-packed-lowmem": ["peft=qlora", *PACKED, "peft.fused=true",
+                                      "trainer.checkpoint_activations=true",
+                                      "trainer.offload_activations=true"]}
 CHILD_ROWS = {"hf-peft": "plain Hugging Face LlamaForCausalLM (bf16) + peft LoRA, a loop by "
                          "hand, padded to the longest in each batch",
               "trl-padded": "TRL SFTTrainer, peft LoRA on the bf16 model, padded batches",

@@ -155,7 +155,8 @@ class Strategy(abc.ABC):
         if self.training_sdpa:
             use_training_sdpa(model)
         if self.hf_recompute and self.cfg.trainer.checkpoint_activations:
-            enable_recompute(model)  # before any wrapper: it hooks the model's own layers
+            # before any wrapper: it hooks the model's own layers
+            enable_recompute(model, offload=self.cfg.trainer.offload_activations)
         return model
 
     def count_parameters(self, model: torch.nn.Module) -> int:

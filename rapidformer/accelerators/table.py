@@ -30,11 +30,27 @@ STRATEGIES: dict[str, type[Strategy]] = {
                               MegatronStrategy)}
 
 
+CPU_OFFLOAD = ("trainer.offload_activations=true moves activations from a GPU to host memory; "
+               "this run is on the CPU, where they are in host memory already; set "
+               "trainer.offload_activations=false")
+
+
 def selection_problems(cfg: RunConfig) -> list[str]:
     """What asks for a combination outside the table: megatron-core's parallelism or recompute
     with a Hugging Face model, ONNX Runtime with a sharding memory mode."""
     m, par, p = cfg.model, cfg.parallelism, []
+    t = cfg.trainer
+    if t.offload_activations and not t.checkpoint_activations:
+        p.append("trainer.offload_activations=true moves the layer inputs that activation "
+                 "recompute keeps to host memory, and this run recomputes nothing; add "
+                 "trainer.checkpoint_activations=true, or drop trainer.offload_activations")
+    if t.offload_activations and t.device == "cpu":
+        p.append(CPU_OFFLOAD)
     if m.is_megatron:
+        if t.offload_activations:
+            p.append(f"trainer.offload_activations=true with model={m.name}: megatron-core's "
+                     f"recompute keeps its inputs on the GPU here (not built for its models); "
+                     f"use trainer.checkpoint_activations=true alone")
         return p
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     if tp > 1 or pp > 1:

@@ -313,6 +313,10 @@ class TrainerConfig:
     # recompute each layer's activations in the backward pass (the seed's
     # --checkpoint-activations): less memory, about a third more compute
     checkpoint_activations: bool = False
+    # with checkpoint_activations, the layer inputs it keeps for the recompute are held in
+    # pinned host memory (copied off the GPU in the forward, back in the backward): the least
+    # GPU memory, at the copies' cost (Hugging Face models: transformers' offload)
+    offload_activations: bool = False
     # Megatron models: full (every layer, the seed's --checkpoint-activations) or selective
     # (only attention's scores and softmax: most of the memory for a few % of compute)
     recompute_granularity: Literal["full", "selective"] = "full"
