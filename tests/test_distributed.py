@@ -152,3 +152,28 @@ def test_the_seeds_own_loop_on_two_processes(tmp_path, pairs_dir, tiny_pretraine
     assert result["scored"] == 64  # every validation example scored once across both ranks
     assert result["batches"] == 256 // 2 // 8  # each rank reads its half of the data
     assert all(loss == loss for loss in result["losses"]) and 0 <= result["accuracy"] <= 1
+
+
+@pytest.mark.parametrize("env, held, writes", [
+    ({"RANK": "1"}, False, False),  # torchrun's or srun's other ranks: started at once
+    ({"RANK": "0"}, True, True),
+    ({}, False, True),  # a later node's launcher: its workers start from its config.yaml
+    ({}, True, True),
+])
+def test_only_the_holder_or_a_launcher_writes_the_run_records(tmp_path, monkeypatch, env, held,
+                                                              writes):
+    """Under torchrun every rank starts at once: a rank other than 0 that wrote config.yaml
+    and environment.json before rank 0 claimed the directory made rank 0 refuse it as holding
+    files no rapidformer run wrote (seen as an intermittent failure of
+    test_torchrun_runs_in_place)."""
+    from rapidformer.cli.hydra_main import write_run_records
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
+
+    monkeypatch.delenv("RANK", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    resolved, cfg = settle(compose(["trainer.device=cpu"]), str(tmp_path))
+    write_run_records(str(tmp_path), resolved, cfg, held)
+    assert (tmp_path / "config.yaml").is_file() == writes
+    assert (tmp_path / "environment.json").is_file() == writes

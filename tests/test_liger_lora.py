@@ -182,3 +182,24 @@ def test_which_runs_adapt_the_output_layer(overrides, head):
         overrides = ["peft.modules_to_save=null", *overrides]
     cfg = settle(compose(["+recipe=llama_lora", "trainer.device=cpu", *overrides]), "out")[1]
     assert adapted_output_layer(cfg, tiny_llama()) == head
+
+
+# found in review (fixed): task=causal_lm on a Hugging Face model with kernels=liger and peft adapting lm_head:
+# LigerKernels turns the fused loss off on the model (adapted_output_layer), but
+# CausalLMPretrainer.run_forward_step still asks the config (fuses_the_loss(cfg.kernels)) and
+# passes shift_labels alone; the model's own forward then computes no loss (loss=None) and the
+# step fails ("run_forward_step() returned a NoneType, not the loss tensor")
+def test_pretraining_with_liger_and_an_adapted_output_layer_computes_a_loss(
+        tmp_path, pretraining_data, monkeypatch):
+    import rapidformer.transforms.liger as liger
+    from tests.test_decoders import llama_args, pretrain
+
+    def stand_in(model, k):  # liger-kernel needs Triton: mark what it would apply, as it does
+        setattr(model, liger.FUSED_LOSS_MARK, bool(k.fused_linear_cross_entropy))
+
+    monkeypatch.setattr(liger, "apply_kernels", stand_in)
+    records = pretrain(tmp_path / "run", [*llama_args(pretraining_data), "trainer.train_iters=2",
+                                          "trainer.log_interval=1", "peft=lora",
+                                          "peft.target_modules=[q_proj,lm_head]",
+                                          "kernels=liger"])
+    assert [r["loss"] for r in records if "loss" in r]

@@ -124,3 +124,56 @@ def test_on_a_gpu_the_layer_inputs_leave_gpu_memory_and_the_gradients_stay():
     assert results[False][0] - results[True][0] >= 0.9 * layer_inputs, results
     for name, grad in results[False][1].items():
         torch.testing.assert_close(results[True][1][name], grad, rtol=1e-4, atol=1e-5)
+
+
+# found in review (fixed): accelerate=auto with memory=auto: tuning/admit.py sets checkpoint_activations from the
+# candidate's own overrides (false unless it names it), and the memory plan's mode then says
+# trainer.checkpoint_activations=false, so with trainer.offload_activations=true every candidate
+# is refused as "recomputes nothing; add trainer.checkpoint_activations=true", which the run has
+def test_a_search_under_memory_auto_keeps_candidates_with_offload(monkeypatch):
+    from rapidformer.tuning import admit as admit_module
+    from rapidformer.tuning.enumerate import candidates
+
+    monkeypatch.setattr(admit_module, "machine_problems", lambda cfg, device: [])  # no GPU here
+    _, cfg = settle(compose(["+recipe=llama_lora", "trainer.device=cuda", "memory=auto",
+                             "memory.device_memory_gb=80", "precision=fp32", "accelerate=auto",
+                             "trainer.checkpoint_activations=true",
+                             "trainer.offload_activations=true"]), "out")
+    admitted, left_out, _ = candidates(cfg, torch.device("cuda"), memory_auto=True)
+    assert admitted, left_out
+
+
+# found in review (fixed): the search's cache key (tuning/cache.py key_fields) holds checkpoint_activations but not
+# offload_activations: a result searched without offload (whose choice may be ckpt=false) is
+# reused for the same run with offload, which that choice then makes refused
+def test_the_tuning_cache_key_follows_offload_activations():
+    from rapidformer.tuning import cache
+
+    keys = set()
+    for offload in ("false", "true"):
+        plain, cfg = settle(compose(["+recipe=llama_lora", "trainer.device=cuda", "accelerate=auto",
+                                     "trainer.checkpoint_activations=true",
+                                     f"trainer.offload_activations={offload}"]), "out")
+        keys.add(cache.key_of(cache.key_fields(cfg, plain, "cpu")))
+    assert len(keys) == 2
+
+
+# found in review (fixed): `rapidformer eval` of a run trained on a GPU with recompute and offload, on a machine
+# without one: restore.one_process_config keeps trainer.offload_activations=true, the engine's
+# prepare calls enable_recompute(offload=True) on CPU parameters, and the evaluation (no_grad:
+# nothing is recomputed or offloaded) is refused with "this run is on the CPU"
+def test_eval_of_an_offloaded_run_on_a_cpu_is_not_refused(tmp_path):
+    import yaml
+
+    from rapidformer.cli.verbs.evaluate import evaluate
+    from tests.conftest import assert_ok, run_cli
+
+    run = tmp_path / "run"
+    assert_ok(run_cli(["+recipe=llama_lora", "trainer.train_iters=2", "trainer.device=cpu",
+                       "trainer.checkpoint_activations=true", f"trainer.output_dir={run}",
+                       "data.synthetic_train_size=64", "data.synthetic_eval_size=16"], tmp_path))
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    # as the run on a GPU recorded it
+    config["trainer"].update(device="auto", offload_activations=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert "validation/loss" in evaluate(run)["metrics"]

@@ -12,6 +12,10 @@ from rapidformer.errors import ConfigError
 
 log = logging.getLogger("rapidformer")
 
+CPU_OFFLOAD = ("trainer.offload_activations=true moves activations from a GPU to host memory; "
+               "this run is on the CPU, where they are in host memory already; set "
+               "trainer.offload_activations=false")
+
 
 def enable_recompute(model: torch.nn.Module, offload: bool = False) -> None:
     """Hugging Face models: their own per-layer gradient checkpointing, non-reentrant (it works
@@ -24,8 +28,6 @@ def enable_recompute(model: torch.nn.Module, offload: bool = False) -> None:
                            f"gradient_checkpointing_enable); set trainer.checkpoint_activations="
                            f"false"])
     if offload and on_the_cpu(model):
-        from rapidformer.accelerators.table import CPU_OFFLOAD
-
         raise ConfigError([CPU_OFFLOAD])  # trainer.device=auto found no GPU
     kwargs = {"use_reentrant": False}
     # its name since transformers 5.x

@@ -14,6 +14,7 @@ reason, before any work starts: `selection_problems` here, and each requested st
 from __future__ import annotations
 
 from rapidformer.accelerators.base import Strategy
+from rapidformer.accelerators.recompute import CPU_OFFLOAD
 from rapidformer.accelerators.ddp import DDPStrategy
 from rapidformer.accelerators.fsdp import FSDP2Strategy
 from rapidformer.accelerators.megatron import MegatronStrategy
@@ -28,11 +29,6 @@ from rapidformer.transforms import offline_weights
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (DDPStrategy, OrtStrategy, ZeroStrategy, FSDP2Strategy,
                               MegatronStrategy)}
-
-
-CPU_OFFLOAD = ("trainer.offload_activations=true moves activations from a GPU to host memory; "
-               "this run is on the CPU, where they are in host memory already; set "
-               "trainer.offload_activations=false")
 
 
 def selection_problems(cfg: RunConfig) -> list[str]:

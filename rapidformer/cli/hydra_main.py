@@ -44,6 +44,26 @@ def finished_or_stopped(run_dir: Path) -> tuple[str, str | None]:
     return ("stopped_early" if stopped_early(stop) else "stopped"), stop_words(stop)
 
 
+def write_run_records(run_dir: str, resolved: dict, run_cfg, held: bool) -> None:
+    """config.yaml, environment.json and accelerate=auto's record, by the process that holds
+    the directory, or by a node's launcher that starts its own workers from config.yaml. The
+    other ranks of a job started by torchrun or srun write none: started at once, one of them
+    wrote them before rank 0 claimed the directory, which rank 0 then refused as holding files
+    no rapidformer run wrote."""
+    import os
+
+    from rapidformer.observability.run_record import write_environment
+
+    if not held and "RANK" in os.environ:
+        return
+    with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
+        yaml.safe_dump(resolved, f, sort_keys=False)
+    write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
+    from rapidformer.tuning.run import write_record
+
+    write_record(run_dir)  # accelerate=auto's tuning.json and table, when it searched
+
+
 def record_status(run_dir: str, status: str, error: str | None = None) -> None:
     """status.json, when the directory can still be written: a full or read-only disk must not
     turn the run's one message into a second traceback."""
@@ -66,7 +86,6 @@ def hydra_entry(cfg: DictConfig):
     from rapidformer.preflight import settle
     from rapidformer.cli.multirun import job_row
     from rapidformer.cli.summary import print_summary
-    from rapidformer.observability.run_record import write_environment
     from rapidformer.checkpoint.run_dir import claimed, holds_directory
 
     hydra_cfg = HydraConfig.get()
@@ -82,14 +101,10 @@ def hydra_entry(cfg: DictConfig):
             raise InputError(refusals(run_cfg, multirun=True)[0])
         # the job's directory (a sweep's, or hydra.run.dir's): Hydra made it and wrote .hydra/
         # and the job's log into it before this job started
+        held = holds_directory(run_cfg.launcher)
         with claimed(run_dir, run_cfg.trainer.resume, run_cfg.trainer.overwrite,
-                     held=holds_directory(run_cfg.launcher), hydra_job=hydra_cfg.job.name):
-            with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
-                yaml.safe_dump(resolved, f, sort_keys=False)
-            write_environment(run_dir, run_cfg.trainer.seed, run_cfg.trainer.deterministic)
-            from rapidformer.tuning.run import write_record
-
-            write_record(run_dir)  # accelerate=auto's tuning.json and table, when it searched
+                     held=held, hydra_job=hydra_cfg.job.name):
+            write_run_records(run_dir, resolved, run_cfg, held)
             log.info("run directory: %s", run_dir)
             result = run(run_cfg, run_dir, resolved)
             record_status(run_dir, *finished_or_stopped(Path(run_dir)))

@@ -306,25 +306,19 @@ class TrainerConfig:
     clip_grad: float = 1.0
     seed: int = 42
     deterministic: bool = False
-    # TF32 tensor cores for fp32 matmuls and convolutions on GPUs. null: on with bf16/fp16 (the
-    # few fp32 matmuls left outside autocast lose nothing that matters), off with fp32 (which
-    # then means fp32)
+    # TF32 tensor cores for fp32 matmuls on GPUs. null: on with bf16/fp16 (the few fp32
+    # matmuls outside autocast lose nothing that matters), off with fp32 (which then means fp32)
     tf32: Optional[bool] = None
-    # recompute each layer's activations in the backward pass (the seed's
-    # --checkpoint-activations): less memory, about a third more compute
+    # recompute each layer in the backward (--checkpoint-activations): less memory, +1/3 compute
     checkpoint_activations: bool = False
-    # with checkpoint_activations, the layer inputs it keeps for the recompute are held in
-    # pinned host memory (copied off the GPU in the forward, back in the backward): the least
-    # GPU memory, at the copies' cost (Hugging Face models: transformers' offload)
+    # with checkpoint_activations on a GPU: the inputs it keeps in pinned host memory
     offload_activations: bool = False
-    # Megatron models: full (every layer, the seed's --checkpoint-activations) or selective
-    # (only attention's scores and softmax: most of the memory for a few % of compute)
+    # Megatron models: full (every layer) or selective (attention's scores and softmax only)
     recompute_granularity: Literal["full", "selective"] = "full"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # train encoders (Hugging Face BERT: sequence and token classification, masked LM, BERT
-    # pretraining) on the real tokens only: a batch's sequences packed into one row, attention
-    # per sequence (flash variable-length on GPUs; no attention dropout there), the padded
-    # path's loss (rapidformer/models/unpadded.py). Evaluation stays padded
+    # train HF BERT encoders on the real tokens only: a batch's sequences packed into one row,
+    # attention per sequence (flash variable-length on GPUs; no attention dropout there), the
+    # padded path's loss (rapidformer/models/unpadded.py). Evaluation stays padded
     unpad: bool = False
     log_interval: int = 10
     # [first, last]: record these training steps with torch.profiler: a Chrome/Perfetto trace
@@ -430,10 +424,7 @@ class PeftConfig:
     # changes (a bf16 checkpoint's weights; qlora's base) and fp32 otherwise; bf16 also rounds
     # an fp32 base (the export then holds the rounded base); fp32 always
     base_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    # each adapted layer's base and adapter as one autograd function that saves the layer's
-    # input once (q/k/v share it) and draws the dropout mask again in the backward, instead of
-    # a dropped copy and a mask per adapter (transforms/lora_fused.py): less activation memory;
-    # graph=eager only. Off until measured on a GPU
+    # each adapted layer as one function saving its input once (transforms/lora_fused.py)
     fused: bool = False
 
 

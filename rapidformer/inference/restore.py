@@ -111,7 +111,9 @@ def one_process_config(plain: dict, run_dir: Path):
     plain["graph"] = {"name": "eager"}
     plain["launcher"] = {**plain.get("launcher", {}), "nproc_per_node": 1, "nnodes": 1,
                          "node_rank": 0}
-    plain["trainer"] = {**plain.get("trainer", {}), "resume": None, "output_dir": str(run_dir)}
+    # evaluation recomputes nothing: the training run's offload (its GPU's) is not asked here
+    plain["trainer"] = {**plain.get("trainer", {}), "resume": None, "output_dir": str(run_dir),
+                        "offload_activations": False}
     plain["user_script"] = None
     return build_run_config(plain)
 

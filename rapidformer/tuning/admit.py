@@ -62,7 +62,9 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
         # the plan decides recompute with the mode, unless the candidate sets it
         from dataclasses import replace
 
-        asked = dict(candidate.overrides).get("trainer.checkpoint_activations") == "true"
+        # (offloading recompute's inputs asks for recompute)
+        asked = dict(candidate.overrides).get("trainer.checkpoint_activations") == "true" or \
+            cfg.trainer.offload_activations
         cfg = replace(cfg, trainer=replace(cfg.trainer, checkpoint_activations=asked))
         try:
             mode = choose_mode(cfg)

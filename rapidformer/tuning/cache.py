@@ -65,6 +65,8 @@ def key_fields(cfg: RunConfig, plain: dict, device_kind: str) -> dict:
                       "global": cfg.trainer.global_batch_size,
                       "unpad": cfg.trainer.unpad,
                       "checkpoint_activations": cfg.trainer.checkpoint_activations,
+                      "offload_activations": cfg.trainer.offload_activations,
+                      "recompute_granularity": cfg.trainer.recompute_granularity,
                       "world": launched_world_size(cfg)},
             "search": search, "hardware": hardware(device_kind), "versions": versions()}
 

@@ -99,8 +99,12 @@ def axis_settings(cfg: RunConfig, axis: str) -> list[Setting]:
                                 ("trainer.global_batch_size", str(global_batch)))))
         return out
     if axis == "checkpoint_activations":
-        return [Setting(axis, f"ckpt={_bool(not t.checkpoint_activations)}",
-                        (("trainer.checkpoint_activations", _bool(not t.checkpoint_activations)),))]
+        on = not t.checkpoint_activations
+        # offload moves recompute's inputs: without recompute there is none to move
+        offload = () if on or not t.offload_activations else \
+            (("trainer.offload_activations", "false"),)
+        return [Setting(axis, f"ckpt={_bool(on)}",
+                        (("trainer.checkpoint_activations", _bool(on)), *offload))]
     raise ValueError(f"no tuning axis {axis!r}")
 
 
