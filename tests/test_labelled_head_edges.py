@@ -103,3 +103,19 @@ def test_an_output_layer_with_lora_adapters_trains_them():
     head_grads = [n for n in grads[True] if "lm_head.lora_" in n]
     assert len(head_grads) == 2 and all(float(grads[True][n].abs().sum()) > 0 for n in head_grads)
     assert abs(losses[True] - losses[False]) < 1e-5
+
+
+def test_the_transform_leaves_an_adapted_output_layer_to_the_models_forward(caplog):
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
+    from rapidformer.transforms.base import ApplyContext
+    from rapidformer.transforms.labelled_head import LabelledHead
+
+    _, cfg = settle(compose(["+recipe=llama_lora", "trainer.device=cpu",
+                             "peft.modules_to_save=null",
+                             "peft.target_modules=[q_proj,lm_head]"]), "out")
+    with caplog.at_level("INFO", logger="rapidformer"):
+        model = LabelledHead(cfg).apply(tiny_llama(), ApplyContext(
+            run_dir=None, device=torch.device("cpu")))
+    assert not hasattr(model, "_rapidformer_own_forward")
+    assert "peft adapts the output layer (lm_head)" in caplog.text

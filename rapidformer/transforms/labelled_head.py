@@ -21,7 +21,7 @@ from torch import nn
 
 from rapidformer.models.chunked_loss import next_token_loss
 from rapidformer.transforms.base import ApplyContext, ModelTransform
-from rapidformer.transforms.liger import applied_fused_loss, fuses_the_loss
+from rapidformer.transforms.liger import adapted_output_layer, applied_fused_loss, fuses_the_loss
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import RunConfig
@@ -58,6 +58,8 @@ class LabelledHead(ModelTransform):
     def apply(self, model: nn.Module, context: ApplyContext) -> nn.Module:
         if applied_fused_loss(model):
             reason = "liger-kernel's fused linear cross-entropy computes it"
+        elif head := adapted_output_layer(self.cfg, model):
+            reason = f"peft adapts the output layer ({head}), which its own forward runs"
         elif self.cfg.memory.name == "zero3":
             reason = "memory=zero3 partitions the output layer, which only its own forward gathers"
         else:
