@@ -127,6 +127,13 @@ def test_model_state_estimates_follow_the_zero_arithmetic():
     full = estimate(shape, cfg, Mode("none")).activations
     ckpt = estimate(shape, cfg, Mode("none", checkpoint_activations=True)).activations
     assert ckpt < full / 2
+    # trainer.offload_activations: the layers' inputs (24 x seq x micro x hidden, fp32
+    # residual) are in host memory
+    offload = _cfg(*world4, "trainer.checkpoint_activations=true",
+                   "trainer.offload_activations=true", "trainer.device=cuda")
+    moved = estimate(shape, offload, Mode("none", checkpoint_activations=True)).activations
+    c = offload.trainer.micro_batch_size * offload.data.max_seq_length * 2048
+    assert ckpt - moved == 24 * c * 4
 
 
 def test_memory_auto_picks_the_fastest_mode_that_fits(capsys):

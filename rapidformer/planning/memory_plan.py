@@ -133,7 +133,10 @@ def _hf_activations(shape: ModelShape, cfg: RunConfig, mode: Mode, residual: int
     if eager_attention:  # scores, softmax-dropout output and its mask are kept
         layer += a * s * s * b * (2 * compute + 1)
     if mode.checkpoint_activations:
-        layers = shape.layers * sbh * residual + layer  # each layer's input, one layer recomputed
+        # each layer's input (in host memory with trainer.offload_activations), one layer
+        # recomputed at a time
+        kept = 0 if cfg.trainer.offload_activations else shape.layers * sbh * residual
+        layers = kept + layer
     else:
         layers = shape.layers * layer
     embeddings = sbh * (residual + 1)
