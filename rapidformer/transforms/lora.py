@@ -178,8 +178,8 @@ def attach(model: nn.Module, cfg: RunConfig, run_dir: Path | None = None
                                f"is a torch.nn.Linear or bitsandbytes 4-bit layer, which the "
                                f"fused function covers; set peft.fused=false"])
         log.info("peft.fused: %d adapted layers train through one function each (the input "
-                 "saved once, the dropout mask drawn again in the backward); evaluation and "
-                 "compiled graphs take peft's own path", fused_layers(model))
+                 "saved once, the dropout mask drawn again in the backward); evaluation takes "
+                 "peft's own path", fused_layers(model))
     trainable, total = model.get_nb_trainable_parameters()
     model_state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()
                             if t.requires_grad)
