@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# one GPU call: `bash tools/gpu/run.sh tests|decoder|bert` from the repository root
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl > $OUT/pip.log 2>&1 || { tail $OUT/pip.log; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
+ln -sfn ../conf rapidformer/conf; ln -sfn ../recipes rapidformer/recipes
+nvidia-smi -L > $OUT/env.txt
+python3 -c "import torch, transformers, torchao; print(torch.__version__, transformers.__version__, torchao.__version__)" >> $OUT/env.txt 2>&1
+for what in "$@"; do
+  case $what in
+    tests)
+      timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 400 \
+        tests/test_decoders.py tests/test_padding_options.py tests/test_unpadded.py \
+        tests/test_tasks.py tests/test_train.py tests/test_peft.py tests/test_liger_lora.py tests/test_peft_base_dtype.py > $OUT/gpu_tests.log 2>&1
+      echo "tests rc=$?" >> $OUT/env.txt; tail -5 $OUT/gpu_tests.log ;;
+    bert)
+      timeout 300 python3 benchmarks/run.py --suite h200 --workloads bert_mlm \
+        --systems hf-compile rapidformer --out-dir $OUT/bert > $OUT/bert.log 2>&1
+      echo "bert rc=$?" >> $OUT/env.txt; tail -12 $OUT/bert.log ;;
+    decoder)
+      timeout 560 python3 benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 \
+        --iters 80 --out $OUT/decoder_speed.json > $OUT/decoder.log 2>&1
+      echo "decoder rc=$?" >> $OUT/env.txt; tail -12 $OUT/decoder.log ;;
+  esac
+done
+cat $OUT/env.txt
