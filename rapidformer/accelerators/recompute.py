@@ -30,9 +30,10 @@ def enable_recompute(model: torch.nn.Module, offload: bool = False) -> None:
     if offload and on_the_cpu(model):
         raise ConfigError([CPU_OFFLOAD])  # trainer.device=auto found no GPU
     kwargs = {"use_reentrant": False}
-    # its name since transformers 5.x
-    enable = getattr(model, "activation_checkpointing_enable", None) or \
-        model.gradient_checkpointing_enable
+    if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.x
+        enable, key = model.activation_checkpointing_enable, "activation_checkpointing_kwargs"
+    else:
+        enable, key = model.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
     if offload and "offload" not in inspect.signature(enable).parameters:
         import transformers
 
@@ -40,11 +41,7 @@ def enable_recompute(model: torch.nn.Module, offload: bool = False) -> None:
                            f"activation checkpointing offloads (offload=True: 5.17 has it); "
                            f"this is transformers {transformers.__version__}: pip install -U "
                            f"'transformers>=5.17,<6', or set trainer.offload_activations=false"])
-    extra = {"offload": True} if offload else {}
-    if enable.__name__ == "activation_checkpointing_enable":
-        enable(activation_checkpointing_kwargs=kwargs, **extra)
-    else:
-        enable(gradient_checkpointing_kwargs=kwargs, **extra)
+    enable(**{key: kwargs}, **({"offload": True} if offload else {}))
     log.info("activation recompute: on (Hugging Face gradient checkpointing, per layer%s)",
              "; the layer inputs it keeps in pinned host memory" if offload else "")
 

@@ -8,6 +8,7 @@ Llama-shaped causal LM), and the seed's forward steps.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -18,7 +19,7 @@ from rapidformer.config.splits import parse_split
 from rapidformer.data.megatron import (build_bert_datasets, build_gpt_datasets, documents_of,
                                        no_whole_document, open_indexed)
 from rapidformer.models.hf import build_pretraining_model
-from rapidformer.transforms.liger import applied_fused_loss, fuses_the_loss
+from rapidformer.transforms.liger import applied_fused_loss
 from rapidformer.models.megatron import build_megatron_bert, build_megatron_decoder
 from rapidformer.tasks.batching import Batching
 from rapidformer.observability.records import NO_EVALUATION
@@ -132,15 +133,12 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
             reset_position_ids=d.reset_position_ids, skip_warmup=not d.mmap_warmup,
             path_to_cache=self.engine.run_dir / "data_index_cache"))
 
-    def _fused_loss(self) -> bool:
+    @functools.cached_property
+    def fused_loss(self) -> bool:
         """Whether liger's fused loss computes the model's training loss: asked of the model,
         which the liger transform marks (kernels=auto decides there, and an output layer that
         peft adapts keeps its own loss), not of the config."""
-        if not hasattr(self, "_fuses_loss"):
-            self._fuses_loss = (fuses_the_loss(self.cfg.kernels) or
-                                self.cfg.kernels.name == "auto") and \
-                applied_fused_loss(self.engine.unwrapped_model())
-        return self._fuses_loss
+        return applied_fused_loss(self.engine.unwrapped_model())
 
     def run_forward_step(self, data_iterator, model):
         data = mpu.broadcast_data(GPT_KEYS, next(data_iterator), torch.int64)
@@ -151,7 +149,7 @@ class CausalLMPretrainer(_MegatronDataPretrainer):
         # documents in every batch and build a full attention mask for them
         positions = ({"position_ids": data["position_ids"]} if self.cfg.data.reset_position_ids
                      else {})
-        if model.training and self._fused_loss():
+        if model.training and self.fused_loss:
             # the labels are shifted already: the fused loss takes them as they are
             return model(input_ids=data["input_ids"], shift_labels=data["labels"],
                          **positions).loss

@@ -173,13 +173,14 @@ def attach(model: nn.Module, cfg: RunConfig, run_dir: Path | None = None
     if p.fused:
         from rapidformer.transforms.lora_fused import fused_layers
 
-        if not fused_layers(model):
+        fused = fused_layers(model)
+        if not fused:
             raise ConfigError([f"peft.fused=true: none of the adapted layers ({', '.join(targets)}) "
                                f"is a torch.nn.Linear or bitsandbytes 4-bit layer, which the "
                                f"fused function covers; set peft.fused=false"])
         log.info("peft.fused: %d adapted layers train through one function each (the input "
                  "saved once, the dropout mask drawn again in the backward); evaluation takes "
-                 "peft's own path", fused_layers(model))
+                 "peft's own path", fused)
     trainable, total = model.get_nb_trainable_parameters()
     model_state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()
                             if t.requires_grad)

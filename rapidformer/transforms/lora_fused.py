@@ -52,10 +52,15 @@ def keep_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
         1.0 - p, generator=generator)
 
 
+def four_bit(base: nn.Module) -> bool:
+    """A bitsandbytes 4-bit layer (its weight carries the quantization state)."""
+    return getattr(base.weight, "quant_state", None) is not None
+
+
 def base_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The frozen base's weight as [out, in] in `dtype` (bitsandbytes 4-bit: dequantized)."""
     weight = base.weight
-    if getattr(weight, "quant_state", None) is not None:
+    if four_bit(base):
         import bitsandbytes.functional as bnbf
 
         return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
@@ -63,7 +68,7 @@ def base_weight(base: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 def base_output(base: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if getattr(base.weight, "quant_state", None) is not None:
+    if four_bit(base):
         return base(x).to(dtype)  # bitsandbytes' 4-bit matmul, computed in its compute dtype
     bias = None if base.bias is None else base.bias.to(dtype)
     return F.linear(x, base.weight.to(dtype), bias)
@@ -80,7 +85,7 @@ class LoRALinearFunction(torch.autograd.Function):
             dropped = xc * keep_mask(xc, p, seed) if p else xc
             u = dropped @ a.to(dtype).t()
             y = base_output(base, xc, dtype) + (u @ b.to(dtype).t()) * scale
-            if getattr(base.weight, "quant_state", None) is not None:
+            if four_bit(base):
                 y = y.to(x.dtype)  # peft's 4-bit layer returns its input's dtype
         ctx.save_for_backward(x, a, b, u)
         ctx.base, ctx.scale, ctx.p, ctx.seed, ctx.dtype = base, scale, p, seed, dtype
