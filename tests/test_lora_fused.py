@@ -10,6 +10,9 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 peft = pytest.importorskip("peft")
@@ -108,7 +111,7 @@ def test_outputs_and_gradients_match_peft_arithmetic(monkeypatch, p, base_dtype,
             again = [m.reshape(-1) for m in record.drawn[3:]]
             for early in forward_masks:
                 assert sum(torch.equal(early.reshape(-1), m) for m in again) >= 1
-            assert 0 < float(forward_masks[0].mean()) < 1
+            assert 0 < float(forward_masks[0].float().mean()) < 1
         params = [q for q in model.parameters() if q.requires_grad]
         wanted = torch.autograd.grad(reference(model, x, forward_masks, p).float().sum(),
                                      [x, *params] if x_grad else params)
@@ -128,9 +131,18 @@ def test_without_dropout_equals_peft_modules(autocast):
     fused.load_state_dict(plain.state_dict())
     x = torch.randn(3, 7, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        for got, want in zip(grads(fused, x), grads(plain, x)):
-            torch.testing.assert_close(got, want, rtol=1e-2 if autocast else 1e-5,
-                                       atol=1e-2 if autocast else 1e-5)
+        got_all, want_all = grads(fused, x), grads(plain, x)
+    if not autocast:
+        for got, want in zip(got_all, want_all):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # bf16 rounds in another order (one addmm_ against peft's separate sums): each
+        # gradient is as close to the float64 truth as bf16's resolution (2**-8) or peft's is
+        truth = adapted(False, 0.0)
+        truth.load_state_dict(plain.state_dict())
+        exact = grads(truth.double(), x.detach().double().requires_grad_())
+        for got, want, true in zip(got_all, want_all, exact):
+            error = lambda g: float((g.double() - true).norm() / true.norm())
+            assert error(got) <= max(1.5 * error(want), 2**-8), (error(got), error(want))
     assert fused_layers(fused) == 3 and fused_layers(plain) == 0
 
 
@@ -168,6 +180,54 @@ def test_saves_the_shared_input_once(p, base_dtype, autocast):
     copies = 2 if base_dtype == torch.bfloat16 or p else 1  # at least, beyond the shared one
     assert peft_bytes - fused_bytes >= copies * input_bytes * (0.5 if autocast and
                                                                base_dtype == torch.float32 else 1)
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of tensors made under it that were alive at once (storages counted once,
+    views of the ops' inputs not at all; a storage counts until nothing refers to it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[int, tuple] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.alive = {k: v for k, v in self.alive.items() if not v[0].expired()}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}  # a view of a tensor made before is not new
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr()
+                    and t.untyped_storage().data_ptr() not in inputs):
+                storage = t.untyped_storage()
+                self.alive.setdefault(storage.data_ptr(), (StorageWeakRef(storage),
+                                                          storage.nbytes()))
+        self.peak = max(self.peak, sum(n for _, n in self.alive.values()))
+        return out
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_the_passes_hold_few_input_sized_temporaries(p):
+    """A down projection's shape (inputs 8x the outputs): the backward's new tensors at their
+    peak are at most the input gradient, the one-byte mask and the dropped copy for A's gradient
+    (3 bytes an input element in bf16, against 10 when the mask was bf16 and the sums out of
+    place); the forward's, one output beside the mask and the dropped copy."""
+    torch.manual_seed(0)
+    tokens, n_in, n_out = 256, 1024, 128
+    base = nn.Linear(n_in, n_out, bias=False).to(torch.bfloat16).requires_grad_(False)
+    a = (torch.randn(8, n_in) * 0.02).requires_grad_()
+    b = (torch.randn(n_out, 8) * 0.02).requires_grad_()
+    x = torch.randn(tokens, n_in, dtype=torch.bfloat16, requires_grad=True)
+    with LiveBytes() as forward:
+        y = LoRALinearFunction.apply(x, a, b, base, 2.0, p, 1234, torch.bfloat16)
+    dy = torch.randn_like(y)
+    with LiveBytes() as backward:
+        grads = torch.autograd.grad(y, [x, a, b], dy)
+    element = tokens * n_in
+    assert backward.peak <= 3 * element + 64 * 1024, backward.peak / element
+    assert forward.peak <= 3 * element + 64 * 1024, forward.peak / element
+    assert backward.peak >= 2 * element  # the input gradient is there: the tracker sees
+    assert grads[0].shape == x.shape
 
 
 def test_saves_no_more_than_peft_without_dropout_or_casts():
@@ -284,7 +344,8 @@ def test_four_bit_base_matches_bitsandbytes_backward(device="cpu"):
     x = torch.randn(2, 5, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
     with torch.autocast(device, dtype=torch.bfloat16):
         for got, want in zip(grads(fused, x), grads(plain, x)):
-            torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+            # bf16 sums in another order than bitsandbytes' and peft's: close as a whole
+            assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
 
 @pytest.mark.parametrize("overrides, message", [
