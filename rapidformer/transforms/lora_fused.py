@@ -12,7 +12,7 @@ the same mask), so nothing of the input's size is saved per adapter. The frozen 
 saved input either: its input gradient is dy·W (bitsandbytes' 4-bit weights dequantized for it,
 as its own backward does).
 
-The mask's values are 0 and 1 (the 1/(1-p) of inverted dropout is folded into the adapter's
+The mask keeps or zeroes an element (the 1/(1-p) of inverted dropout is folded into the adapter's
 scale, in fp32), so the arithmetic is peft's; the masks come from another random stream than
 peft's dropout modules, so runs with peft.dropout > 0 differ from peft.fused=false in which
 elements drop, not in distribution. Evaluation, a compiled graph (which traces peft's own
@@ -24,6 +24,8 @@ with the CPU random state the seed is drawn from restored) draws the forward's m
 or not.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -42,15 +44,15 @@ def _generator(device: torch.device) -> torch.Generator:
     return generator
 
 
-def keep_mask(like: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """True where an element is kept, False where dropout drops it (one byte an element, half
-    of a bf16 mask): the same tensor for the same device, number of elements, p and seed. Drawn
-    into a contiguous tensor whatever `like`'s strides (bernoulli_ fills memory order: a permuted
-    input's mask would be another)."""
-    generator = _generator(like.device)
+def drop_mask(shape: torch.Size, device: torch.device, p: float, seed: int) -> torch.Tensor:
+    """True where dropout drops an element (one byte an element, and masked_fill reads it as it
+    is, where a multiply would first cast it to the input's dtype): the same tensor for the same
+    device, number of elements, p and seed. Drawn contiguous, in the order of `shape`'s
+    elements whatever the input's strides (bernoulli_ fills memory order: a permuted input's
+    mask would be another)."""
+    generator = _generator(device)
     generator.manual_seed(seed)
-    return torch.empty(like.shape, dtype=torch.bool, device=like.device).bernoulli_(
-        1.0 - p, generator=generator)
+    return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(p, generator=generator)
 
 
 def four_bit(base: nn.Module) -> bool:
@@ -76,25 +78,29 @@ def base_output(base: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """y = base(x) + ((x ⊙ mask) Aᵀ) Bᵀ · scale, scale = lora scaling / (1 - p), computed in
-    `dtype`; saves x, A, B and the [..., r] product (x ⊙ mask) Aᵀ.
+    """y = base(x) + ((x ⊙ keep) Aᵀ) Bᵀ · scale, scale = lora scaling / (1 - p), computed in
+    `dtype`; saves x, A, B and the [..., r] product (x ⊙ keep) Aᵀ.
 
-    Both passes add into one output-sized tensor (addmm_ with beta=1) and free the mask before
+    The passes add into one output-sized tensor (addmm_ with beta=1) and free the mask before
     the next big product: on an 8,192-token down projection (14,336 inputs) the backward's
-    transient peak is then three bytes an input element, not ten."""
+    tensors at their peak are three bytes an input element, not ten."""
 
     @staticmethod
     def forward(ctx, x, a, b, base, scale, p, seed, dtype):
         with torch.autocast(x.device.type, enabled=False):
             xc = x.to(dtype)
-            dropped = xc * keep_mask(xc, p, seed) if p else xc
+            dropped = xc.masked_fill(drop_mask(x.shape, x.device, p, seed), 0) if p else xc
             u = dropped @ a.to(dtype).t()
             del dropped
-            y = base_output(base, xc, dtype).contiguous()
-            y.view(-1, y.shape[-1]).addmm_(u.reshape(-1, u.shape[-1]), b.to(dtype).t(),
-                                           alpha=scale)
+            y = base_output(base, xc, dtype)
+            u2, bt = u.reshape(-1, u.shape[-1]), b.to(dtype).t()
             if four_bit(base):
-                y = y.to(x.dtype)  # peft's 4-bit layer returns its input's dtype
+                # out of place: bitsandbytes' layer ran its forward hooks, which may hold its
+                # output (peft's 4-bit layer returns its input's dtype)
+                y = (y + (u @ bt) * scale).to(x.dtype)
+            else:  # F.linear's output, fresh: no one else holds it
+                y = y.contiguous()
+                y.view(-1, y.shape[-1]).addmm_(u2, bt, alpha=scale)
         ctx.save_for_backward(x, a, b, u)
         ctx.base, ctx.scale, ctx.p, ctx.seed, ctx.dtype = base, scale, p, seed, dtype
         return y
@@ -104,25 +110,29 @@ class LoRALinearFunction(torch.autograd.Function):
         x, a, b, u = ctx.saved_tensors
         dtype, scale, p = ctx.dtype, ctx.scale, ctx.p
         need_x, need_a, need_b = ctx.needs_input_grad[:3]
+        tokens, width = math.prod(x.shape[:-1]), x.shape[-1]
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.to(dtype).reshape(-1, dy.shape[-1])
-            xc = x.to(dtype).reshape(-1, x.shape[-1])
             g = (dy2 @ b.to(dtype)) * scale  # [tokens, r]
             grad_b = None
             if need_b:
                 grad_b = ((dy2.t() @ u.reshape(-1, u.shape[-1])) * scale).to(b.dtype)
-            mask = keep_mask(xc, p, ctx.seed) if p and (need_a or need_x) else None
+            drop = (drop_mask((tokens, width), x.device, p, ctx.seed)
+                    if p and (need_a or need_x) else None)
             grad_a = None
-            if need_a:
-                dropped = xc * mask if mask is not None else xc
+            if need_a:  # the input in `dtype` only here (x may be fp32 under bf16 autocast)
+                dropped = x.to(dtype).reshape(tokens, width)
+                if drop is not None:  # in place on a copy the cast or reshape made, never on x
+                    copied = dropped.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+                    dropped = dropped.masked_fill_(drop, 0) if copied else dropped.masked_fill(drop, 0)
                 grad_a = (g.t() @ dropped).to(a.dtype)
                 del dropped
             grad_x = None
             if need_x:
                 grad_x = g @ a.to(dtype)
-                if mask is not None:
-                    grad_x.mul_(mask)
-                del mask  # before the base's weight is made (dequantized, for 4-bit)
+                if drop is not None:
+                    grad_x.masked_fill_(drop, 0)
+                del drop  # before the base's weight is made (dequantized, for 4-bit)
                 grad_x.addmm_(dy2, base_weight(ctx.base, dtype))
                 grad_x = grad_x.reshape(x.shape).to(x.dtype)
         return grad_x, grad_a, grad_b, None, None, None, None, None
