@@ -24,7 +24,7 @@ def run(cfg: RunConfig, run_dir: str, resolved: dict):
     from rapidformer.runtime.launch import launch_workers, needs_workers, shutdown_process_group
 
     if needs_workers(cfg):
-        return launch_workers(cfg, Path(run_dir), Path(run_dir) / "config.yaml")
+        return launch_workers(cfg, Path(run_dir), resolved)
     activate(cfg, run_dir, resolved)
     if cfg.user_script:
         result = run_user_script(Path(cfg.user_script))

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 import textwrap
+import time
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import FAST, OFFLINE_ENV, assert_ok, free_port, run_cli, train_losses
 
@@ -99,7 +101,8 @@ def test_a_dead_worker_stops_the_job_naming_its_rank(tmp_path):
 
 
 def test_two_nodes_of_one_process_each(tmp_path, single_process_losses):
-    """Two launcher invocations on this machine, node_rank 0 and 1, one master address."""
+    """Two launcher invocations on this machine, node_rank 0 and 1, one master address, one
+    run directory (a shared file system); the later node starts first."""
     port = free_port()
     run = tmp_path / "run"
     common = [*SMALL, "launcher.nnodes=2", "launcher.master_addr=127.0.0.1",
@@ -114,12 +117,19 @@ def test_two_nodes_of_one_process_each(tmp_path, single_process_losses):
                                 env={**os.environ, **OFFLINE_ENV}, stdout=open(outputs[rank], "w"),
                                 stderr=subprocess.STDOUT)
 
-    # (a second node that starts well before the first still writes config.yaml, environment.json
-    # and logs/ into a shared run directory before the first claims it: a known race)
-    first = start(0)
+    # the later node first, in its rendezvous before the first node starts: on this shared
+    # file system it must have written nothing into the run directory the first node claims
     second = start(1)
-    procs = [first, second]
+    procs = [second]
     try:
+        deadline = time.monotonic() + 120
+        while "starting 1 worker(s) on node 1" not in outputs[1].read_text():
+            assert second.poll() is None and time.monotonic() < deadline, outputs[1].read_text()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert not run.exists() or not any(run.iterdir()), sorted(p.name for p in run.iterdir())
+        first = start(0)
+        procs.append(first)
         codes = [first.wait(timeout=300)]
         if codes[0] != 0:  # the second would wait for it until its rendezvous times out
             second.kill()
@@ -132,6 +142,33 @@ def test_two_nodes_of_one_process_each(tmp_path, single_process_losses):
     for step, loss in one.items():
         assert two_nodes[step] == pytest.approx(loss, abs=1e-4), step
     assert (run / "logs" / "node0").is_dir() and (run / "logs" / "node1").is_dir()
+
+
+def test_a_later_node_s_launcher_gives_its_workers_a_config_outside_the_run_directory(tmp_path):
+    from rapidformer.runtime.launch import workers_config
+
+    resolved = {"trainer": {"lr": 0.5}, "launcher": {"node_rank": 1}}
+    with workers_config(tmp_path, resolved, holder=False) as config_file:
+        assert tmp_path not in config_file.parents
+        assert yaml.safe_load(config_file.read_text()) == resolved
+    assert not config_file.exists() and list(tmp_path.iterdir()) == []
+    with workers_config(tmp_path, resolved, holder=True) as config_file:
+        assert config_file == tmp_path / "config.yaml"  # the holder wrote it (run records)
+
+
+def test_the_workers_log_folder_is_made_when_they_start(tmp_path):
+    """Not when the launcher is configured (before the rendezvous): torch elastic's own log
+    specs make the folder in their constructor."""
+    from torch.distributed.elastic.multiprocessing import Std
+
+    from rapidformer.runtime.launch import logs_at_start
+
+    folder = tmp_path / "run" / "logs" / "node1"
+    specs = logs_at_start(folder, redirects=Std.ALL, tee={0: Std.ALL})
+    assert not (tmp_path / "run").exists()
+    destinations = specs.reify({0: {"TORCHELASTIC_RUN_ID": "job",
+                                    "TORCHELASTIC_RESTART_COUNT": "0"}})
+    assert folder.is_dir() and str(folder) in destinations.stdouts[0]
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +194,7 @@ def test_the_seeds_own_loop_on_two_processes(tmp_path, pairs_dir, tiny_pretraine
 @pytest.mark.parametrize("env, held, writes", [
     ({"RANK": "1"}, False, False),  # torchrun's or srun's other ranks: started at once
     ({"RANK": "0"}, True, True),
-    ({}, False, True),  # a later node's launcher: its workers start from its config.yaml
+    ({}, False, False),  # a later node's launcher: its workers read a copy of its own
     ({}, True, True),
 ])
 def test_only_the_holder_or_a_launcher_writes_the_run_records(tmp_path, monkeypatch, env, held,

@@ -46,15 +46,14 @@ def finished_or_stopped(run_dir: Path) -> tuple[str, str | None]:
 
 def write_run_records(run_dir: str, resolved: dict, run_cfg, held: bool) -> None:
     """config.yaml, environment.json and accelerate=auto's record, by the process that holds
-    the directory, or by a node's launcher that starts its own workers from config.yaml. The
-    other ranks of a job started by torchrun or srun write none: started at once, one of them
-    wrote them before rank 0 claimed the directory, which rank 0 then refused as holding files
-    no rapidformer run wrote."""
-    import os
-
+    the directory only. The job's other processes write none: torchrun's or srun's other ranks
+    and a later node's launcher start at once with the holder, and on a shared file system one
+    of them wrote these before the holder claimed the directory, which the holder then refused
+    as holding files no rapidformer run wrote. (A later node's launcher gives its workers the
+    config in a file of its own: runtime/launch.py.)"""
     from rapidformer.observability.run_record import write_environment
 
-    if not held and "RANK" in os.environ:
+    if not held:
         return
     with open(Path(run_dir) / "config.yaml", "w", encoding="utf-8") as f:
         yaml.safe_dump(resolved, f, sort_keys=False)

@@ -1,5 +1,6 @@
-"""A worker of a launched job (`python -m rapidformer.cli.worker --worker RUN_DIR/config.yaml`,
-started by rapidformer.runtime.launch): read the resolved config the parent wrote, and run it."""
+"""A worker of a launched job (`python -m rapidformer.cli.worker --worker RUN_DIR/config.yaml
+RUN_DIR`, started by rapidformer.runtime.launch): read the resolved config the parent wrote,
+and run it."""
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,9 @@ from rapidformer.runtime.launch import die_with_launcher, is_collective_timeout,
 from rapidformer.runtime.rank_progress import clear_failed, mark_failed, mark_timed_out
 
 
-def worker_main(config_file: str) -> None:
-    """A worker: read the resolved config the parent wrote, and run it."""
+def worker_main(config_file: str, run_dir: str | None = None) -> None:
+    """A worker: read the resolved config the parent wrote, and run it in `run_dir` (by default
+    the config file's folder)."""
     die_with_launcher()
     exit_fast()  # the error exits; a finished run leaves through os._exit below
     rank = int(os.environ.get("RANK", 0))
@@ -29,7 +31,7 @@ def worker_main(config_file: str) -> None:
                         format=f"[%(asctime)s][rank {rank}][%(levelname)s] - %(message)s")
     resolved = yaml.safe_load(Path(config_file).read_text())
     cfg = build_run_config(resolved)
-    run_dir = Path(config_file).parent
+    run_dir = Path(run_dir) if run_dir else Path(config_file).parent
     clear_failed(run_dir, rank)
     try:
         _run_worker(cfg, run_dir, resolved, rank)
@@ -71,8 +73,8 @@ def _run_worker(cfg: RunConfig, run_dir: Path, resolved: dict, rank: int) -> Non
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        worker_main(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "--worker":
+        worker_main(*sys.argv[2:])
     else:
-        sys.exit("usage: python -m rapidformer.cli.worker --worker RUN_DIR/config.yaml (started by "
-                 "python -m rapidformer; not meant to be run by hand)")
+        sys.exit("usage: python -m rapidformer.cli.worker --worker CONFIG_FILE [RUN_DIR] (started "
+                 "by python -m rapidformer; not meant to be run by hand)")

@@ -1,8 +1,9 @@
 """One process per device, started with PyTorch's own launcher (torch.distributed.elastic).
 
 The parent has composed, validated and written the resolved config; each worker reads that
-file (`python -m rapidformer.cli.worker --worker RUN_DIR/config.yaml`), so every rank runs the same
-config in the same run directory. When RANK/WORLD_SIZE are already set (torchrun, srun), the
+file (`python -m rapidformer.cli.worker --worker RUN_DIR/config.yaml RUN_DIR`; a later node's
+launcher gives its workers a copy of its own, outside the run directory), so every rank runs the
+same config in the same run directory. When RANK/WORLD_SIZE are already set (torchrun, srun), the
 job runs in place instead. Per-rank stdout/stderr land in RUN_DIR/logs/nodeN/; local rank 0's is also shown.
 
 A SIGTERM or SIGINT to the launcher (a scheduler's `kill -TERM -PGID`, Ctrl-C) is passed on to
@@ -49,9 +50,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
+@contextlib.contextmanager
+def workers_config(run_dir: Path, resolved: dict, holder: bool):
+    """The resolved config file this node's workers read: RUN_DIR/config.yaml, which the holder
+    of the directory wrote (cli/hydra_main.write_run_records); on a later node, a file of its
+    own outside the run directory, removed when the workers are done. (On a shared file system
+    a later node that wrote RUN_DIR/config.yaml before the first node claimed the directory
+    made it refuse the directory, and the first node rewrote the file its workers were reading.)"""
+    if holder:
+        yield run_dir / "config.yaml"
+        return
+    import tempfile
+
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="rapidformer-node-") as own:
+        config_file = Path(own) / "config.yaml"
+        config_file.write_text(yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8")
+        yield config_file
+
+
+def logs_at_start(log_dir: Path, **options):
+    """torch elastic's per-rank log files under `log_dir`, whose folder is made when the
+    workers start, after the rendezvous, instead of when the launcher is configured: a later
+    node's launcher reaches the rendezvous first, and by the time it completes the first node
+    holds the run directory (on a shared file system, RUN_DIR/logs/ made earlier made the first
+    node refuse the directory)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+    class LogsAtStart(DefaultLogsSpecs):
+        def __init__(self):
+            super().__init__(log_dir=os.devnull, **options)  # makes no folder
+            self._root_log_dir = str(log_dir)  # reify makes it (DefaultLogsSpecs._make_log_dir)
+
+    return LogsAtStart()
+
+
+def launch_workers(cfg: RunConfig, run_dir: Path, resolved: dict) -> None:
     """Start the workers of this node and wait; a failed worker ends the job with its rank."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from rapidformer.checkpoint.run_dir import holds_directory
+
+    with workers_config(run_dir, resolved, holds_directory(cfg.launcher)) as config_file:
+        _launch(cfg, run_dir, config_file)
+
+
+def _launch(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
+    from torch.distributed.elastic.multiprocessing import Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -66,9 +110,8 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
         run_id=run_id, rdzv_backend="static", rdzv_endpoint=f"{addr}:{port}",
         rdzv_configs={"rank": ln.node_rank, "timeout": ln.rendezvous_timeout},
         max_restarts=ln.max_restarts, monitor_interval=0.2, start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / f"node{ln.node_rank}"),
-                                    redirects=Std.ALL,
-                                    tee={0: Std.ALL}))
+        logs_specs=logs_at_start(run_dir / "logs" / f"node{ln.node_rank}",
+                                 redirects=Std.ALL, tee={0: Std.ALL}))
     # as torchrun does: CPU threads shared out between the workers instead of oversubscribed
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ln.nproc_per_node)))
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the parent each worker must still have
@@ -78,7 +121,7 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
     with _workers_stop_first() as forwarder:
         try:
             elastic_launch(config, sys.executable)("-u", "-m", "rapidformer.cli.worker",
-                                                   "--worker", str(config_file))
+                                                   "--worker", str(config_file), str(run_dir))
         except SignalException as exc:
             error = _after_signal(run_dir, exc.sigval, forwarder, ln, started_ns)
             if error is not None:
