@@ -123,8 +123,10 @@ class LoRALinearFunction(torch.autograd.Function):
             if need_a:  # the input in `dtype` only here (x may be fp32 under bf16 autocast)
                 dropped = x.to(dtype).reshape(tokens, width)
                 if drop is not None:  # in place on a copy the cast or reshape made, never on x
-                    copied = dropped.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
-                    dropped = dropped.masked_fill_(drop, 0) if copied else dropped.masked_fill(drop, 0)
+                    if dropped.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+                        dropped.masked_fill_(drop, 0)
+                    else:
+                        dropped = dropped.masked_fill(drop, 0)
                 grad_a = (g.t() @ dropped).to(a.dtype)
                 del dropped
             grad_x = None
