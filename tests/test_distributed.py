@@ -1,6 +1,7 @@
 """Several processes (2 gloo workers on CPU): the launcher, DDP, and failures."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -142,6 +143,21 @@ def test_two_nodes_of_one_process_each(tmp_path, single_process_losses):
     for step, loss in one.items():
         assert two_nodes[step] == pytest.approx(loss, abs=1e-4), step
     assert (run / "logs" / "node0").is_dir() and (run / "logs" / "node1").is_dir()
+    # the job's status and summary are the first node's; the later node says so
+    assert json.loads((run / "status.json").read_text())["status"] == "ok"
+    assert "the first node prints the job's summary" in outputs[1].read_text()
+
+
+def test_a_failed_worker_s_log_tail_is_its_own_node_s(tmp_path):
+    """On a shared file system both nodes' workers of local rank 0 write their logs side by
+    side: the failure message shows the failed rank's own."""
+    from rapidformer.runtime.launch import _log_tail
+
+    for node in (0, 1):
+        log = tmp_path / "logs" / f"node{node}" / "job_x" / "attempt_0" / "0" / "stderr.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(f"Traceback of node {node}\n")
+    assert "node 1" in _log_tail(tmp_path, 1, 0) and "node 0" in _log_tail(tmp_path, 0, 0)
 
 
 def test_a_later_node_s_launcher_gives_its_workers_a_config_outside_the_run_directory(tmp_path):

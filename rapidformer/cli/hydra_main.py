@@ -89,6 +89,7 @@ def hydra_entry(cfg: DictConfig):
 
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
+    held = True  # the job's records and status: written by the directory's holder only
     try:
         # checked again here: a sweep's jobs are checked only here, each on its own settings
         # (the directory is claimed next, with what Hydra wrote into it expected)
@@ -106,18 +107,24 @@ def hydra_entry(cfg: DictConfig):
             write_run_records(run_dir, resolved, run_cfg, held)
             log.info("run directory: %s", run_dir)
             result = run(run_cfg, run_dir, resolved)
-            record_status(run_dir, *finished_or_stopped(Path(run_dir)))
+            if held:
+                record_status(run_dir, *finished_or_stopped(Path(run_dir)))
         if hydra_cfg.mode == RunMode.MULTIRUN:
             # what a sweeper optimises (Optuna): the job's final eval metric, as the summary shows
             return job_row(Path(run_dir))["value"]
+        if not held:  # the summary (and its resume command) is the first node's to print
+            log.info("node %d of %d done; the first node prints the job's summary",
+                     run_cfg.launcher.node_rank, run_cfg.launcher.nnodes)
+            return result
         print_summary(Path(run_dir))
         return result
     except RapidformerError as exc:
         if debug_enabled():
             raise
         report(exc)
-        record_status(run_dir, "preempted" if isinstance(exc, Preempted) else "failed",
-                      str(exc).splitlines()[0])
+        if held:  # a later node's failure is the job's too: the holder's status says it
+            record_status(run_dir, "preempted" if isinstance(exc, Preempted) else "failed",
+                          str(exc).splitlines()[0])
         if hydra_cfg.mode == RunMode.MULTIRUN and not isinstance(exc, Preempted):
             return None  # the sweep goes on; this job is reported as failed
         # a stop signal ends a sweep too: its SystemExit passes Hydra's job runner
@@ -230,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
                 # file into it here (on a shared file system, written before the holder's claim,
                 # they made it refuse the directory as not a run's, and this node waited for it)
                 overrides = [*overrides, *NOT_HOLDING]
-            start = RunStart(held_dir)
+            # a later node's process never puts the directory back: the holder's run is in it
+            start = RunStart(held_dir) if holds_directory(run_cfg.launcher) else None
             stack.enter_context(claimed(held_dir, run_cfg.trainer.resume,
                                         run_cfg.trainer.overwrite,
                                         held=holds_directory(run_cfg.launcher),

@@ -64,6 +64,7 @@ def workers_config(run_dir: Path, resolved: dict, holder: bool):
 
     import yaml
 
+    # (a launcher killed before its workers start leaves it in the temporary folder, private)
     with tempfile.TemporaryDirectory(prefix="rapidformer-node-") as own:
         config_file = Path(own) / "config.yaml"
         config_file.write_text(yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8")
@@ -132,7 +133,8 @@ def _launch(cfg: RunConfig, run_dir: Path, config_file: Path) -> None:
             marks = failure_marks(run_dir, started_ns)
             rank = first_failure(exc.failures, {r: at for r, (at, _) in marks.items()})
             failure = exc.failures[rank]
-            raise WorkerFailed(rank, failure.exitcode, _log_tail(run_dir, failure.local_rank),
+            raise WorkerFailed(rank, failure.exitcode,
+                               _log_tail(run_dir, rank // ln.nproc_per_node, failure.local_rank),
                                describe_laggards(run_dir), ln, marked=rank in marks,
                                marked_exit=marks.get(rank, (0, 1))[1]) from exc
 
@@ -298,7 +300,8 @@ def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
                                    f"training loop)" if ended else name)
     rank = min(failed, key=lambda r: (marks[r][0] if r in marks else float("inf"), r))
     code, local_rank = failed[rank]
-    return WorkerFailed(rank, code, _log_tail(run_dir, local_rank or 0), "", ln,
+    tail = _log_tail(run_dir, rank // ln.nproc_per_node, local_rank or 0)
+    return WorkerFailed(rank, code, tail, "", ln,
                         marked=rank in marks, marked_exit=marks.get(rank, (0, 1))[1],
                         context=f" while stopping for {name}")
 
@@ -372,11 +375,14 @@ class WorkerFailed(RapidformerError):
                          f"{restarts}.{cause} Its last output:{detail}")
 
 
-def _log_tail(run_dir: Path, local_rank: int, lines: int = 8) -> str:
-    """The end of the worker's stderr (its traceback or error), or of its stdout (its log
-    lines) when it wrote nothing there: a rank killed by a signal."""
+def _log_tail(run_dir: Path, node_rank: int, local_rank: int, lines: int = 8) -> str:
+    """The end of this node's worker's stderr (its traceback or error), or of its stdout (its
+    log lines) when it wrote nothing there: a rank killed by a signal. `node_rank`: the failed
+    rank's node (global rank // nproc_per_node; another node's worker of the same local rank
+    writes beside it on a shared file system)."""
     for stream in ("stderr", "stdout"):
-        logs = sorted((run_dir / "logs").glob(f"node*/*/attempt_*/{local_rank}/{stream}.log"),
+        logs = sorted((run_dir / "logs" / f"node{node_rank}").glob(
+                          f"*/attempt_*/{local_rank}/{stream}.log"),
                       key=lambda p: p.stat().st_mtime)
         text = logs[-1].read_text(errors="replace").strip().splitlines() if logs else []
         if text:
