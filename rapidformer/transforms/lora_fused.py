@@ -95,9 +95,10 @@ class LoRALinearFunction(torch.autograd.Function):
             y = base_output(base, xc, dtype)
             u2, bt = u.reshape(-1, u.shape[-1]), b.to(dtype).t()
             if four_bit(base):
-                # out of place: bitsandbytes' layer ran its forward hooks, which may hold its
-                # output (peft's 4-bit layer returns its input's dtype)
-                y = (y + (u @ bt) * scale).to(x.dtype)
+                # out of place (one new tensor): bitsandbytes' layer ran its forward hooks, which
+                # may hold its output (peft's 4-bit layer returns its input's dtype)
+                y = torch.addmm(y.reshape(-1, y.shape[-1]), u2, bt, alpha=scale).view(
+                    y.shape).to(x.dtype)
             else:  # F.linear's output, fresh: no one else holds it
                 y = y.contiguous()
                 y.view(-1, y.shape[-1]).addmm_(u2, bt, alpha=scale)
