@@ -300,7 +300,8 @@ def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
                                    f"training loop)" if ended else name)
     rank = min(failed, key=lambda r: (marks[r][0] if r in marks else float("inf"), r))
     code, local_rank = failed[rank]
-    tail = _log_tail(run_dir, rank // ln.nproc_per_node, local_rank or 0)
+    tail = _log_tail(run_dir, rank // ln.nproc_per_node if ln is not None else None,
+                     local_rank or 0)
     return WorkerFailed(rank, code, tail, "", ln,
                         marked=rank in marks, marked_exit=marks.get(rank, (0, 1))[1],
                         context=f" while stopping for {name}")
@@ -375,14 +376,14 @@ class WorkerFailed(RapidformerError):
                          f"{restarts}.{cause} Its last output:{detail}")
 
 
-def _log_tail(run_dir: Path, node_rank: int, local_rank: int, lines: int = 8) -> str:
+def _log_tail(run_dir: Path, node_rank: int | None, local_rank: int, lines: int = 8) -> str:
     """The end of this node's worker's stderr (its traceback or error), or of its stdout (its
     log lines) when it wrote nothing there: a rank killed by a signal. `node_rank`: the failed
     rank's node (global rank // nproc_per_node; another node's worker of the same local rank
-    writes beside it on a shared file system)."""
+    writes beside it on a shared file system), None: any node's."""
+    node = "node*" if node_rank is None else f"node{node_rank}"
     for stream in ("stderr", "stdout"):
-        logs = sorted((run_dir / "logs" / f"node{node_rank}").glob(
-                          f"*/attempt_*/{local_rank}/{stream}.log"),
+        logs = sorted((run_dir / "logs").glob(f"{node}/*/attempt_*/{local_rank}/{stream}.log"),
                       key=lambda p: p.stat().st_mtime)
         text = logs[-1].read_text(errors="replace").strip().splitlines() if logs else []
         if text:
