@@ -245,10 +245,11 @@ def test_on_a_gpu_the_backward_peak_is_three_bytes_an_input_element():
     dropout, at 8,192 tokens x 14,336 inputs (the 8B model's down projection)."""
     base, a, b, x = _down_projection("cuda", tokens=8192, n_in=14336, n_out=4096)
     dy = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    for _ in range(2):  # the first backward makes its thread's cuBLAS workspace
-        y = LoRALinearFunction.apply(x, a, b, base, 2.0, 0.05, 1234, torch.bfloat16)
-        if _ == 0:
-            torch.autograd.grad(y, [x, a, b], dy)
+    def forward():
+        return LoRALinearFunction.apply(x, a, b, base, 2.0, 0.05, 1234, torch.bfloat16)
+
+    torch.autograd.grad(forward(), [x, a, b], dy)  # makes its thread's cuBLAS workspace
+    y = forward()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -232,16 +232,17 @@ def main(argv: list[str] | None = None) -> None:
             # .hydra/ there, and the run its files), else trainer.output_dir
             job_dir = _given(overrides, "hydra.run.dir", composed)
             held_dir = job_dir or output_dir
-            if not holds_directory(run_cfg.launcher):
+            holder = holds_directory(run_cfg.launcher)
+            if not holder:
                 # another node's process holds the directory: Hydra writes no .hydra/ and no log
                 # file into it here (on a shared file system, written before the holder's claim,
                 # they made it refuse the directory as not a run's, and this node waited for it)
                 overrides = [*overrides, *NOT_HOLDING]
             # a later node's process never puts the directory back: the holder's run is in it
-            start = RunStart(held_dir) if holds_directory(run_cfg.launcher) else None
+            start = RunStart(held_dir) if holder else None
             stack.enter_context(claimed(held_dir, run_cfg.trainer.resume,
                                         run_cfg.trainer.overwrite,
-                                        held=holds_directory(run_cfg.launcher),
+                                        held=holder,
                                         setting="hydra.run.dir" if job_dir else
                                         "trainer.output_dir"))
     except RapidformerError as exc:
