@@ -54,6 +54,22 @@ def wait_for_training(find_run, process: subprocess.Popen, step: int = 3,
     raise AssertionError(f"the run did not reach step {step} in {limit} s")
 
 
+def _communicate_or_fail(process: subprocess.Popen, limit: float) -> tuple[str, str]:
+    """The process's output once it exits; past `limit` seconds a failure that shows what it had
+    printed (the workers of a launcher are in sessions of their own and may hold the pipes)."""
+    try:
+        return process.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        try:
+            out, err = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired as late:
+            out, err = (v.decode(errors="replace") if v else "" for v in (late.stdout,
+                                                                           late.stderr))
+        pytest.fail(f"no exit within {limit} s of the signal\n--- stdout:\n{out[-4000:]}"
+                    f"\n--- stderr:\n{err[-4000:]}")
+
+
 def the_only_run(root: Path):
     def find() -> Path | None:
         runs = [p.parent for p in root.glob("outputs/*/*/metrics.jsonl")]
@@ -72,7 +88,7 @@ def test_a_process_group_sigterm_with_loader_workers_checkpoints_and_exits_75(tm
     try:
         run = wait_for_training(the_only_run(tmp_path), process)
         os.killpg(process.pid, signal.SIGTERM)
-        _, stderr = process.communicate(timeout=120)
+        _, stderr = _communicate_or_fail(process, 120)
     finally:  # nothing of the group left behind, whatever happened
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
@@ -129,12 +145,17 @@ def test_a_worker_killed_by_sigkill_is_named_with_the_signal(tmp_path):
 
 # --- the parts, one by one -----------------------------------------------------------------------
 class _Probe(torch.utils.data.Dataset):
+    """What a loader worker's start left it: both stop signals ignored, neither blocked, the
+    user's own init run."""
+
     def __len__(self) -> int:
         return 2
 
     def __getitem__(self, index: int):
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         return (signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
                 signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+                not blocked & {signal.SIGTERM, signal.SIGINT},
                 os.environ.get("USERS_INIT_RAN") == "yes")
 
 
@@ -142,18 +163,63 @@ def _users_init(worker_id: int) -> None:
     os.environ["USERS_INIT_RAN"] = "yes"
 
 
-def test_loader_workers_leave_stop_signals_to_the_main_process_and_run_the_users_init():
-    from rapidformer.runtime.loader_workers import ignore_stop_signals, loader_worker_init
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_loader_workers_leave_stop_signals_to_the_main_process_and_run_the_users_init(start):
+    from rapidformer.runtime.loader_workers import DataLoader, ignore_stop_signals, \
+        loader_worker_init
 
     assert loader_worker_init() is ignore_stop_signals
     composed = loader_worker_init(_users_init)
     assert loader_worker_init(composed) is composed
     pickle.dumps(composed)  # a spawned worker gets it pickled
-    for init_fn, users_ran in [(loader_worker_init(), False), (composed, True)]:
-        loader = torch.utils.data.DataLoader(_Probe(), batch_size=None, num_workers=1,
-                                             worker_init_fn=init_fn)
-        assert [tuple(map(bool, b)) for b in loader] == [(True, True, users_ran)] * 2
+    for init_fn, users_ran in [(None, False), (_users_init, True), (composed, True)]:
+        loader = DataLoader(_Probe(), batch_size=None, num_workers=1, worker_init_fn=init_fn,
+                            multiprocessing_context=start)
+        assert [tuple(map(bool, b)) for b in loader] == [(True, True, True, users_ran)] * 2
     assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # this process: untouched
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGTERM, signal.SIGINT}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_a_loader_worker_starts_leaves_it_working(tmp_path, monkeypatch, sig):
+    """torch's worker loop installs its own SIGTERM handler (death) before it runs the init
+    function: a group's signal in between took the worker down. The window is widened here
+    (forked workers inherit the patch), and the signal comes from another process, as a
+    scheduler's does."""
+    from torch.utils.data._utils import signal_handling
+
+    from rapidformer.runtime.loader_workers import DataLoader
+
+    starting, original = tmp_path / "starting", signal_handling._set_worker_signal_handlers
+
+    def slow_start(*args):
+        original(*args)
+        starting.write_text(str(os.getpid()))
+        time.sleep(1.5)
+
+    monkeypatch.setattr(signal_handling, "_set_worker_signal_handlers", slow_start)
+    batches = iter(DataLoader(_Probe(), batch_size=None, num_workers=1))
+    deadline = time.monotonic() + 30
+    while not starting.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    subprocess.run([sys.executable, "-c", f"import os; os.kill({starting.read_text()}, {sig})"],
+                   check=True, timeout=30)
+    assert [tuple(map(bool, b)) for b in batches] == [(True, True, True, False)] * 2
+
+
+def test_a_stop_signal_held_back_while_workers_start_reaches_the_process_after():
+    from rapidformer.runtime.loader_workers import stop_signals_blocked
+
+    got = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with stop_signals_blocked():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert got == []
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 CHILD = """
@@ -197,20 +263,45 @@ def _elastic_handler(signum, frame):
 def test_the_launcher_passes_a_stop_signal_on_and_waits_for_its_workers():
     from rapidformer.runtime.launch import StopForwarder
 
-    slow, failing = _children("time.sleep(1.0); sys.exit(75)", "sys.exit(3)")
+    slow, quick = _children("time.sleep(1.0); sys.exit(75)", "sys.exit(75)")
     try:
         forwarder = StopForwarder(_elastic_handler, lambda: {slow.pid: (0, 0),
-                                                             failing.pid: (1, 1)})
+                                                             quick.pid: (1, 1)})
         started = time.monotonic()
         with pytest.raises(_Ended):
             forwarder(signal.SIGTERM, None)
         assert time.monotonic() - started >= 1.0  # it waited for the slow one's "checkpoint"
-        assert forwarder.exit_codes() == {0: (75, 0), 1: (3, 1)}
+        assert forwarder.exit_codes() == {0: (75, 0), 1: (75, 1)}
         # still theirs to reap, with their codes (torch elastic's Popen objects do)
-        assert (slow.wait(5), failing.wait(5)) == (75, 3)
+        assert (slow.wait(5), quick.wait(5)) == (75, 75)
         assert slow.stdout.read() == f"got {signal.SIGTERM.value}\n"
     finally:
-        for child in (slow, failing):
+        for child in (slow, quick):
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.parametrize("failure", ["sys.exit(3)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_worker_that_fails_while_stopping_ends_the_launchers_wait(tmp_path, failure):
+    """A rank that fails while the others stop (its loader broke, it ran out of memory) leaves
+    them waiting for it in a collective: the launcher must not wait for them forever."""
+    from rapidformer.runtime.launch import StopForwarder, WorkerFailed, _after_signal
+
+    stuck, failing = _children("pass", f"import os; {failure}")
+    try:
+        forwarder = StopForwarder(_elastic_handler, lambda: {stuck.pid: (0, 0),
+                                                             failing.pid: (1, 1)})
+        started = time.monotonic()
+        with pytest.raises(_Ended):
+            forwarder(signal.SIGTERM, None)
+        assert time.monotonic() - started < 5
+        assert stuck.poll() is None  # left to torch elastic's handler to stop
+        code = failing.wait(5)
+        assert forwarder.exit_codes() == {1: (code, 1)}
+        failed = _after_signal(tmp_path, signal.SIGTERM, forwarder, None)
+        assert isinstance(failed, WorkerFailed) and "worker rank 1 " in str(failed)
+    finally:
+        for child in (stuck, failing):
             child.kill()
             child.wait()
 

@@ -9,7 +9,8 @@ job runs in place instead. Per-rank stdout/stderr land in RUN_DIR/logs/nodeN/; l
 A SIGTERM or SIGINT to the launcher (a scheduler's `kill -TERM -PGID`, Ctrl-C) is passed on to
 every worker's process group, and the launcher waits for the workers to finish the step, write
 the checkpoint and exit (runtime/preemption.py), however long that takes, then exits 75 itself;
-a second signal more than preemption.SAME_EVENT_S later stops them at once (torch elastic then
+a worker that fails meanwhile ends the wait (the others could wait for it in a collective
+forever, and torch elastic stops them); a second signal more than preemption.SAME_EVENT_S later stops them at once (torch elastic then
 kills what is left 30 s later). A worker that fails ends the job: the launcher names the first
 rank to fail (by the rank's own nanosecond mark; a rank killed by a signal leaves none, and
 is named with the signal), and exits with its exit code, 128 + N for signal N.
@@ -155,8 +156,8 @@ class StopForwarder:
     """The launcher's SIGTERM/SIGINT handler, in place of torch elastic's own (which forwards the
     signal and kills the workers 30 s later, whether or not their checkpoint is written, and
     keeps no exit codes): pass the signal on to each worker's process group, wait for every
-    worker to exit (reading its exit code without reaping it: torch elastic still does), then
-    let elastic's handler end the job. A second signal more than SAME_EVENT_S after the first
+    worker to exit, or for one to fail (reading exit codes without reaping: torch elastic still
+    does), then let elastic's handler end the job. A second signal more than SAME_EVENT_S after the first
     is passed on too (the workers then exit at once) and stops the wait."""
 
     def __init__(self, elastic_handler: Callable,
@@ -183,10 +184,7 @@ class StopForwarder:
             log.warning("received %s: passed on to %d worker(s); waiting for them to finish the "
                         "step, write a checkpoint and stop (send it again to stop at once)",
                         name, len(self.workers))
-            for pid in self.workers:
-                code = exit_code_of(pid)  # a second signal may interrupt this wait
-                if code is not None:
-                    self.exits[pid] = code
+            self._wait(signum)  # a second signal may interrupt this wait
             return self.elastic_handler(signum, frame)
         if now - self._first > SAME_EVENT_S:
             self.second = signum
@@ -195,6 +193,24 @@ class StopForwarder:
                         name)
             return self.elastic_handler(signum, frame)
         return None  # the same request again (a terminal's and a scheduler's copy)
+
+    def _wait(self, signum: int) -> None:
+        """Until every worker has exited, or one has failed: the others may then wait for it in
+        a collective that never completes (torch elastic's handler stops them)."""
+        running = set(self.workers)
+        while running:
+            for pid in sorted(running):
+                exited, code = exit_code_of(pid)
+                if not exited:
+                    continue
+                running.discard(pid)
+                if code is None:  # not a child of this process (any more)
+                    continue
+                self.exits[pid] = code
+                if code not in (0, EXIT_PREEMPTED, -signum):
+                    return
+            if running:
+                time.sleep(0.05)
 
     def _forward(self, signum: int) -> None:
         for pid in self.workers:
@@ -233,16 +249,17 @@ def own_workers() -> dict[int, Ranks]:
     return found
 
 
-def exit_code_of(pid: int) -> int | None:
-    """Wait for child `pid` to exit and return its exit code (-N: killed by signal N), leaving it
-    to be reaped by its Popen; None when it is not a child of this process (any more)."""
+def exit_code_of(pid: int) -> tuple[bool, int | None]:
+    """Whether child `pid` has exited, and its exit code (-N: killed by signal N), leaving it
+    to be reaped by its Popen; (True, None) when it is not a child of this process (any
+    more)."""
     try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
     except ChildProcessError:
-        return None
-    if info is None:
-        return None
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        return True, None
+    if info is None:  # still running
+        return False, None
+    return True, info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 @contextlib.contextmanager

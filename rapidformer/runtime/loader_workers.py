@@ -6,24 +6,37 @@ worker's whole process group, as torch elastic does. DataLoader workers are in t
 the default action they die at once, and the training process's next batch then fails with
 "DataLoader worker (pid ...) is killed by signal: Terminated" instead of stopping at the step
 boundary with a checkpoint (runtime/preemption.py). So every loader's workers ignore both
-signals from their start; the training process stops them when it stops (and a worker whose
-training process is gone exits by itself within torch's 5 s status check).
+signals; the training process stops them when it stops (and a worker whose training process is
+gone exits by itself within torch's 5 s status check).
 
-    DataLoader(dataset, ..., num_workers=n, worker_init_fn=loader_worker_init())
-    DataLoader(dataset, ..., worker_init_fn=loader_worker_init(users_own_init_fn))
+A worker is exposed from its start until its `worker_init_fn` runs: torch's worker loop first
+installs a SIGTERM handler that dies by the signal, then seeds, then calls the init function.
+Workers start with every new iterator (each epoch, each evaluation), so a signal that lands
+while one starts is not rare. The loader therefore starts its workers with both signals blocked
+(a blocked signal stays pending; the mask is inherited through fork and exec), and the init
+function ignores them before it unblocks them: the pending one is discarded. The training
+process gets its own pending signal as soon as the workers are started.
+
+    DataLoader(dataset, ..., num_workers=n)  # this module's DataLoader, not torch's
+    DataLoader(dataset, ..., worker_init_fn=users_own_init_fn)  # theirs runs after ours
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 from typing import Callable
+
+import torch.utils.data
 
 from rapidformer.runtime.preemption import SIGNALS
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader `worker_init_fn`: this worker ignores SIGTERM and SIGINT."""
+    """A DataLoader `worker_init_fn`: this worker ignores SIGTERM and SIGINT (a copy of them
+    that came while it started, blocked, is discarded)."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 class _IgnoreThen:
@@ -47,3 +60,28 @@ def loader_worker_init(init_fn: Callable[[int], None] | None = None) -> Callable
     if init_fn is None or init_fn is ignore_stop_signals or isinstance(init_fn, _IgnoreThen):
         return init_fn or ignore_stop_signals
     return _IgnoreThen(init_fn)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """SIGTERM and SIGINT held back in this thread (a process started meanwhile inherits the
+    mask); one that came meanwhile is delivered when the block ends."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader whose worker processes leave the stop signals to the process that
+    trains, from the moment they start (the module's docstring says why and how)."""
+
+    def __init__(self, *args, worker_init_fn: Callable[[int], None] | None = None, **kwargs):
+        super().__init__(*args, worker_init_fn=loader_worker_init(worker_init_fn), **kwargs)
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        with stop_signals_blocked():  # the workers start in here (persistent ones: once)
+            return super()._get_iterator()

@@ -7,13 +7,13 @@ import logging
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from rapidformer.checkpoint.resume import epoch_position, last_step, stopped_early
 from rapidformer.config.validate import best_without_evaluations
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
-from rapidformer.runtime.loader_workers import loader_worker_init
+from rapidformer.runtime.loader_workers import DataLoader
 from rapidformer.observability.format import format_metrics
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.observability.records import NO_EVALUATION
@@ -122,7 +122,7 @@ class Finetuner(TemplateLoop):
         engine = self.engine
         batch_size = batch_size or self.cfg.trainer.micro_batch_size
         common = dict(collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
-                      pin_memory=engine.device.type == "cuda", worker_init_fn=loader_worker_init())
+                      pin_memory=engine.device.type == "cuda")
         if engine.world_size > 1 and not shuffle:
             planned = even_eval_batches(len(dataset), engine.rank, engine.world_size, batch_size)
             loader = DataLoader(dataset, batch_sampler=[rows for rows, _ in planned], **common)
@@ -217,7 +217,6 @@ class Finetuner(TemplateLoop):
         return DataLoader(train_ds, batch_size=t.micro_batch_size, sampler=sampler,
                           collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
                           pin_memory=self.engine.device.type == "cuda",
-                          worker_init_fn=loader_worker_init(),
                           generator=torch.Generator().manual_seed(t.seed))
 
     # --- the verbs the loop uses -------------------------------------------------------------------

@@ -13,12 +13,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader
 
 from rapidformer.config.validate import best_without_evaluations
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
-from rapidformer.runtime.loader_workers import loader_worker_init
+from rapidformer.runtime.loader_workers import DataLoader
 from rapidformer.observability.format import format_value
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.checkpoint.resume import past_the_end, stopped_early
@@ -152,7 +151,6 @@ class PreTrainer(TemplateLoop):
         loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
                             generator=torch.Generator().manual_seed(t.seed),
                             num_workers=workers, pin_memory=engine.device.type == "cuda",
-                            worker_init_fn=loader_worker_init(),
                             persistent_workers=workers > 0,
                             prefetch_factor=4 if workers > 0 else None)
         return CountingIterator(iter(loader))
