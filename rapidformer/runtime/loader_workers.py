@@ -30,13 +30,16 @@ import torch.utils.data
 
 from rapidformer.runtime.preemption import SIGNALS
 
+MASKS = hasattr(signal, "pthread_sigmask")  # POSIX
+
 
 def ignore_stop_signals(worker_id: int) -> None:
     """A DataLoader `worker_init_fn`: this worker ignores SIGTERM and SIGINT (a copy of them
     that came while it started, blocked, is discarded)."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+    if MASKS:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 class _IgnoreThen:
@@ -65,7 +68,11 @@ def loader_worker_init(init_fn: Callable[[int], None] | None = None) -> Callable
 @contextlib.contextmanager
 def stop_signals_blocked():
     """SIGTERM and SIGINT held back in this thread (a process started meanwhile inherits the
-    mask); one that came meanwhile is delivered when the block ends."""
+    mask); one that came meanwhile is delivered when the block ends. Where signals cannot be
+    masked (Windows), nothing is held."""
+    if not MASKS:
+        yield
+        return
     before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     try:
         yield
