@@ -163,7 +163,7 @@ def _users_init(worker_id: int) -> None:
     os.environ["USERS_INIT_RAN"] = "yes"
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "spawn", "forkserver"])
 def test_loader_workers_leave_stop_signals_to_the_main_process_and_run_the_users_init(start):
     from rapidformer.runtime.loader_workers import DataLoader, ignore_stop_signals, \
         loader_worker_init
@@ -205,6 +205,69 @@ def test_a_stop_signal_while_a_loader_worker_starts_leaves_it_working(tmp_path, 
     subprocess.run([sys.executable, "-c", f"import os; os.kill({starting.read_text()}, {sig})"],
                    check=True, timeout=30)
     assert [tuple(map(bool, b)) for b in batches] == [(True, True, True, False)] * 2
+
+
+SLOW_START = """
+import os, signal, sys, time
+import torch
+
+
+class SlowStart(torch.utils.data.Dataset):
+    \"\"\"Unpickled slowly in a spawned or fork-server worker, before torch's worker loop runs;
+    its pid is written first.\"\"\"
+
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        with open(self.flag, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(1.5)
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+"""
+
+COLD_START = """
+import multiprocessing, os, signal, sys, threading, time
+from slow_start import SlowStart
+from rapidformer.runtime.loader_workers import DataLoader
+
+
+def signal_it(flag):
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    time.sleep(0.05)
+    os.kill(int(open(flag).read()), signal.SIGTERM)
+
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method(sys.argv[1])  # the default, as on Python 3.14 (forkserver)
+    for epoch in range(2):  # a fresh process: the first loader starts the helper processes
+        flag = f"started_{epoch}"
+        batches = iter(DataLoader(SlowStart(flag), batch_size=None, num_workers=1))
+        threading.Thread(target=signal_it, args=(flag,), daemon=True).start()
+        print([bool(b) for b in batches], flush=True)
+"""
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_a_stop_signal_while_a_spawned_loader_worker_starts_leaves_it_working(tmp_path, start):
+    """A spawned or fork-server worker is exposed for its whole interpreter start (seconds), and
+    multiprocessing's helper processes unblock the signals as they start: in a fresh process,
+    a SIGTERM to each epoch's worker while it is unpickled must not end it."""
+    (tmp_path / "slow_start.py").write_text(SLOW_START)
+    (tmp_path / "cold_start.py").write_text(COLD_START)
+    result = subprocess.run([sys.executable, "cold_start.py", start], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(tmp_path), str(Path(__file__).parents[1])])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["[True, True]"] * 2, result.stderr[-3000:]
 
 
 def test_a_stop_signal_held_back_while_workers_start_reaches_the_process_after():

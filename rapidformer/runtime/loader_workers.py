@@ -15,7 +15,10 @@ Workers start with every new iterator (each epoch, each evaluation), so a signal
 while one starts is not rare. The loader therefore starts its workers with both signals blocked
 (a blocked signal stays pending; the mask is inherited through fork and exec), and the init
 function ignores them before it unblocks them: the pending one is discarded. The training
-process gets its own pending signal as soon as the workers are started.
+process gets its own pending signal as soon as the workers are started. Spawned workers inherit
+the mask through exec; forkserver workers inherit the fork server's, so the server is started
+inside the block (one started earlier by other code keeps whatever mask it had: its workers
+are exposed while they start, as torch's are).
 
     DataLoader(dataset, ..., num_workers=n)  # this module's DataLoader, not torch's
     DataLoader(dataset, ..., worker_init_fn=users_own_init_fn)  # theirs runs after ours
@@ -23,7 +26,9 @@ process gets its own pending signal as soon as the workers are started.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import signal
+from multiprocessing import forkserver, resource_tracker
 from typing import Callable
 
 import torch.utils.data
@@ -68,11 +73,7 @@ def loader_worker_init(init_fn: Callable[[int], None] | None = None) -> Callable
 @contextlib.contextmanager
 def stop_signals_blocked():
     """SIGTERM and SIGINT held back in this thread (a process started meanwhile inherits the
-    mask); one that came meanwhile is delivered when the block ends. Where signals cannot be
-    masked (Windows), nothing is held."""
-    if not MASKS:
-        yield
-        return
+    mask); one that came meanwhile is delivered when the block ends. POSIX only (MASKS)."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     try:
         yield
@@ -88,7 +89,14 @@ class DataLoader(torch.utils.data.DataLoader):
         super().__init__(*args, worker_init_fn=loader_worker_init(worker_init_fn), **kwargs)
 
     def _get_iterator(self):
-        if self.num_workers == 0:
+        if self.num_workers == 0 or not MASKS:
             return super()._get_iterator()
+        method = (self.multiprocessing_context or multiprocessing.get_context()).get_start_method()
+        if method != "fork":
+            # the resource tracker unblocks both signals when it starts (spawn and forkserver
+            # queues start it): started first, it cannot undo the block
+            resource_tracker.ensure_running()
         with stop_signals_blocked():  # the workers start in here (persistent ones: once)
+            if method == "forkserver":
+                forkserver.ensure_running()  # its workers inherit its mask, not this process's
             return super()._get_iterator()
