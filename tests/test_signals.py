@@ -424,6 +424,46 @@ def test_what_the_workers_exit_codes_after_a_stop_signal_make_of_the_job(tmp_pat
     assert after(0, 0) is None  # they had finished: the job succeeded
 
 
+WORKER_THAT_RAISES = """
+import sys
+import rapidformer.cli.worker as worker
+
+def raise_it(*args):
+    raise {error}
+
+worker.build_run_config = lambda resolved: None
+worker._run_worker = raise_it
+worker.worker_main(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("error, exit_code, marked", [
+    ("KeyboardInterrupt", -signal.SIGINT, False),  # Ctrl-C while it starts: a stop
+    ("RuntimeError('broken')", 1, True),
+    ("SystemExit(3)", 3, True),
+    ("SystemExit(0)", 0, False),
+])
+def test_a_worker_marks_failures_not_a_ctrl_c_while_it_starts(tmp_path, error, exit_code,
+                                                                marked):
+    """The launcher names a marked rank as failed; a SIGINT it forwarded before the training
+    loop took the signal over ends the worker by KeyboardInterrupt, and the job is a stop."""
+    from rapidformer.runtime.launch import StopForwarder, WorkerFailed, _after_signal
+    from rapidformer.runtime.rank_progress import failure_marks
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    started_ns = time.time_ns()
+    result = subprocess.run([sys.executable, "-c", WORKER_THAT_RAISES.format(error=error),
+                             str(tmp_path / "config.yaml"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == exit_code, result.stderr[-2000:]
+    assert (0 in failure_marks(tmp_path, started_ns)) == marked
+    forwarder = StopForwarder(_elastic_handler, dict)
+    forwarder.signum, forwarder.workers = signal.SIGINT, {100: (0, 0)}
+    forwarder.exits = {100: result.returncode}
+    outcome = _after_signal(tmp_path, signal.SIGINT, forwarder, None, started_ns)
+    assert isinstance(outcome, WorkerFailed) == (exit_code not in (0, -signal.SIGINT))
+
+
 def test_the_first_failure_is_the_signalled_rank_not_the_peer_it_took_down():
     from rapidformer.runtime.launch import WorkerFailed, first_failure
 

@@ -36,7 +36,11 @@ def worker_main(config_file: str, run_dir: str | None = None) -> None:
     try:
         _run_worker(cfg, run_dir, resolved, rank)
     except BaseException as exc:
-        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+        # Ctrl-C before the training loop handles it (the launcher forwards it while the worker
+        # starts): a stop, which the launcher reports as one, not a failure
+        stopped = isinstance(exc, KeyboardInterrupt) or \
+            (isinstance(exc, SystemExit) and exc.code in (0, None))
+        if not stopped:
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
             mark_failed(run_dir, rank, code)  # the launcher names the rank that failed first
         raise
