@@ -369,6 +369,33 @@ def test_a_worker_that_fails_while_stopping_ends_the_launchers_wait(tmp_path, fa
             child.wait()
 
 
+def test_a_worker_that_failed_just_before_the_signal_ends_the_wait_too(tmp_path):
+    """A rank that exited before the signal, not yet reaped by torch elastic's monitor, has no
+    environment left to name its ranks by: the launcher remembers its workers while they run."""
+    from rapidformer.runtime.launch import StopForwarder, WorkerFailed, _after_signal
+
+    stuck, failed = _children("pass", "pass")
+    try:
+        alive = {stuck.pid: (0, 0), failed.pid: (1, 1)}
+        forwarder = StopForwarder(_elastic_handler, lambda: dict(alive))
+        forwarder.remember()
+        failed.send_signal(signal.SIGUSR1)  # its default action: the process ends
+        while not os.waitid(os.P_PID, failed.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG):
+            time.sleep(0.01)
+        del alive[failed.pid]  # what /proc shows of a zombie: no environment
+        started = time.monotonic()
+        with pytest.raises(_Ended):
+            forwarder(signal.SIGTERM, None)
+        assert time.monotonic() - started < 5 and stuck.poll() is None
+        assert forwarder.exit_codes() == {1: (-signal.SIGUSR1, 1)}
+        failure = _after_signal(tmp_path, signal.SIGTERM, forwarder, None)
+        assert isinstance(failure, WorkerFailed) and "worker rank 1 " in str(failure)
+    finally:
+        for child in (stuck, failed):
+            child.kill()
+            child.wait()
+
+
 def test_a_second_stop_signal_to_the_launcher_stops_its_wait(monkeypatch):
     from rapidformer.runtime import preemption
     from rapidformer.runtime.launch import StopForwarder

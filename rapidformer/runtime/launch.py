@@ -167,6 +167,7 @@ class StopForwarder:
         self.signum: int | None = None
         self.second: int | None = None
         self.workers: dict[int, Ranks] = {}  # pid -> (rank, local rank)
+        self.known: dict[int, Ranks] = {}  # the workers seen while they ran (remember())
         self.exits: dict[int, int] = {}  # pid -> exit code, -N for signal N (as Popen has it)
         self._first = 0.0
 
@@ -181,6 +182,7 @@ class StopForwarder:
             self.signum, self._first = signum, now
             self.workers = self.find_workers()
             self._forward(signum)
+            self.workers.update(self._exited_unreaped())
             log.warning("received %s: passed on to %d worker(s); waiting for them to finish the "
                         "step, write a checkpoint and stop (send it again to stop at once)",
                         name, len(self.workers))
@@ -193,6 +195,22 @@ class StopForwarder:
                         name)
             return self.elastic_handler(signum, frame)
         return None  # the same request again (a terminal's and a scheduler's copy)
+
+    def remember(self) -> None:
+        """Note the workers running now: one that exits before a stop signal, and is not yet
+        reaped, has no environment left to read its ranks from."""
+        self.known.update(self.find_workers())
+
+    def _exited_unreaped(self) -> dict[int, Ranks]:
+        """The remembered workers that have exited and are still this process's children (not
+        yet seen by torch elastic's monitor): their failure must end the wait too."""
+        found = {}
+        for pid, ranks in list(self.known.items()):  # remember() may add to it meanwhile
+            if pid not in self.workers:
+                exited, code = exit_code_of(pid)
+                if exited and code is not None:
+                    found[pid] = ranks
+        return found
 
     def _wait(self, signum: int) -> None:
         """Until every worker has exited, or one has failed: the others may then wait for it in
@@ -277,16 +295,26 @@ def _workers_stop_first():
     handled = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None),
                            getattr(signal, "SIGQUIT", None)) if s is not None]
     before = {s: signal.getsignal(s) for s in handled} if main else {}
+    done = threading.Event()
     if forwarder is not None:
         api._terminate_process_handler = forwarder  # what elastic installs at each (re)start
+        threading.Thread(target=_remember_workers, args=(forwarder, done), daemon=True,
+                         name="rapidformer-workers").start()
     try:
         yield forwarder
     finally:
+        done.set()
         if forwarder is not None:
             api._terminate_process_handler = elastic_handler
         for sig, handler in before.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+def _remember_workers(forwarder: StopForwarder, done: threading.Event,
+                      every_s: float = 0.5) -> None:
+    while not done.wait(every_s):
+        forwarder.remember()
 
 
 def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
