@@ -246,7 +246,7 @@ def signal_it(flag):
 
 
 if __name__ == "__main__":
-    multiprocessing.set_start_method(sys.argv[1])  # the default, as on Python 3.14 (forkserver)
+    multiprocessing.set_start_method(sys.argv[1])
     for epoch in range(2):  # a fresh process: the first loader starts the helper processes
         flag = f"started_{epoch}"
         batches = iter(DataLoader(SlowStart(flag), batch_size=None, num_workers=1))
@@ -255,19 +255,69 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("start", ["spawn", "forkserver"])
-def test_a_stop_signal_while_a_spawned_loader_worker_starts_leaves_it_working(tmp_path, start):
-    """A spawned or fork-server worker is exposed for its whole interpreter start (seconds), and
-    multiprocessing's helper processes unblock the signals as they start: in a fresh process,
+def test_a_stop_signal_while_a_spawned_loader_worker_starts_leaves_it_working(tmp_path):
+    """A spawned worker is exposed for its whole interpreter start (seconds), and
+    multiprocessing's resource tracker unblocks the signals as it starts: in a fresh process,
     a SIGTERM to each epoch's worker while it is unpickled must not end it."""
     (tmp_path / "slow_start.py").write_text(SLOW_START)
     (tmp_path / "cold_start.py").write_text(COLD_START)
-    result = subprocess.run([sys.executable, "cold_start.py", start], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "cold_start.py", "spawn"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=240,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                 [str(tmp_path), str(Path(__file__).parents[1])])})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["[True, True]"] * 2, result.stderr[-3000:]
+
+
+AFTER_A_FORKSERVER_LOADER = """
+import multiprocessing, time
+import torch
+from rapidformer.runtime.loader_workers import DataLoader
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("forkserver")
+    assert list(DataLoader(torch.arange(2), batch_size=None, num_workers=1)) == [0, 1]
+    later = multiprocessing.Process(target=time.sleep, args=(60,))
+    later.start()
+    time.sleep(0.5)
+    later.terminate()
+    later.join(20)
+    print(later.exitcode)
+"""
+
+
+def test_a_fork_server_the_user_chose_is_left_as_it_was(tmp_path):
+    """Workers of a fork server inherit its signal mask: one started blocked would leave every
+    later process of it (the user's own too) deaf to SIGTERM, so a loader on a fork server the
+    user chose blocks nothing (its workers are exposed while they start, as torch's are)."""
+    script = tmp_path / "after_loader.py"
+    script.write_text(AFTER_A_FORKSERVER_LOADER)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(
+                                Path(__file__).parents[1])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [str(-signal.SIGTERM)]
+
+
+def test_the_loaders_fork_where_a_fork_server_is_only_pythons_default(monkeypatch):
+    """Python 3.14 on Linux starts processes through a fork server unless told otherwise; the
+    loaders then fork, as Python did before, so that their workers start protected."""
+    import multiprocessing
+
+    from rapidformer.runtime import loader_workers
+    from rapidformer.runtime.loader_workers import DataLoader
+
+    monkeypatch.setattr(loader_workers.sys, "platform", "linux")
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods",
+                        lambda: ["forkserver", "fork", "spawn"])
+    for chosen, given, used in [(None, None, "fork"), ("forkserver", None, None),
+                                (None, "spawn", "spawn"), (None, "forkserver", "forkserver")]:
+        monkeypatch.setattr(multiprocessing, "get_start_method",
+                            lambda allow_none=False, chosen=chosen: chosen)
+        loader = DataLoader(_Probe(), batch_size=None, num_workers=1,
+                            multiprocessing_context=given)
+        context = loader.multiprocessing_context
+        assert (context and context.get_start_method()) == used, (chosen, given)
 
 
 def test_a_stop_signal_held_back_while_workers_start_reaches_the_process_after():

@@ -16,9 +16,12 @@ while one starts is not rare. The loader therefore starts its workers with both 
 (a blocked signal stays pending; the mask is inherited through fork and exec), and the init
 function ignores them before it unblocks them: the pending one is discarded. The training
 process gets its own pending signal as soon as the workers are started. Spawned workers inherit
-the mask through exec; forkserver workers inherit the fork server's, so the server is started
-inside the block (one started earlier by other code keeps whatever mask it had: its workers
-are exposed while they start, as torch's are).
+the mask through exec. Fork-server workers inherit the server's mask, not this process's, and a
+server started blocked would keep every later process of it (the user's own too) deaf to
+SIGTERM: a loader asked to use a fork server (`multiprocessing_context="forkserver"`, or
+`multiprocessing.set_start_method("forkserver")`) gets no block, and its workers are exposed
+while they start, as torch's are. Where the fork server is only Python's default (Linux from
+Python 3.14), the loaders fork instead, as Python did before.
 
     DataLoader(dataset, ..., num_workers=n)  # this module's DataLoader, not torch's
     DataLoader(dataset, ..., worker_init_fn=users_own_init_fn)  # theirs runs after ours
@@ -28,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal
-from multiprocessing import forkserver, resource_tracker
+import sys
+from multiprocessing import resource_tracker
 from typing import Callable
 
 import torch.utils.data
@@ -85,18 +89,28 @@ class DataLoader(torch.utils.data.DataLoader):
     """torch's DataLoader whose worker processes leave the stop signals to the process that
     trains, from the moment they start (the module's docstring says why and how)."""
 
-    def __init__(self, *args, worker_init_fn: Callable[[int], None] | None = None, **kwargs):
-        super().__init__(*args, worker_init_fn=loader_worker_init(worker_init_fn), **kwargs)
+    def __init__(self, *args, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context=None, **kwargs):
+        if multiprocessing_context is None and _forkserver_by_default():
+            multiprocessing_context = "fork"
+        super().__init__(*args, worker_init_fn=loader_worker_init(worker_init_fn),
+                         multiprocessing_context=multiprocessing_context, **kwargs)
 
     def _get_iterator(self):
-        if self.num_workers == 0 or not MASKS:
-            return super()._get_iterator()
         method = (self.multiprocessing_context or multiprocessing.get_context()).get_start_method()
+        if self.num_workers == 0 or not MASKS or method == "forkserver":
+            return super()._get_iterator()
         if method != "fork":
-            # the resource tracker unblocks both signals when it starts (spawn and forkserver
+            # the resource tracker unblocks both signals when it starts (a spawn context's
             # queues start it): started first, it cannot undo the block
             resource_tracker.ensure_running()
         with stop_signals_blocked():  # the workers start in here (persistent ones: once)
-            if method == "forkserver":
-                forkserver.ensure_running()  # its workers inherit its mask, not this process's
             return super()._get_iterator()
+
+
+def _forkserver_by_default() -> bool:
+    """Whether Python would start workers through a fork server without being asked to (Linux,
+    from Python 3.14): the loaders then fork, as Python did before."""
+    # get_context() would fix the default, and a later set_start_method would then fail
+    return (multiprocessing.get_start_method(allow_none=True) is None and sys.platform == "linux"
+            and multiprocessing.get_all_start_methods()[0] == "forkserver")
