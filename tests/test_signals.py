@@ -304,20 +304,34 @@ def test_the_loaders_fork_where_a_fork_server_is_only_pythons_default(monkeypatc
     loaders then fork, as Python did before, so that their workers start protected."""
     import multiprocessing
 
-    from rapidformer.runtime import loader_workers
     from rapidformer.runtime.loader_workers import DataLoader
 
-    monkeypatch.setattr(loader_workers.sys, "platform", "linux")
     monkeypatch.setattr(multiprocessing, "get_all_start_methods",
                         lambda: ["forkserver", "fork", "spawn"])
-    for chosen, given, used in [(None, None, "fork"), ("forkserver", None, None),
-                                (None, "spawn", "spawn"), (None, "forkserver", "forkserver")]:
+    for chosen, given, workers, used in [
+            (None, None, 1, "fork"), ("forkserver", None, 1, None), (None, "spawn", 1, "spawn"),
+            (None, "forkserver", 1, "forkserver"), (None, None, 0, None)]:
         monkeypatch.setattr(multiprocessing, "get_start_method",
                             lambda allow_none=False, chosen=chosen: chosen)
-        loader = DataLoader(_Probe(), batch_size=None, num_workers=1,
+        loader = DataLoader(_Probe(), batch_size=None, num_workers=workers,
                             multiprocessing_context=given)
         context = loader.multiprocessing_context
-        assert (context and context.get_start_method()) == used, (chosen, given)
+        assert (context and context.get_start_method()) == used, (chosen, given, workers)
+        assert len(list(loader)) == 2
+
+
+def test_a_loader_without_workers_leaves_the_start_method_unfixed():
+    """Iterating must not fix multiprocessing's default start method: the user's later
+    set_start_method would fail."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import multiprocessing
+        from rapidformer.runtime.loader_workers import DataLoader
+        assert list(DataLoader(list(range(3)), batch_size=None)) == [0, 1, 2]
+        assert multiprocessing.get_start_method(allow_none=True) is None
+        multiprocessing.set_start_method("spawn")
+    """)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_a_stop_signal_held_back_while_workers_start_reaches_the_process_after():

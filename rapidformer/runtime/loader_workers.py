@@ -20,8 +20,9 @@ the mask through exec. Fork-server workers inherit the server's mask, not this p
 server started blocked would keep every later process of it (the user's own too) deaf to
 SIGTERM: a loader asked to use a fork server (`multiprocessing_context="forkserver"`, or
 `multiprocessing.set_start_method("forkserver")`) gets no block, and its workers are exposed
-while they start, as torch's are. Where the fork server is only Python's default (Linux from
-Python 3.14), the loaders fork instead, as Python did before.
+while they start, as torch's are. Where the fork server is only Python's default (POSIX
+systems but macOS from Python 3.14, while nothing has fixed the start method: a
+`multiprocessing.Queue()` made earlier does), the loaders fork instead, as Python did before.
 
     DataLoader(dataset, ..., num_workers=n)  # this module's DataLoader, not torch's
     DataLoader(dataset, ..., worker_init_fn=users_own_init_fn)  # theirs runs after ours
@@ -31,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import signal
-import sys
 from multiprocessing import resource_tracker
 from typing import Callable
 
@@ -89,17 +89,16 @@ class DataLoader(torch.utils.data.DataLoader):
     """torch's DataLoader whose worker processes leave the stop signals to the process that
     trains, from the moment they start (the module's docstring says why and how)."""
 
-    def __init__(self, *args, worker_init_fn: Callable[[int], None] | None = None,
-                 multiprocessing_context=None, **kwargs):
-        if multiprocessing_context is None and _forkserver_by_default():
-            multiprocessing_context = "fork"
-        super().__init__(*args, worker_init_fn=loader_worker_init(worker_init_fn),
-                         multiprocessing_context=multiprocessing_context, **kwargs)
+    def __init__(self, *args, worker_init_fn: Callable[[int], None] | None = None, **kwargs):
+        super().__init__(*args, worker_init_fn=loader_worker_init(worker_init_fn), **kwargs)
+        if self.num_workers > 0 and self.multiprocessing_context is None and \
+                _forkserver_by_default():
+            self.multiprocessing_context = "fork"
 
     def _get_iterator(self):
-        method = (self.multiprocessing_context or multiprocessing.get_context()).get_start_method()
-        if self.num_workers == 0 or not MASKS or method == "forkserver":
+        if self.num_workers == 0 or not MASKS or self._start_method() == "forkserver":
             return super()._get_iterator()
+        method = self._start_method()
         if method != "fork":
             # the resource tracker unblocks both signals when it starts (a spawn context's
             # queues start it): started first, it cannot undo the block
@@ -108,9 +107,18 @@ class DataLoader(torch.utils.data.DataLoader):
             return super()._get_iterator()
 
 
+    def _start_method(self) -> str:
+        # multiprocessing.get_context() would fix the default start method, and a later
+        # set_start_method of the user's would then fail
+        if self.multiprocessing_context is not None:
+            return self.multiprocessing_context.get_start_method()
+        return (multiprocessing.get_start_method(allow_none=True)
+                or multiprocessing.get_all_start_methods()[0])  # the first is the default
+
+
 def _forkserver_by_default() -> bool:
-    """Whether Python would start workers through a fork server without being asked to (Linux,
-    from Python 3.14): the loaders then fork, as Python did before."""
-    # get_context() would fix the default, and a later set_start_method would then fail
-    return (multiprocessing.get_start_method(allow_none=True) is None and sys.platform == "linux"
+    """Whether Python would start workers through a fork server, its default where nothing has
+    fixed the start method yet (POSIX systems but macOS, from Python 3.14): the loaders then
+    fork, as Python did before."""
+    return (multiprocessing.get_start_method(allow_none=True) is None
             and multiprocessing.get_all_start_methods()[0] == "forkserver")
