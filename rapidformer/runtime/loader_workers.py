@@ -11,7 +11,7 @@ gone exits by itself within torch's 5 s status check).
 
 A worker is exposed from its start until its `worker_init_fn` runs: torch's worker loop first
 installs a SIGTERM handler that dies by the signal, then seeds, then calls the init function.
-Workers start with every new iterator (each epoch, each evaluation), so a signal that lands
+Workers start with every new iterator (each epoch and evaluation, unless persistent), so a signal that lands
 while one starts is not rare. The loader therefore starts its workers with both signals blocked
 (a blocked signal stays pending; the mask is inherited through fork and exec), and the init
 function ignores them before it unblocks them: the pending one is discarded. The training
@@ -96,16 +96,15 @@ class DataLoader(torch.utils.data.DataLoader):
             self.multiprocessing_context = "fork"
 
     def _get_iterator(self):
-        if self.num_workers == 0 or not MASKS or self._start_method() == "forkserver":
+        method = self._start_method() if self.num_workers > 0 and MASKS else None
+        if method in (None, "forkserver"):
             return super()._get_iterator()
-        method = self._start_method()
         if method != "fork":
             # the resource tracker unblocks both signals when it starts (a spawn context's
             # queues start it): started first, it cannot undo the block
             resource_tracker.ensure_running()
         with stop_signals_blocked():  # the workers start in here (persistent ones: once)
             return super()._get_iterator()
-
 
     def _start_method(self) -> str:
         # multiprocessing.get_context() would fix the default start method, and a later
