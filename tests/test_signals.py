@@ -163,6 +163,14 @@ def _users_init(worker_id: int) -> None:
     os.environ["USERS_INIT_RAN"] = "yes"
 
 
+def _python(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """A fresh interpreter (nothing has fixed its start method or started helper processes)
+    that imports this repository and modules in `cwd`."""
+    path = [str(p) for p in (cwd, Path(__file__).parents[1]) if p is not None]
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
+
+
 @pytest.mark.parametrize("start", ["fork", "spawn", "forkserver"])
 def test_loader_workers_leave_stop_signals_to_the_main_process_and_run_the_users_init(start):
     from rapidformer.runtime.loader_workers import DataLoader, ignore_stop_signals, \
@@ -261,10 +269,7 @@ def test_a_stop_signal_while_a_spawned_loader_worker_starts_leaves_it_working(tm
     a SIGTERM to each epoch's worker while it is unpickled must not end it."""
     (tmp_path / "slow_start.py").write_text(SLOW_START)
     (tmp_path / "cold_start.py").write_text(COLD_START)
-    result = subprocess.run([sys.executable, "cold_start.py", "spawn"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                [str(tmp_path), str(Path(__file__).parents[1])])})
+    result = _python(["cold_start.py", "spawn"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["[True, True]"] * 2, result.stderr[-3000:]
 
@@ -292,9 +297,7 @@ def test_a_fork_server_the_user_chose_is_left_as_it_was(tmp_path):
     user chose blocks nothing (its workers are exposed while they start, as torch's are)."""
     script = tmp_path / "after_loader.py"
     script.write_text(AFTER_A_FORKSERVER_LOADER)
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(
-                                Path(__file__).parents[1])})
+    result = _python([str(script)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == [str(-signal.SIGTERM)]
 
@@ -323,14 +326,13 @@ def test_the_loaders_fork_where_a_fork_server_is_only_pythons_default(monkeypatc
 def test_a_loader_without_workers_leaves_the_start_method_unfixed():
     """Iterating must not fix multiprocessing's default start method: the user's later
     set_start_method would fail."""
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    result = _python(["-c", textwrap.dedent("""
         import multiprocessing
         from rapidformer.runtime.loader_workers import DataLoader
         assert list(DataLoader(list(range(3)), batch_size=None)) == [0, 1, 2]
         assert multiprocessing.get_start_method(allow_none=True) is None
         multiprocessing.set_start_method("spawn")
-    """)], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    """)])
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -408,25 +410,32 @@ def test_the_launcher_passes_a_stop_signal_on_and_waits_for_its_workers():
             child.wait()
 
 
+def _the_wait_ends_naming_rank_1(forwarder, stuck: subprocess.Popen, code_of, tmp_path: Path):
+    """A stop signal to `forwarder` returns within seconds though `stuck` (rank 0) never exits,
+    and the job is rank 1's failure, with the exit code `code_of()`."""
+    from rapidformer.runtime.launch import WorkerFailed, _after_signal
+
+    started = time.monotonic()
+    with pytest.raises(_Ended):
+        forwarder(signal.SIGTERM, None)
+    assert time.monotonic() - started < 5
+    assert stuck.poll() is None  # left to torch elastic's handler to stop
+    assert forwarder.exit_codes() == {1: (code_of(), 1)}
+    failed = _after_signal(tmp_path, signal.SIGTERM, forwarder, None)
+    assert isinstance(failed, WorkerFailed) and "worker rank 1 " in str(failed)
+
+
 @pytest.mark.parametrize("failure", ["sys.exit(3)", "os.kill(os.getpid(), signal.SIGKILL)"])
 def test_a_worker_that_fails_while_stopping_ends_the_launchers_wait(tmp_path, failure):
     """A rank that fails while the others stop (its loader broke, it ran out of memory) leaves
     them waiting for it in a collective: the launcher must not wait for them forever."""
-    from rapidformer.runtime.launch import StopForwarder, WorkerFailed, _after_signal
+    from rapidformer.runtime.launch import StopForwarder
 
     stuck, failing = _children("pass", f"import os; {failure}")
     try:
         forwarder = StopForwarder(_elastic_handler, lambda: {stuck.pid: (0, 0),
                                                              failing.pid: (1, 1)})
-        started = time.monotonic()
-        with pytest.raises(_Ended):
-            forwarder(signal.SIGTERM, None)
-        assert time.monotonic() - started < 5
-        assert stuck.poll() is None  # left to torch elastic's handler to stop
-        code = failing.wait(5)
-        assert forwarder.exit_codes() == {1: (code, 1)}
-        failed = _after_signal(tmp_path, signal.SIGTERM, forwarder, None)
-        assert isinstance(failed, WorkerFailed) and "worker rank 1 " in str(failed)
+        _the_wait_ends_naming_rank_1(forwarder, stuck, lambda: failing.wait(5), tmp_path)
     finally:
         for child in (stuck, failing):
             child.kill()
@@ -436,7 +445,7 @@ def test_a_worker_that_fails_while_stopping_ends_the_launchers_wait(tmp_path, fa
 def test_a_worker_that_failed_just_before_the_signal_ends_the_wait_too(tmp_path):
     """A rank that exited before the signal, not yet reaped by torch elastic's monitor, has no
     environment left to name its ranks by: the launcher remembers its workers while they run."""
-    from rapidformer.runtime.launch import StopForwarder, WorkerFailed, _after_signal
+    from rapidformer.runtime.launch import StopForwarder
 
     stuck, failed = _children("pass", "pass")
     try:
@@ -447,13 +456,7 @@ def test_a_worker_that_failed_just_before_the_signal_ends_the_wait_too(tmp_path)
         while not os.waitid(os.P_PID, failed.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG):
             time.sleep(0.01)
         del alive[failed.pid]  # what /proc shows of a zombie: no environment
-        started = time.monotonic()
-        with pytest.raises(_Ended):
-            forwarder(signal.SIGTERM, None)
-        assert time.monotonic() - started < 5 and stuck.poll() is None
-        assert forwarder.exit_codes() == {1: (-signal.SIGUSR1, 1)}
-        failure = _after_signal(tmp_path, signal.SIGTERM, forwarder, None)
-        assert isinstance(failure, WorkerFailed) and "worker rank 1 " in str(failure)
+        _the_wait_ends_naming_rank_1(forwarder, stuck, lambda: -signal.SIGUSR1, tmp_path)
     finally:
         for child in (stuck, failed):
             child.kill()

@@ -10,8 +10,8 @@ A SIGTERM or SIGINT to the launcher (a scheduler's `kill -TERM -PGID`, Ctrl-C) i
 every worker's process group, and the launcher waits for the workers to finish the step, write
 the checkpoint and exit (runtime/preemption.py), however long that takes, then exits 75 itself;
 a worker that fails meanwhile ends the wait (the others could wait for it in a collective
-forever, and torch elastic stops them); a second signal more than preemption.SAME_EVENT_S later stops them at once (torch elastic then
-kills what is left 30 s later). A worker that fails ends the job: the launcher names the first
+forever, and torch elastic stops them); a second signal more than preemption.SAME_EVENT_S later
+stops them at once (torch elastic then kills what is left 30 s later). A worker that fails ends the job: the launcher names the first
 rank to fail (by the rank's own nanosecond mark; a rank killed by a signal leaves none, and
 is named with the signal), and exits with its exit code, 128 + N for signal N.
 """
@@ -157,8 +157,8 @@ class StopForwarder:
     signal and kills the workers 30 s later, whether or not their checkpoint is written, and
     keeps no exit codes): pass the signal on to each worker's process group, wait for every
     worker to exit, or for one to fail (reading exit codes without reaping: torch elastic still
-    does), then let elastic's handler end the job. A second signal more than SAME_EVENT_S after the first
-    is passed on too (the workers then exit at once) and stops the wait."""
+    does), then let elastic's handler end the job. A second signal more than SAME_EVENT_S after
+    the first is passed on too (the workers then exit at once) and stops the wait."""
 
     def __init__(self, elastic_handler: Callable,
                  find_workers: Callable[[], dict[int, Ranks]] | None = None):

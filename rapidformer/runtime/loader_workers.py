@@ -11,8 +11,8 @@ gone exits by itself within torch's 5 s status check).
 
 A worker is exposed from its start until its `worker_init_fn` runs: torch's worker loop first
 installs a SIGTERM handler that dies by the signal, then seeds, then calls the init function.
-Workers start with every new iterator (each epoch and evaluation, unless persistent), so a signal that lands
-while one starts is not rare. The loader therefore starts its workers with both signals blocked
+Workers start with every new iterator (each epoch and evaluation, unless persistent), so a
+signal that lands while one starts is not rare. The loader therefore starts its workers with both signals blocked
 (a blocked signal stays pending; the mask is inherited through fork and exec), and the init
 function ignores them before it unblocks them: the pending one is discarded. The training
 process gets its own pending signal as soon as the workers are started. Spawned workers inherit
