@@ -121,12 +121,14 @@ def test_the_child_measures_the_run_as_given_with_the_candidate():
 
 
 def measured(label: str, rate: float, warmup_s: float, losses=(1.0, 0.9, 0.8, 0.7),
-             status: str = "ok") -> Measurement:
-    # 2 warm-up steps of `warmup_s` in all, then 1000 real tokens a step at `rate`
+             status: str = "ok", fixed_s: float = 0.0) -> Measurement:
+    # 2 warm-up steps of `warmup_s` in all, then 1000 real tokens a step at `rate`; the child
+    # spent `fixed_s` outside its steps (start-up, evaluation)
     steps = [{"loss": loss, "window_s": warmup_s / 2 if i < 2 else 1000 / rate,
               "tokens_per_s": 1000 / (warmup_s / 2) if i < 2 else rate}
              for i, loss in enumerate(losses)]
-    m = summarize(Candidate(label), steps, 2, 10.0, 0, "")
+    wall = fixed_s + sum(r["window_s"] for r in steps)
+    m = summarize(Candidate(label), steps, 2, wall, 0, "")
     m.status = status
     return m
 
@@ -140,6 +142,19 @@ def test_the_choice_is_by_time_to_result_for_the_run_length():
     assert choose(short).label == "reference"  # 10 s of training does not pay 60 s
     long = judge(eager, [compiled], run_tokens=1_000_000, warmup_steps=2, tolerance=0.1)
     assert choose(long).label == "compile"  # 1000 s vs 560 s
+
+
+@pytest.mark.parametrize("run_tokens, chosen", [(10_000, "reference"), (100_000, "reference"),
+                                                (1_000_000, "cuda graphs")])
+def test_what_a_child_spends_outside_its_steps_is_in_its_time_to_result(run_tokens, chosen):
+    # both children start in 5 s; the graphed one's evaluation compiles and records its own
+    # graphs: 80 s more after training, as a small encoder's compiled evaluation does
+    eager = measured("reference", rate=1000, warmup_s=2.0, fixed_s=5.0)
+    graphed = measured("cuda graphs", rate=3000, warmup_s=10.0, fixed_s=85.0)
+    assert graphed.fixed_s == pytest.approx(85.0) and eager.fixed_s == pytest.approx(5.0)
+    assert time_to_result(graphed, 30_000, 2) == pytest.approx(85 + (10 - 2 / 3) + 10)
+    verdicts = judge(eager, [graphed], run_tokens=run_tokens, warmup_steps=2, tolerance=0.1)
+    assert choose(verdicts).label == chosen  # eager: 5 + run/1000; graphed: 94.3 + run/3000
 
 
 def test_the_loss_check_rejects_a_fast_candidate_that_trains_otherwise():

@@ -42,6 +42,9 @@ class Measurement:
     wall_s: float  # the child process, start to end
     losses: list[float] = field(default_factory=list)
     warmup_s: float = 0.0  # the warm-up steps' windows (compile, graph capture)
+    # the child's time outside its steps: start-up, the final evaluation and test with their
+    # own compilation (a compiled candidate compiles its evaluation too), paid by the run
+    fixed_s: float = 0.0
     tokens_per_s: float | None = None  # real tokens per second after the warm-up
     tokens_per_step: float | None = None  # real tokens per optimizer step after the warm-up
     peak_mem_gb: float | None = None
@@ -52,6 +55,7 @@ class Measurement:
         return {"label": self.candidate.label, "overrides": self.candidate.override_list(),
                 "status": self.status, "wall_s": round(self.wall_s, 3),
                 "losses": self.losses, "warmup_s": round(self.warmup_s, 3),
+                "fixed_s": round(self.fixed_s, 3),
                 "tokens_per_s": self.tokens_per_s, "tokens_per_step": self.tokens_per_step,
                 "peak_mem_gb": self.peak_mem_gb, "reason": self.reason}
 
@@ -130,6 +134,7 @@ def summarize(candidate: Candidate, steps: list[dict], warmup: int, wall_s: floa
     m = Measurement(candidate, "ok", wall_s, losses=[float(r["loss"]) for r in steps])
     timed = steps[warmup:]
     m.warmup_s = sum(r["window_s"] for r in steps[:warmup])
+    m.fixed_s = max(wall_s - sum(r["window_s"] for r in steps), 0.0)
     seconds = sum(r["window_s"] for r in timed)
     tokens = sum(r["tokens_per_s"] * r["window_s"] for r in timed)
     if timed and seconds > 0:

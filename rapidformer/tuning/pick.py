@@ -8,13 +8,17 @@ step: dropout masks and a different micro-batch split move single steps; a wrong
 
 Time to result of a candidate, for a run of `run_tokens` real tokens:
 
+    fixed           = the child's time outside its steps: start-up, and the evaluation and test
+                      at its end, their compilation included (a compiled model compiles its
+                      evaluation apart from its training step)
     warm-up excess  = the warm-up steps' time - the time those steps take at the rate after it
                       (compilation, CUDA graph capture, autotuning: paid once per run)
-    time to result  = warm-up excess + run_tokens / rate
+    time to result  = fixed + warm-up excess + run_tokens / rate
 
 and the search's own cost, the same for every candidate, is added to what is reported. So a
 compiled candidate twice as fast per step loses to eager on a run too short to pay its
-compilation, and wins on a long one.
+compilation, and wins on a long one. The child evaluates once; a run that evaluates every
+epoch pays the later evaluations at the evaluation's rate, not counted here.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def time_to_result(m: Measurement, run_tokens: float, warmup_steps: int) -> floa
     if not m.tokens_per_s or m.tokens_per_step is None:
         return None
     excess = max(m.warmup_s - warmup_steps * m.tokens_per_step / m.tokens_per_s, 0.0)
-    return excess + run_tokens / m.tokens_per_s
+    return m.fixed_s + excess + run_tokens / m.tokens_per_s
 
 
 def judge(reference: Measurement, measured: list[Measurement], run_tokens: float,

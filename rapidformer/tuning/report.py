@@ -11,14 +11,16 @@ def _num(value, fmt: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: candidate, tokens/s, warm-up s, peak memory, loss check, time to result,
-    and why it was skipped or left out."""
-    lines = ["| candidate | real tokens/s | warm-up s | peak mem GB | loss check | "
-             "time to result s | chosen / why not |", "|---|---|---|---|---|---|---|"]
+    """Markdown: candidate, tokens/s, warm-up s, start-up and evaluation s, peak memory, loss
+    check, time to result, and why it was skipped or left out."""
+    lines = ["| candidate | real tokens/s | warm-up s | start + eval s | peak mem GB | "
+             "loss check | time to result s | chosen / why not |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         why = "chosen" if r.get("chosen") else r.get("why", "")
         lines.append(f"| {r['label']} | {_num(r.get('tokens_per_s'), ',.0f')} | "
-                     f"{_num(r.get('warmup_s'), '.2f')} | {_num(r.get('peak_mem_gb'), '.2f')} | "
+                     f"{_num(r.get('warmup_s'), '.2f')} | {_num(r.get('fixed_s'), '.1f')} | "
+                     f"{_num(r.get('peak_mem_gb'), '.2f')} | "
                      f"{r.get('loss_check', '-')} | {_num(r.get('time_to_result_s'), ',.1f')} | "
                      f"{why.replace('|', '/')} |")
     return "\n".join(lines)

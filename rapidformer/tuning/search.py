@@ -4,6 +4,9 @@
     the reference (the config as given) measured first: its losses are what the others are
         checked against, its rate gives the run's estimated length (steps x real tokens a step)
     the budget: accelerate.budget_s, and at most accelerate.max_fraction of that length
+    a run too short for another measurement in that budget -> the reference, and the
+        candidates are not even enumerated (asking every setting's refusals and memory plan
+        takes seconds: on a short run they are seconds the search cannot win back)
     each admitted candidate, best prior first, measured while the budget lasts (a candidate
         starts only when the budget left covers what the reference's child took, and is
         stopped at the budget's end or accelerate.candidate_timeout_s)
@@ -71,12 +74,9 @@ def search(run_overrides: list[str], plain: dict, cfg: RunConfig, memory_auto: b
         return {**hit, "cached": True, "command": command(run_overrides,
                                                           hit["choice"]["overrides"])}
     started = time.monotonic()
-    admitted, left_out, priors = candidates(cfg, device, memory_auto)
-    say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
-        f"{a.steps} steps each ({a.warmup_steps} warm-up)")
     work = Path(tempfile.mkdtemp(prefix="rapidformer-tuning-"))
     try:
-        record = _measure_all(run_overrides, cfg, admitted, left_out, priors, work, started)
+        record = _measure_all(run_overrides, cfg, device, memory_auto, work, started)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record.update(key=key, key_fields=fields, cached=False, format=FORMAT,
@@ -86,7 +86,7 @@ def search(run_overrides: list[str], plain: dict, cfg: RunConfig, memory_auto: b
     return record
 
 
-def _measure_all(run_overrides, cfg: RunConfig, admitted, left_out, priors, work: Path,
+def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work: Path,
                  started: float) -> dict:
     a = cfg.accelerate
     say(f"measuring the reference (the config as given) for {a.steps} steps")
@@ -98,11 +98,22 @@ def _measure_all(run_overrides, cfg: RunConfig, admitted, left_out, priors, work
                          f"candidate against it. Run it without accelerate=auto to see why")
     steps = run_length(cfg, ref)
     run_tokens = steps * ref.tokens_per_step
-    estimated = ref.warmup_s + run_tokens / ref.tokens_per_s
+    estimated = ref.fixed_s + ref.warmup_s + run_tokens / ref.tokens_per_s
     budget = min(a.budget_s, a.max_fraction * estimated)
     say(f"reference: {ref.tokens_per_s:,.0f} real tokens/s; the run ({steps} steps) would take "
         f"about {estimated:,.0f} s; search budget {budget:,.0f} s (accelerate.budget_s="
         f"{a.budget_s:g}, max_fraction={a.max_fraction:g})")
+    if budget - (time.monotonic() - started) < ref.wall_s:
+        admitted, priors = [], {}
+        left_out = [{"label": "every other candidate",
+                     "why": f"not enumerated: the run is estimated at {estimated:,.1f} s, so "
+                            f"the search's budget is {budget:,.1f} s, and a measurement takes "
+                            f"about {ref.wall_s:,.0f} s"}]
+        say("no room for another measurement in the budget: the config as given is the choice")
+    else:
+        admitted, left_out, priors = candidates(cfg, device, memory_auto)
+        say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
+            f"{a.steps} steps each ({a.warmup_steps} warm-up)")
     measured: list[Measurement] = []
     skipped: list[dict] = []
     estimates = {adm.candidate.label: adm.estimate_gb for adm in admitted}
