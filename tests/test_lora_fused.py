@@ -541,3 +541,41 @@ def test_a_linear_beside_conv1d_targets_merges():
     x = torch.randn(3, 16)
     unmerged = model(x)
     torch.testing.assert_close(model.merge_and_unload()(x), unmerged, rtol=1e-5, atol=1e-5)
+
+
+def test_a_base_that_trains_or_is_hooked_takes_peft_s_path():
+    """peft's bias="all" and a base weight unfrozen by hand get their gradients, and a plain
+    base's forward hooks run: the function covers none of them, peft's modules do."""
+    x = torch.randn(2, 4, 32)
+    for config in ({"bias": "all"}, {"bias": "lora_only"}):
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **config)
+        register(lora)
+        model = peft.get_peft_model(Block(bias=True), lora).train()
+        q = model.base_model.model.q_proj
+        assert q._fused_forward(x) is None, config
+        model(x).sum().backward()
+        assert q.base_layer.bias.grad is not None and q.base_layer.bias.grad.abs().sum() > 0
+    fused = adapted(True, 0.0)
+    q = fused.base_model.model.q_proj
+    assert q._fused_forward(x) is not None
+    q.base_layer.weight.requires_grad_(True)
+    assert q._fused_forward(x) is None
+    fused(x).sum().backward()
+    assert q.base_layer.weight.grad is not None
+    q.base_layer.weight.requires_grad_(False)
+    seen = []
+    handle = q.base_layer.register_forward_pre_hook(lambda module, inputs: seen.append("pre"))
+    fused(x)
+    assert seen == ["pre"]
+    handle.remove()
+    assert q._fused_forward(x) is not None
+
+
+def test_a_second_derivative_is_refused_not_wrong():
+    fused = adapted(True, 0.0)
+    b = fused.base_model.model.q_proj.lora_B["default"].weight
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    grad_b, = torch.autograd.grad(fused(x).pow(2).sum(), [b], create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        grad_b.pow(2).sum().backward()

@@ -17,11 +17,12 @@ scale, in fp32), so the arithmetic is peft's; the masks come from another random
 peft's dropout modules, so runs with peft.dropout > 0 differ from peft.fused=false in which
 elements drop, not in distribution. Evaluation, a compiled graph (which traces peft's own
 modules: graph=compile is refused with it), merged or disabled adapters, several active
-adapters, DoRA and other LoRA variants, and base layers other than torch.nn.Linear and
-bitsandbytes' Linear4bit take peft's path unchanged. In training the function runs under
-torch.no_grad too, so activation checkpointing's recompute (which torch.utils.checkpoint runs
-with the CPU random state the seed is drawn from restored) draws the forward's masks, reentrant
-or not.
+adapters, DoRA and other LoRA variants, base layers other than torch.nn.Linear and
+bitsandbytes' Linear4bit, base layers that train (peft's bias="all") and torch.nn.Linear
+bases with forward hooks take peft's path unchanged. The backward is once differentiable (a
+second derivative raises). In training the function runs under torch.no_grad too, so
+activation checkpointing's recompute (which torch.utils.checkpoint runs with the CPU random
+state the seed is drawn from restored) draws the forward's masks, reentrant or not.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import math
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from peft.tuners.lora.layer import Linear as PeftLinear
 
@@ -107,6 +109,7 @@ class LoRALinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # u is saved as a constant: a second derivative would be wrong
     def backward(ctx, dy):
         x, a, b, u = ctx.saved_tensors
         dtype, scale, p = ctx.dtype, ctx.scale, ctx.p
@@ -157,7 +160,8 @@ class FusedMixin:
         if (not self.training or self.disable_adapters
                 or self.merged or torch.compiler.is_compiling()
                 or type(self.base_layer) not in self.fused_base_types
-                or getattr(self, "fan_in_fan_out", False)):
+                or getattr(self, "fan_in_fan_out", False)
+                or _base_trains_or_is_hooked(self.base_layer)):
             return None
         active = [name for name in self.active_adapters if name in self.lora_A]
         if len(active) != 1:
@@ -182,6 +186,15 @@ class FusedMixin:
         seed = int(torch.randint(SEED_RANGE, (), device="cpu")) if p else 0
         return LoRALinearFunction.apply(x, lora_a.weight, lora_b.weight, self.base_layer,
                                         float(self.scaling[name]) / (1.0 - p), p, seed, dtype)
+
+
+def _base_trains_or_is_hooked(base: nn.Module) -> bool:
+    """Whether the base layer needs peft's path: a parameter of it trains (peft's
+    bias="all"/"lora_only", a weight unfrozen by hand: the function gives the base no gradient),
+    or a torch.nn.Linear base has forward hooks (the function calls F.linear, not the module;
+    a 4-bit base is called as a module, its hooks run)."""
+    return (any(t.requires_grad for t in base.parameters())
+            or (not four_bit(base) and bool(base._forward_hooks or base._forward_pre_hooks)))
 
 
 def _compute_dtype(x: torch.Tensor, adapter_weight: torch.Tensor) -> torch.dtype | None:
