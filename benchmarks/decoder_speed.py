@@ -12,10 +12,14 @@ the same order.
     python benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 --iters 200
     python benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-bf16-fused rf-fp8 rf-fp8-fused
     python benchmarks/decoder_speed.py --smoke                      # CPU, tiny, a few steps
+    python benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 --iters 80 --profile 61 65
 
 Each row: tokens/s and MFU (bf16 peak) over the log windows after step 20, peak GB, the first
 step's seconds, and the loss curve (each log window's mean loss). Writes
-docs/benchmarks/decoder_speed.json.
+docs/benchmarks/decoder_speed.json. With `--profile FIRST LAST` every row also carries
+`profile`, the device's time per step by kernel kind and the top kernels over those steps
+(rapidformer: trainer.profile_steps; the plain loop: the same torch.profiler summary), and the
+log windows holding the profiled steps are left out of the rates (the profiler slows them).
 """
 from __future__ import annotations
 
@@ -56,13 +60,31 @@ def common(data: dict, args) -> list[str]:
             "trainer.save_last=false", "data.num_workers=2", *args.overrides]
 
 
+def profiled_window(step: int, args) -> bool:
+    """Whether the log window ending at `step` holds a profiled step."""
+    if not args.profile:
+        return False
+    first, last = args.profile
+    return step - LOG_INTERVAL < last and step >= first
+
+
+def profile_digest(summary: dict) -> dict:
+    """A row's profile: the time per step by kind and the ten longest kernels."""
+    keep = ("steps", "kernel_ms_per_step", "wall_ms_per_step", "busy_frac", "kinds")
+    return {**{k: summary[k] for k in keep if k in summary},
+            "top_kernels": summary.get("top_kernels", [])[:10]}
+
+
 def rapidformer_row(row: str, data: dict, args, work: Path) -> dict:
+    profiling = [f"trainer.profile_steps=[{args.profile[0]},{args.profile[1]}]"] \
+        if args.profile else []
     command = [sys.executable, "-m", "rapidformer", *common(data, args), *RF_ROWS[row],
-               f"trainer.output_dir={work / row}"]
+               *profiling, f"trainer.output_dir={work / row}"]
     base, result, windows = run_cli(row, command, work)
     if windows is None:
         return base
-    later = [r for r in windows if r["step"] > SKIP] or windows
+    timed = [r for r in windows if not profiled_window(r["step"], args)] or windows
+    later = [r for r in timed if r["step"] > SKIP] or timed
     mean = lambda key: sum(r.get(key) or 0 for r in later) / len(later)
     first = re.search(r"first step compiled and ran in ([\d.]+) s", result.stderr + result.stdout)
     float8 = re.search(r"(\d+) linear layers in float8", result.stderr + result.stdout)
@@ -72,13 +94,23 @@ def rapidformer_row(row: str, data: dict, args, work: Path) -> dict:
             "first_step_s": float(first.group(1)) if first else None,
             "float8_layers": int(float8.group(1)) if float8 else 0,
             "loss_curve": [round(r["loss"], 4) for r in windows],
-            "loss_at_end": round(windows[-1]["loss"], 4)}
+            "loss_at_end": round(windows[-1]["loss"], 4), **profile_of(work / row, args)}
+
+
+def profile_of(run_dir: Path, args) -> dict:
+    table = run_dir / "profile" / "kernels_rank0.json"
+    if not args.profile:
+        return {}
+    if not table.is_file():
+        return {"profile": {"error": f"no {table.name}: the run wrote no profile"}}
+    return {"profile": profile_digest(json.loads(table.read_text()))}
 
 
 def hf_row(row: str, data: dict, args, work: Path) -> dict:
     command = [sys.executable, __file__, "--hf-child", "--hf-data", json.dumps(data),
                "--iters", str(args.iters), "--batch", str(args.batch), "--seq", str(args.seq),
-               "--model", args.model, *(["--smoke"] if args.smoke else [])]
+               "--model", args.model, *(["--smoke"] if args.smoke else []),
+               *(["--profile", *map(str, args.profile)] if args.profile else [])]
     result = subprocess.run(command, capture_output=True, text=True)
     keep_log(row, result)
     base = {"row": row, "command": "plain Hugging Face LlamaForCausalLM + torch.compile, "
@@ -122,9 +154,19 @@ def hf_child(args) -> None:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if not args.smoke
                 else contextlib.nullcontext())
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    from rapidformer.observability.step_profiler import kernel_summary
+
     losses, started, first_step = [], None, None
+    prof, profiled_s, profile = None, 0.0, None
     t0 = time.perf_counter()
     for step, batch in enumerate(loader, 1):
+        if args.profile and step == args.profile[0]:
+            sync()
+            prof = torch.profiler.profile(activities=[
+                torch.profiler.ProfilerActivity.CPU,
+                *([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])])
+            prof.__enter__()
+            profile_t0 = time.perf_counter()
         ids = batch["input_ids"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         with autocast:
@@ -138,14 +180,25 @@ def hf_child(args) -> None:
         if step == 1:
             sync()
             first_step = time.perf_counter() - t0
+        if prof is not None and step == args.profile[1]:
+            sync()
+            wall = time.perf_counter() - profile_t0
+            prof.__exit__(None, None, None)
+            profile = profile_digest(kernel_summary(prof, device.type,
+                                                    step - args.profile[0] + 1, wall))
+            prof = None
+            profiled_s = time.perf_counter() - profile_t0  # not in the rate
         if step == SKIP:
             sync()
             started = time.perf_counter()
         if step == args.iters:
             break
     sync()
-    elapsed = time.perf_counter() - (started or t0)
-    tokens_per_s = max(len(losses) - SKIP, 1) * args.batch * args.seq / elapsed
+    elapsed = time.perf_counter() - (started or t0) - profiled_s
+    timed_steps = len(losses) - SKIP
+    if profile is not None:
+        timed_steps -= args.profile[1] - args.profile[0] + 1
+    tokens_per_s = max(timed_steps, 1) * args.batch * args.seq / elapsed
     parameters = sum(p.numel() for p in model.parameters())
     peak = peak_flops(device)
     curve = [round(float(sum(losses[i:i + LOG_INTERVAL]) / LOG_INTERVAL), 4)
@@ -157,7 +210,9 @@ def hf_child(args) -> None:
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if device.type == "cuda" else None,
         "first_step_s": round(first_step, 1), "loss_curve": curve,
-        "loss_at_end": curve[-1] if curve else None}))
+        "loss_at_end": curve[-1] if curve else None,
+        **({"profile": profile or {"error": "the run ended before the profiled steps"}}
+           if args.profile else {})}))
 
 
 def main() -> None:
@@ -173,6 +228,8 @@ def main() -> None:
                         help="CPU: llama_tiny, seq 64, eager fp32, emulated float8")
     parser.add_argument("--out", default="docs/benchmarks/decoder_speed.json")
     parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--profile", nargs=2, type=int, metavar=("FIRST", "LAST"),
+                        help="profile these steps of every row (after step 20: not in the rate)")
     parser.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--hf-data", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -185,6 +242,9 @@ def main() -> None:
             RF_ROWS.update({row: [*extra, "precision.fp8_emulate=true",
                                   "precision.fp8_skip_small=false"]
                             for row, extra in RF_ROWS.items() if "fp8" in row})
+    if args.profile and not SKIP < args.profile[0] <= args.profile[1] <= args.iters:
+        parser.error(f"--profile {args.profile[0]} {args.profile[1]}: give steps after {SKIP} "
+                     f"and at most --iters ({args.iters}), the first not after the last")
     if args.hf_child:
         return hf_child(args)
     rows = []

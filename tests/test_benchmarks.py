@@ -46,3 +46,16 @@ def test_recorded_commands_name_no_machine_paths(monkeypatch):
     for report in (REPO / "docs").rglob("*.json"):
         text = report.read_text()
         assert str(REPO) not in text and "/tmp/" not in text and "/root/" not in text, report
+
+
+def test_the_decoder_rows_leave_the_profiled_log_windows_out_of_their_rates():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from argparse import Namespace
+
+    from decoder_speed import profiled_window
+
+    args = Namespace(profile=[61, 65])  # log windows of 10 steps: (50, 60], (60, 70], ...
+    assert [s for s in range(10, 90, 10) if profiled_window(s, args)] == [70]
+    args = Namespace(profile=[58, 62])
+    assert [s for s in range(10, 90, 10) if profiled_window(s, args)] == [60, 70]
+    assert not profiled_window(70, Namespace(profile=None))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-fused|bert` from the repository root
+# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert` from the repository root
 # (carry [".whl"]: `bash ../shared/tools/device-wheels.sh torchao==0.18.0 liger-kernel==0.8.5`)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -23,6 +23,10 @@ for what in "$@"; do
       timeout 560 python3 benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 \
         --iters 80 --out $OUT/decoder_speed.json > $OUT/decoder.log 2>&1
       echo "decoder rc=$?" >> $OUT/env.txt; tail -12 $OUT/decoder.log ;;
+    decoder-profile)  # where the decoder step's time goes, plain HF + compile beside ours
+      timeout 560 python3 benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 \
+        --iters 80 --profile 61 63 --out $OUT/decoder_profile.json > $OUT/decoder_profile.log 2>&1
+      echo "decoder-profile rc=$?" >> $OUT/env.txt; tail -c 3000 $OUT/decoder_profile.log ;;
     decoder-fused)  # the rows issue 37 still owes: fused projections with and without FP8
       timeout 560 python3 benchmarks/decoder_speed.py --rows rf-bf16-fused rf-fp8 rf-fp8-fused \
         --iters 80 --out $OUT/decoder_fused.json > $OUT/decoder_fused.log 2>&1
