@@ -84,6 +84,27 @@ def test_candidates_are_ordered_by_prior_and_pruned():
     assert all("bf16" not in c.label and "fp16" not in c.label for c in found)
 
 
+@pytest.mark.parametrize("run_s, measured", [
+    # length unknown, or a long run: the priors' order (CPU: unpad 1.3, compile 1.1, mbs x2 1.05)
+    (None, ["compile unpad", "compile unpad mbs=16", "unpad", "unpad mbs=16", "compile",
+            "compile unpad ckpt=true"]),
+    (1e6, ["compile unpad", "compile unpad mbs=16", "unpad", "unpad mbs=16", "compile",
+           "compile unpad ckpt=true"]),
+    # 5 or 60 s of training cannot pay 25 s of compilation (25 + 60 / 1.43 > 60), and what the
+    # priors call slower than the config as given (bf16 on a CPU, recompute) is not measured
+    (5.0, ["unpad", "unpad mbs=16"]),
+    (60.0, ["unpad", "unpad mbs=16"]),
+    # 300 s: compiled and eager interleave by expected time (unpad 231 s, compile unpad 235 s;
+    # compile unpad ckpt=true, 25 + 300 / 1.073 = 305 s, is out)
+    (300.0, ["unpad", "compile unpad", "unpad mbs=16", "compile unpad mbs=16", "compile"]),
+])
+def test_with_the_run_s_length_known_candidates_are_ordered_by_expected_time(run_s, measured):
+    _, _, cfg = settled("accelerate=auto", "accelerate.max_candidates=6")
+    admitted, _, priors = candidates(cfg, CPU, memory_auto=False, run_s=run_s)
+    assert [a.candidate.label for a in admitted] == measured
+    assert set(priors) == set(measured)
+
+
 def test_the_memory_plan_leaves_out_what_does_not_fit():
     # 1.6 GB minus the 5 % and 1.5 GB reserve leaves ~20 MB: the reference's micro batch of 32
     # fits the tiny BERT, four times it at full length does not

@@ -4,7 +4,9 @@ Each axis's values (tuning/space.py) are first asked alone: a value the refusal 
 machine refuses on its own (unpad on a decoder, fp8 without float8 tensor cores, liger without
 CUDA) is out once, with its reason, and in no combination; a value the priors do not try here
 (CUDA graphs on a CPU) likewise. The combinations of the rest are ordered by their prior
-(tuning/priors.py), then each, best first, is admitted by the refusal pass and the memory plan
+(tuning/priors.py), or, with the run's length known, by the time to result the priors expect
+(a compiled candidate on a run too short to pay for its compilation comes after the eager ones,
+and one expected no sooner than the config as given is not measured), then each, best first, is admitted by the refusal pass and the memory plan
 (tuning/admit.py) until accelerate.max_candidates are in. Hand-picked candidates
 (accelerate.extra_candidates) come first and are not counted in the maximum.
 """
@@ -17,7 +19,7 @@ import torch
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.tuning.admit import Admission, admit
-from rapidformer.tuning.priors import Context, factor
+from rapidformer.tuning.priors import Context, expected_time, factor
 from rapidformer.tuning.space import Setting, axis_settings, combine, hand_picked
 
 # combinations examined at most (each asked of the refusal pass), and refused ones listed
@@ -33,10 +35,12 @@ def context(cfg: RunConfig, device: torch.device) -> Context:
                    cfg.trainer.micro_batch_size)
 
 
-def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool
+def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
+               run_s: float | None = None
                ) -> tuple[list[Admission], list[dict], dict[str, float]]:
     """(the admitted candidates with their estimates, in measuring order; rows of those left
-    out: label, prior, why; each admitted label's prior)."""
+    out: label, prior, why; each admitted label's prior). `run_s`: the training time of the run
+    with the config as given, when known (the order is then by expected time to result)."""
     a = cfg.accelerate
     ctx = context(cfg, device)
     out: list[dict] = []
@@ -62,9 +66,14 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool
     combos = []
     for choice in itertools.product(*[[None, *kept] for kept in axes]):
         picked = [c for c in choice if c is not None]
-        if picked:
-            combos.append((math.prod(p for _, p in picked), picked))
-    combos.sort(key=lambda item: (-item[0], len(item[1])))
+        prior = math.prod(p for _, p in picked)
+        # with the run's length known, what the priors expect no sooner than the reference
+        # (prior 1, no once-cost) is not worth a measurement
+        if picked and (run_s is None or
+                       expected_time([s for s, _ in picked], prior, ctx, run_s) < run_s):
+            combos.append((prior, picked))
+    combos.sort(key=lambda item: (expected_time([s for s, _ in item[1]], item[0], ctx, run_s),
+                                  len(item[1])))
     found, listed = 0, 0
     priors: dict[str, float] = {}
     for prior, picked in combos[:EXAMINED]:

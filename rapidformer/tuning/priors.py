@@ -28,6 +28,15 @@ for a CPU, what autocast and compilation do there:
 
 A candidate's prior is the product of its settings' factors (the reference's is 1); settings
 not in the table (hand-picked ones) count 1.
+
+What a setting costs once a run, before its rate pays (compilation of the training step and of
+the evaluation, CUDA graph recording), in seconds: compile 40 on a GPU and 25 on a CPU,
+reduce-overhead 60 (one H200: a small encoder's 3-epoch MRPC run took 68 s longer with CUDA
+graphs than eager, a 1B decoder's first compiled step 27-50 s; a CPU's tiny BERT compiles its
+step and evaluation in about 30 s). With the run's length known (the reference's rate times
+its steps), the candidates are ordered by their expected time to result, once-costs + the
+reference's training time / prior, so a short run measures what can pay on it first; on a long
+run the order is the priors'.
 """
 from __future__ import annotations
 
@@ -75,3 +84,21 @@ def factor(setting: Setting, c: Context) -> float | None:
     if setting.axis == "checkpoint_activations":
         return 0.75 if setting.label.endswith("true") else 1 / 0.75
     return 1.0
+
+
+ONCE_S = {("compile", True): 40.0, ("compile", False): 25.0,
+          ("compile(reduce-overhead)", True): 60.0}
+
+
+def once_cost(settings: list[Setting], c: Context) -> float:
+    """Seconds a candidate pays once a run before its rate (the largest of its settings')."""
+    return max((ONCE_S.get((s.label, c.on_gpu), 0.0) for s in settings), default=0.0)
+
+
+def expected_time(settings: list[Setting], prior: float, c: Context,
+                  run_s: float | None) -> float:
+    """The order key of a candidate: its expected time to result on a run whose training takes
+    `run_s` seconds with the config as given; None (length unknown): by the prior alone."""
+    if run_s is None:
+        return -prior
+    return once_cost(settings, c) + run_s / prior

@@ -111,7 +111,8 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
                             f"about {ref.wall_s:,.0f} s"}]
         say("no room for another measurement in the budget: the config as given is the choice")
     else:
-        admitted, left_out, priors = candidates(cfg, device, memory_auto)
+        admitted, left_out, priors = candidates(cfg, device, memory_auto,
+                                                run_s=run_tokens / ref.tokens_per_s)
         say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
             f"{a.steps} steps each ({a.warmup_steps} warm-up)")
     measured: list[Measurement] = []
