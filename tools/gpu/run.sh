@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert` from the repository root
+# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|preprocess` from the repository root
 # (carry [".whl"]: `bash ../shared/tools/device-wheels.sh torchao==0.18.0 liger-kernel==0.8.5`)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -23,6 +23,15 @@ for what in "$@"; do
       timeout 560 python3 benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 \
         --iters 80 --out $OUT/decoder_speed.json > $OUT/decoder.log 2>&1
       echo "decoder rc=$?" >> $OUT/env.txt; tail -12 $OUT/decoder.log ;;
+    preprocess)  # the 16 cores: scaling, then Megatron-LM's own tool (carry .megatron-lm too:
+      # mkdir .megatron-lm && git --git-dir=MEGATRON-LM.git archive core_v0.16.1 megatron tools
+      #   | tar -x -C .megatron-lm; the image's triton is what its start imports)
+      timeout 300 python3 benchmarks/preprocess_speed.py --mb 100 --workers 1 2 4 8 16 \
+        --out $OUT/preprocess_scaling.json > $OUT/preprocess_scaling.log 2>&1
+      echo "preprocess-scaling rc=$?" >> $OUT/env.txt; tail -22 $OUT/preprocess_scaling.log
+      timeout 240 python3 benchmarks/preprocess_speed.py --mb 100 --workers 16 --megatron \
+        --megatron-lm .megatron-lm --out $OUT/preprocess_megatron.json > $OUT/preprocess_megatron.log 2>&1
+      echo "preprocess-megatron rc=$?" >> $OUT/env.txt; tail -12 $OUT/preprocess_megatron.log ;;
     decoder-profile)  # where the decoder step's time goes, plain HF + compile beside ours
       timeout 560 python3 benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 \
         --iters 80 --profile 61 63 --out $OUT/decoder_profile.json > $OUT/decoder_profile.log 2>&1
