@@ -59,3 +59,26 @@ def test_the_decoder_rows_leave_the_profiled_log_windows_out_of_their_rates():
     args = Namespace(profile=[58, 62])
     assert [s for s in range(10, 90, 10) if profiled_window(s, args)] == [60, 70]
     assert not profiled_window(70, Namespace(profile=None))
+
+
+def test_the_tuning_benchmark_judges_the_choice_it_was_served():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from tune_search import verdict
+
+    def rows(cached=True, chosen_loss=0.60, choice="unpad", auto_wall=60.0):
+        return [{"row": "default", "wall_s": 30.0, "loss_at_end": 0.60},
+                {"row": "unpad", "wall_s": 20.0, "loss_at_end": 0.61},
+                {"row": "auto", "wall_s": auto_wall, "loss_at_end": 0.60, "choice": "unpad",
+                 "search_s": 40.0},
+                {"row": "auto-cached", "wall_s": 20.5, "loss_at_end": chosen_loss,
+                 "cached": cached, "choice": choice}]
+
+    good = verdict(rows())
+    assert good["complete"] and good["within_5_percent"] and good["not_slower_than_default"]
+    assert good["at_equal_loss"] and good["search_under_5_min"]
+    assert not verdict(rows(cached=False))["complete"]
+    assert not verdict(rows(choice="reference"))["complete"]  # not what the search picked
+    assert not verdict(rows(chosen_loss=4.0))["at_equal_loss"]
+    zero = rows()
+    zero[0]["loss_at_end"] = 0.0
+    assert verdict(zero)["complete"]  # no division by a zero loss

@@ -105,6 +105,83 @@ def test_with_the_run_s_length_known_candidates_are_ordered_by_expected_time(run
     assert set(priors) == set(measured)
 
 
+@pytest.mark.parametrize("given, axes, run_s, measured", [
+    # against a compiled config eager is the change to try (1 / 1.1 on a CPU, and none of
+    # compile's 25 s once-cost): on a short run it is measured; on a long one compile pays
+    (["graph=compile"], "[graph]", None, ["eager"]),
+    (["graph=compile"], "[graph]", 5.0, ["eager"]),
+    (["graph=compile"], "[graph]", 1e6, []),
+    # against bf16 on a CPU (0.7), fp32 is faster (1 / 0.7) at any length
+    (["precision=bf16"], "[precision]", 5.0, ["fp32"]),
+    (["precision=bf16"], "[precision]", 1e6, ["fp32"]),
+])
+def test_priors_are_against_the_config_s_own_value(given, axes, run_s, measured):
+    _, _, cfg = settled("accelerate=auto", *given, f"accelerate.axes={axes}")
+    admitted, left_out, priors = candidates(cfg, CPU, memory_auto=False, run_s=run_s)
+    assert [a.candidate.label for a in admitted] == measured, left_out
+    relative = {"eager": round(1 / 1.1, 3), "fp32": round(1 / 0.7, 3)}
+    assert priors == {label: relative[label] for label in measured}
+
+
+def test_what_the_priors_expect_no_sooner_is_listed_not_measured():
+    _, _, cfg = settled("accelerate=auto", "accelerate.max_candidates=6")
+    admitted, left_out, _ = candidates(cfg, CPU, memory_auto=False, run_s=5.0)
+    rows = {r["label"]: r["why"] for r in left_out}
+    # bf16 on a CPU: 5 / 0.7 = 7.1 s against the config's 5 s
+    assert rows["bf16"] == ("not measured: the priors expect 7.1 s to the result, the config "
+                            "as given 5.0 s")
+    assert sum("not measured" in why for why in rows.values()) == 12  # the 12 soonest listed
+    assert not {a.candidate.label for a in admitted} & set(rows)
+
+
+def fake_measure(rates: dict[str, float], wall_s: float = 5.0, tokens_per_step: float = 1000.0,
+                 fixed_s: float = 4.0):
+    """measure() without a child: each label's rate; 8 steps of steady windows."""
+    def measure(run_overrides, candidate, steps, warmup, limit, work):
+        rate = rates[candidate.label]
+        window = tokens_per_step / rate
+        rows = [{"loss": 1.0 - 0.01 * i, "window_s": window, "tokens_per_s": rate}
+                for i in range(steps)]
+        m = summarize(candidate, rows, warmup, fixed_s + steps * window, 0,
+                      "training 40 iterations (20 per epoch, 1 micro-batches")
+        return m
+    return measure
+
+
+def test_a_run_too_short_for_a_second_measurement_lists_hand_picked_candidates(monkeypatch,
+                                                                               tmp_path):
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "measure", fake_measure({"reference": 10_000}))
+    monkeypatch.setattr(search_module, "candidates", lambda *a, **k: pytest.fail("enumerated"))
+    overrides = ["accelerate=auto", "accelerate.max_fraction=0.1", "accelerate.cache=false",
+                 "accelerate.extra_candidates=['trainer.unpad=true']"]
+    _, plain, cfg = settled(*overrides)
+    record = search_module.search(overrides, plain, cfg, memory_auto=False)
+    rows = {r["label"]: r for r in record["rows"]}
+    assert record["choice"]["label"] == "reference"
+    assert rows["trainer.unpad=true"]["why"].startswith("not measured: ")
+    assert "left after the reference's measurement" in rows["trainer.unpad=true"]["why"]
+    assert rows["every other candidate"]["why"].startswith("not enumerated: the run is estimated")
+
+
+def test_a_packed_run_of_train_iters_is_its_steps_not_the_reference_s_tokens():
+    ref = measured("reference", rate=1000, warmup_s=2.0)  # 1000 real tokens a step
+    packed = measured("packing", rate=1000, warmup_s=2.0)
+    packed.tokens_per_step = 1300.0  # a packed step holds more real tokens at the same rate
+    assert time_to_result(packed, 10_000, 2) == pytest.approx(10)  # an epoch's tokens
+    assert time_to_result(packed, 10_000, 2, run_steps=10) == pytest.approx(13)  # 10 steps
+    assert time_to_result(ref, 10_000, 2, run_steps=10) == pytest.approx(10)
+
+
+@pytest.mark.parametrize("rate, chosen", [(1020, "reference"), (1025, "reference"),
+                                          (1100, "unpad")])
+def test_a_candidate_replaces_the_config_only_when_clearly_sooner(rate, chosen):
+    ref = measured("reference", rate=1000, warmup_s=2.0)
+    other = measured("unpad", rate=rate, warmup_s=2.0)
+    assert choose(judge(ref, [other], 100_000, 2, 0.1)).label == chosen
+
+
 def test_the_memory_plan_leaves_out_what_does_not_fit():
     # 1.6 GB minus the 5 % and 1.5 GB reserve leaves ~20 MB: the reference's micro batch of 32
     # fits the tiny BERT, four times it at full length does not
@@ -202,6 +279,9 @@ def test_the_cache_key_follows_model_data_hardware_and_versions(monkeypatch):
     assert cache.key_of(cache.key_fields(cfg2, plain2, "cpu")) != key
     _, plain3, cfg3 = settled("accelerate=auto", "accelerate.budget_s=20")  # not in the key
     assert cache.key_of(cache.key_fields(cfg3, plain3, "cpu")) == key
+    for longer in ("trainer.epochs=200", "trainer.train_iters=5000"):  # another time to result
+        _, plain4, cfg4 = settled("accelerate=auto", longer)
+        assert cache.key_of(cache.key_fields(cfg4, plain4, "cpu")) != key, longer
     monkeypatch.setattr(cache, "versions", lambda: {"torch": "0.0"})
     assert cache.key_of(cache.key_fields(cfg, plain, "cpu")) != key
 

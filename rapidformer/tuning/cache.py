@@ -68,6 +68,9 @@ def key_fields(cfg: RunConfig, plain: dict, device_kind: str) -> dict:
                       "offload_activations": cfg.trainer.offload_activations,
                       "recompute_granularity": cfg.trainer.recompute_granularity,
                       "world": launched_world_size(cfg)},
+            # the choice is by time to result for the run's length: another length, another
+            # search
+            "length": {"train_iters": cfg.trainer.train_iters, "epochs": cfg.trainer.epochs},
             "search": search, "hardware": hardware(device_kind), "versions": versions()}
 
 

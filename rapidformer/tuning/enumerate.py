@@ -5,9 +5,10 @@ machine refuses on its own (unpad on a decoder, fp8 without float8 tensor cores,
 CUDA) is out once, with its reason, and in no combination; a value the priors do not try here
 (CUDA graphs on a CPU) likewise. The combinations of the rest are ordered by their prior
 (tuning/priors.py), or, with the run's length known, by the time to result the priors expect
-(a compiled candidate on a run too short to pay for its compilation comes after the eager ones,
-and one expected no sooner than the config as given is not measured), then each, best first, is admitted by the refusal pass and the memory plan
-(tuning/admit.py) until accelerate.max_candidates are in. Hand-picked candidates
+(a compiled candidate on a run too short to pay for its compilation comes after the eager
+ones; one expected no sooner than the config as given is listed, not measured), then each,
+best first, is admitted by the refusal pass and the memory plan (tuning/admit.py) until
+accelerate.max_candidates are in. Hand-picked candidates
 (accelerate.extra_candidates) come first and are not counted in the maximum.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.tuning.admit import Admission, admit
-from rapidformer.tuning.priors import Context, expected_time, factor
+from rapidformer.tuning.priors import Context, expected_time, reference_time, relative_factor
 from rapidformer.tuning.space import Setting, axis_settings, combine, hand_picked
 
 # combinations examined at most (each asked of the refusal pass), and refused ones listed
@@ -53,7 +54,7 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
     for axis in a.axes:
         kept = []
         for setting in axis_settings(cfg, axis):
-            prior = factor(setting, ctx)
+            prior = relative_factor(setting, ctx, cfg)
             if prior is None:
                 out.append({"label": setting.label, "why": f"not tried on a {device.type}"})
                 continue
@@ -63,20 +64,27 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
                 continue
             kept.append((setting, prior))
         axes.append(kept)
-    combos = []
+    combos, slower = [], []
+    given = None if run_s is None else reference_time(ctx, cfg, run_s)
     for choice in itertools.product(*[[None, *kept] for kept in axes]):
         picked = [c for c in choice if c is not None]
+        if not picked:
+            continue
         prior = math.prod(p for _, p in picked)
-        # with the run's length known, what the priors expect no sooner than the reference
-        # (prior 1, no once-cost) is not worth a measurement
-        if picked and (run_s is None or
-                       expected_time([s for s, _ in picked], prior, ctx, run_s) < run_s):
-            combos.append((prior, picked))
-    combos.sort(key=lambda item: (expected_time([s for s, _ in item[1]], item[0], ctx, run_s),
-                                  len(item[1])))
+        expected = expected_time([s for s, _ in picked], prior, ctx, cfg, run_s)
+        # with the run's length known, what the priors expect no sooner than the config as
+        # given is not worth a measurement (listed, the soonest first)
+        (combos if given is None or expected < given else slower).append(
+            (expected, prior, picked))
+    combos.sort(key=lambda item: (item[0], len(item[2])))
+    slower.sort(key=lambda item: (item[0], len(item[2])))
+    for expected, prior, picked in slower[:LISTED]:
+        out.append({"label": combine([s for s, _ in picked]).label, "prior": round(prior, 3),
+                    "why": f"not measured: the priors expect {expected:,.1f} s to the result, "
+                           f"the config as given {given:,.1f} s"})
     found, listed = 0, 0
     priors: dict[str, float] = {}
-    for prior, picked in combos[:EXAMINED]:
+    for _, prior, picked in combos[:EXAMINED]:
         if found >= a.max_candidates:
             break
         adm = admit(cfg, combine([s for s, _ in picked]), device, memory_auto)

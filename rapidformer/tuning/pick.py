@@ -6,7 +6,9 @@ steps) is within `tolerance` of the reference's mean, as a share of it. The mean
 step: dropout masks and a different micro-batch split move single steps; a wrong setting
 (fp16 overflow, a bad kernel) moves all of them or gives NaN.
 
-Time to result of a candidate, for a run of `run_tokens` real tokens:
+Time to result of a candidate, for a run of `run_tokens` real tokens (a run given in epochs:
+the same tokens whatever the setting) or of `run_steps` steps (trainer.train_iters: packing
+puts more real tokens in each of its steps, so the steps, not the tokens, are what it runs):
 
     fixed           = the child's time outside its steps: start-up, and the evaluation and test
                       at its end, their compilation included (a compiled model compiles its
@@ -14,6 +16,7 @@ Time to result of a candidate, for a run of `run_tokens` real tokens:
     warm-up excess  = the warm-up steps' time - the time those steps take at the rate after it
                       (compilation, CUDA graph capture, autotuning: paid once per run)
     time to result  = fixed + warm-up excess + run_tokens / rate
+                      (or + run_steps x its real tokens a step / rate)
 
 and the search's own cost, the same for every candidate, is added to what is reported. So a
 compiled candidate twice as fast per step loses to eager on a run too short to pay its
@@ -50,15 +53,23 @@ def loss_check(reference: list[float], losses: list[float], tolerance: float
     return True, f"ok: {words}"
 
 
-def time_to_result(m: Measurement, run_tokens: float, warmup_steps: int) -> float | None:
+# a candidate replaces the config as given only when it is this much sooner to the result: a
+# start-up's jitter or a noisy rate moves a few percent, and a setting that gains less than that
+# is not worth its risk
+MARGIN = 0.03
+
+
+def time_to_result(m: Measurement, run_tokens: float, warmup_steps: int,
+                   run_steps: int | None = None) -> float | None:
     if not m.tokens_per_s or m.tokens_per_step is None:
         return None
     excess = max(m.warmup_s - warmup_steps * m.tokens_per_step / m.tokens_per_s, 0.0)
-    return m.fixed_s + excess + run_tokens / m.tokens_per_s
+    tokens = run_tokens if run_steps is None else run_steps * m.tokens_per_step
+    return m.fixed_s + excess + tokens / m.tokens_per_s
 
 
 def judge(reference: Measurement, measured: list[Measurement], run_tokens: float,
-          warmup_steps: int, tolerance: float) -> list[Verdict]:
+          warmup_steps: int, tolerance: float, run_steps: int | None = None) -> list[Verdict]:
     """A verdict for the reference and each measured candidate."""
     out = []
     for m in [reference, *measured]:
@@ -69,7 +80,7 @@ def judge(reference: Measurement, measured: list[Measurement], run_tokens: float
                                None, f"{m.status}: {m.reason}"))
             continue
         passed, words = loss_check(reference.losses, m.losses, tolerance)
-        ttr = time_to_result(m, run_tokens, warmup_steps)
+        ttr = time_to_result(m, run_tokens, warmup_steps, run_steps)
         why = "" if passed else "loss check"
         if passed and ttr is None:
             passed, why = False, "no rate measured"
@@ -78,8 +89,14 @@ def judge(reference: Measurement, measured: list[Measurement], run_tokens: float
 
 
 def choose(verdicts: list[Verdict]) -> Verdict:
-    """The passing verdict with the shortest time to result (the reference, first, on a tie)."""
+    """The passing verdict with the shortest time to result; the reference (first) unless a
+    candidate is sooner by more than MARGIN of the reference's time."""
     passing = [v for v in verdicts if v.passed]
     if not passing:
         raise ValueError("no candidate passed, the reference included")
-    return min(passing, key=lambda v: v.time_to_result_s)
+    best = min(passing, key=lambda v: v.time_to_result_s)
+    reference = verdicts[0]
+    if reference.passed and best is not reference and \
+            best.time_to_result_s > (1 - MARGIN) * reference.time_to_result_s:
+        return reference
+    return best

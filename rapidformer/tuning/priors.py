@@ -26,17 +26,19 @@ for a CPU, what autocast and compilation do there:
     checkpoint_activations    0.75 (a third more compute; pays only when  0.75
                                    it lets a larger micro batch fit)
 
-A candidate's prior is the product of its settings' factors (the reference's is 1); settings
-not in the table (hand-picked ones) count 1.
+A candidate's prior is the product of its settings' factors (the reference's is 1), each
+against the config's own value where the candidate replaces it (precision, graph: eager against
+a compiled config is 1 / 1.3 on a GPU); settings not in the table (hand-picked ones) count 1.
 
 What a setting costs once a run, before its rate pays (compilation of the training step and of
 the evaluation, CUDA graph recording), in seconds: compile 40 on a GPU and 25 on a CPU,
 reduce-overhead 60 (one H200: a small encoder's 3-epoch MRPC run took 68 s longer with CUDA
 graphs than eager, a 1B decoder's first compiled step 27-50 s; a CPU's tiny BERT compiles its
 step and evaluation in about 30 s). With the run's length known (the reference's rate times
-its steps), the candidates are ordered by their expected time to result, once-costs + the
-reference's training time / prior, so a short run measures what can pay on it first; on a long
-run the order is the priors'.
+its steps), the candidates are ordered by their expected time to result, their graph's
+once-cost + the reference's training time / prior, so a short run measures what can pay on it
+first; on a long run the order is the priors'. One expected no sooner than the config as given
+(its own graph's once-cost + its training time) is not measured.
 """
 from __future__ import annotations
 
@@ -88,17 +90,48 @@ def factor(setting: Setting, c: Context) -> float | None:
 
 ONCE_S = {("compile", True): 40.0, ("compile", False): 25.0,
           ("compile(reduce-overhead)", True): 60.0}
+REPLACED_AXES = ("precision", "graph")  # a candidate's value replaces the config's own
 
 
-def once_cost(settings: list[Setting], c: Context) -> float:
-    """Seconds a candidate pays once a run before its rate (the largest of its settings')."""
-    return max((ONCE_S.get((s.label, c.on_gpu), 0.0) for s in settings), default=0.0)
+def own_label(cfg, axis: str) -> str | None:
+    """The label of the config's own value on a replaced axis (as axis_settings names it)."""
+    if axis == "precision":
+        return cfg.precision.name
+    if axis == "graph":
+        if cfg.graph.name != "compile":
+            return "eager"
+        return "compile(reduce-overhead)" if cfg.graph.mode == "reduce-overhead" else "compile"
+    return None
 
 
-def expected_time(settings: list[Setting], prior: float, c: Context,
+def relative_factor(setting: Setting, c: Context, cfg) -> float | None:
+    """The setting's factor against the config's own value (bf16 on a bf16-config's axis of
+    precision is 1; eager against a compiled config is 1 / compile's); None: not tried here."""
+    mine = factor(setting, c)
+    own = own_label(cfg, setting.axis) if setting.axis in REPLACED_AXES else None
+    base = factor(Setting(setting.axis, own, ()), c) if own else None
+    return mine if mine is None or not base else mine / base
+
+
+def graph_label(settings: list[Setting], cfg) -> str:
+    """What the candidate compiles with: its own graph setting, else the config's."""
+    return next((s.label for s in settings if s.axis == "graph"), own_label(cfg, "graph"))
+
+
+def once_cost(label: str, c: Context) -> float:
+    """Seconds a graph setting pays once a run before its rate (compilation, graph capture)."""
+    return ONCE_S.get((label, c.on_gpu), 0.0)
+
+
+def expected_time(settings: list[Setting], prior: float, c: Context, cfg,
                   run_s: float | None) -> float:
     """The order key of a candidate: its expected time to result on a run whose training takes
     `run_s` seconds with the config as given; None (length unknown): by the prior alone."""
     if run_s is None:
         return -prior
-    return once_cost(settings, c) + run_s / prior
+    return once_cost(graph_label(settings, cfg), c) + run_s / prior
+
+
+def reference_time(c: Context, cfg, run_s: float) -> float:
+    """The config as given, expected the same way (its own compilation included)."""
+    return once_cost(own_label(cfg, "graph"), c) + run_s

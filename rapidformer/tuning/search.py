@@ -7,7 +7,7 @@
     a run too short for another measurement in that budget -> the reference, and the
         candidates are not even enumerated (asking every setting's refusals and memory plan
         takes seconds: on a short run they are seconds the search cannot win back)
-    each admitted candidate, best prior first, measured while the budget lasts (a candidate
+    each admitted candidate, soonest expected first, measured while the budget lasts (a candidate
         starts only when the budget left covers what the reference's child took, and is
         stopped at the budget's end or accelerate.candidate_timeout_s)
     verdicts (tuning/pick.py), the fastest to the result that passes the loss check
@@ -27,7 +27,7 @@ from rapidformer.errors import InputError
 from rapidformer.tuning import cache, report
 from rapidformer.tuning.enumerate import candidates
 from rapidformer.tuning.measure import Measurement, measure
-from rapidformer.tuning.pick import choose, judge
+from rapidformer.tuning.pick import choose, judge, time_to_result
 from rapidformer.tuning.space import REFERENCE
 
 FORMAT = 1
@@ -92,23 +92,36 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     say(f"measuring the reference (the config as given) for {a.steps} steps")
     ref = measure(run_overrides, REFERENCE, a.steps, a.warmup_steps,
                   min(a.candidate_timeout_s, a.budget_s), work)
+    if ref.status == "timeout":
+        raise InputError(f"accelerate=auto: the config as given did not train {a.steps} steps "
+                         f"within {min(a.candidate_timeout_s, a.budget_s):g} s (the least of "
+                         f"accelerate.candidate_timeout_s={a.candidate_timeout_s:g} and "
+                         f"accelerate.budget_s={a.budget_s:g}); raise them, or lower "
+                         f"accelerate.steps")
     if ref.status != "ok" or ref.reason:
         raise InputError(f"accelerate=auto: the config as given did not train "
                          f"{a.steps} steps ({ref.status}: {ref.reason}); the search checks every "
                          f"candidate against it. Run it without accelerate=auto to see why")
     steps = run_length(cfg, ref)
     run_tokens = steps * ref.tokens_per_step
-    estimated = ref.fixed_s + ref.warmup_s + run_tokens / ref.tokens_per_s
+    # a run of trainer.train_iters steps is its steps whatever a step holds (packing)
+    run_steps = steps if cfg.trainer.train_iters is not None else None
+    estimated = time_to_result(ref, run_tokens, a.warmup_steps, run_steps)
     budget = min(a.budget_s, a.max_fraction * estimated)
     say(f"reference: {ref.tokens_per_s:,.0f} real tokens/s; the run ({steps} steps) would take "
         f"about {estimated:,.0f} s; search budget {budget:,.0f} s (accelerate.budget_s="
         f"{a.budget_s:g}, max_fraction={a.max_fraction:g})")
-    if budget - (time.monotonic() - started) < ref.wall_s:
+    left = budget - (time.monotonic() - started)
+    if left < ref.wall_s:
         admitted, priors = [], {}
-        left_out = [{"label": "every other candidate",
-                     "why": f"not enumerated: the run is estimated at {estimated:,.1f} s, so "
-                            f"the search's budget is {budget:,.1f} s, and a measurement takes "
-                            f"about {ref.wall_s:,.0f} s"}]
+        no_room = (f"{left:,.1f} s of the search's budget ({budget:,.1f} s) left after the "
+                   f"reference's measurement, less than a measurement takes (about "
+                   f"{ref.wall_s:,.0f} s)")
+        left_out = [{"label": text, "why": f"not measured: {no_room}"}
+                    for text in a.extra_candidates]
+        left_out.append({"label": "every other candidate",
+                         "why": f"not enumerated: the run is estimated at {estimated:,.1f} s; "
+                                f"{no_room}"})
         say("no room for another measurement in the budget: the config as given is the choice")
     else:
         admitted, left_out, priors = candidates(cfg, device, memory_auto,
@@ -128,7 +141,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         say(f"measuring {adm.candidate.label}")
         measured.append(measure(run_overrides, adm.candidate, a.steps, a.warmup_steps,
                                 min(a.candidate_timeout_s, left), work))
-    verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance)
+    verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance, run_steps)
     best = choose(verdicts)
     chosen = next(m for m in [ref, *measured] if m.candidate.label == best.label)
     rows = []
