@@ -345,3 +345,14 @@ def test_a_search_trains_with_its_choice_and_a_second_run_uses_the_cache(tmp_pat
     again = json.loads((tmp_path / "run2" / "tuning.json").read_text())
     assert again["cached"] and again["choice"] == chosen
     assert "measuring" not in second.stderr and "cached result" in second.stderr
+
+
+def test_the_reproducing_command_sets_each_key_once():
+    from rapidformer.tuning.search import command
+
+    got = command(["+recipe=quickstart", "graph=compile", "accelerate=auto",
+                   "accelerate.budget_s=60", "trainer.micro_batch_size=8"],
+                  ["graph=eager", "trainer.micro_batch_size=16",
+                   "trainer.global_batch_size=32"])
+    assert got == ("python -m rapidformer +recipe=quickstart graph=eager "
+                   "trainer.micro_batch_size=16 trainer.global_batch_size=32")

@@ -46,7 +46,14 @@ def user_overrides(run_overrides: list[str]) -> list[str]:
 
 
 def command(run_overrides: list[str], chosen: list[str]) -> str:
-    return shlex.join(["python", "-m", "rapidformer", *user_overrides(run_overrides), *chosen])
+    """The command that trains with the choice: the user's overrides less those the choice
+    sets again (no `graph=compile graph=eager`), then the choice's."""
+    from rapidformer.config.compose import override_key
+
+    replaced = {override_key(o).lstrip("+~") for o in chosen}
+    kept = [o for o in user_overrides(run_overrides)
+            if override_key(o).lstrip("+~") not in replaced]
+    return shlex.join(["python", "-m", "rapidformer", *kept, *chosen])
 
 
 def run_length(cfg: RunConfig, reference: Measurement) -> int:
