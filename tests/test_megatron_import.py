@@ -210,6 +210,21 @@ def test_other_directories_are_refused(one_rank, tmp_path):
         no_weights)
 
 
+def test_a_damaged_weights_file_is_one_clear_error(gpt2_dir, tmp_path):
+    import shutil
+
+    from rapidformer.errors import InputError
+    from rapidformer.models.megatron_import import read_gpt2_state
+
+    broken = tmp_path / "cut"
+    shutil.copytree(gpt2_dir, broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(InputError, match=f"model.init_from_hf={broken}: its weights could not "
+                                         f"be read \\("):
+        read_gpt2_state(str(broken))
+
+
 def test_a_tensor_left_over_or_missing_is_an_error(one_rank, gpt2_dir):
     from transformers import GPT2LMHeadModel
 

@@ -236,6 +236,15 @@ def test_other_directories_and_missing_tensors_are_refused(one_rank, tmp_path, c
     no_weights = _config_only(tmp_path / "no_weights")
     assert f"model.init_from_hf={no_weights}: its weights could not be read" in refusal(
         no_weights)
+    # a weights file cut short, one of noise, an index that is no JSON: one message each
+    whole = (checkpoints["llama"] / "model.safetensors").read_bytes()
+    for name, content, file in [("cut", whole[:len(whole) // 2], "model.safetensors"),
+                                ("noise", b"\x07" * 4096, "model.safetensors"),
+                                ("index", b"{not json", "model.safetensors.index.json")]:
+        broken = _config_only(tmp_path / name)
+        (broken / file).write_bytes(content)
+        assert f"model.init_from_hf={broken}: its weights could not be read (" in \
+            refusal(broken), name
     # a checkpoint short of one tensor and holding one nothing takes
     damaged = tmp_path / "damaged"
     _config_only(damaged)

@@ -110,6 +110,21 @@ def check_gpt2_checkpoint(cfg: RunConfig, layernorm_epsilon: float, vocab_size: 
         raise ConfigError([f"model.init_from_hf: {problem}" for problem in problems])
 
 
+def unreadable_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged or cut-short checkpoint raises (safetensors' own error, torch's
+    unpickling, JSON): each becomes one InputError naming the directory."""
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, RuntimeError, SafetensorError)
+
+
+def unreadable(directory: str, error: BaseException) -> InputError:
+    return InputError(f"model.init_from_hf={directory}: its weights could not be read "
+                      f"({type(error).__name__}: {error}); give the directory that "
+                      f"save_pretrained wrote (model.safetensors or pytorch_model.bin), "
+                      f"complete")
+
+
 def read_gpt2_state(directory: str) -> dict:
     """The checkpoint's tensors under GPT2LMHeadModel's names (transformers reads every file
     layout, old unprefixed names included); local files only."""
@@ -119,10 +134,8 @@ def read_gpt2_state(directory: str) -> dict:
     with torch.random.fork_rng(devices=[]):
         try:
             model = GPT2LMHeadModel.from_pretrained(directory, local_files_only=True)
-        except OSError as error:
-            raise InputError(f"model.init_from_hf={directory}: its weights could not be read "
-                             f"({error}); give the directory that save_pretrained wrote "
-                             f"(model.safetensors or pytorch_model.bin)") from error
+        except unreadable_errors() as error:
+            raise unreadable(directory, error) from error
     return dict(model.state_dict())
 
 

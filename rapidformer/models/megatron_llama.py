@@ -214,30 +214,30 @@ class _CheckpointTensors:
     the model loaded once by transformers."""
 
     def __init__(self, directory: str, family: str):
+        from rapidformer.models.megatron_import import unreadable, unreadable_errors
+
+        self.directory = directory
         path = Path(directory).expanduser()
         index, single = path / "model.safetensors.index.json", path / "model.safetensors"
         self._loaded: dict | None = None
-        if index.is_file():
-            self.files = {name: path / file
-                          for name, file in json.loads(index.read_text())["weight_map"].items()}
-        elif single.is_file():
-            from safetensors import safe_open
+        try:
+            if index.is_file():
+                self.files = {name: path / file for name, file
+                              in json.loads(index.read_text())["weight_map"].items()}
+            elif single.is_file():
+                from safetensors import safe_open
 
-            with safe_open(str(single), "pt") as handle:
-                self.files = dict.fromkeys(handle.keys(), single)
-        else:
-            model_class = _transformers_class(family, "ForCausalLM")
-            with torch.random.fork_rng(devices=[]):  # its random init leaves the run's streams
-                try:
+                with safe_open(str(single), "pt") as handle:
+                    self.files = dict.fromkeys(handle.keys(), single)
+            else:
+                model_class = _transformers_class(family, "ForCausalLM")
+                with torch.random.fork_rng(devices=[]):  # its random init: not the run's streams
                     model = model_class.from_pretrained(str(path), local_files_only=True,
                                                         dtype=torch.float32)
-                except OSError as error:
-                    raise InputError(f"model.init_from_hf={directory}: its weights could not "
-                                     f"be read ({error}); give the directory that "
-                                     f"save_pretrained wrote (model.safetensors or "
-                                     f"pytorch_model.bin)") from error
-            self._loaded = dict(model.state_dict())
-            self.files = dict.fromkeys(self._loaded)
+                self._loaded = dict(model.state_dict())
+                self.files = dict.fromkeys(self._loaded)
+        except (*unreadable_errors(), KeyError) as error:
+            raise unreadable(directory, error) from error
 
     def names(self) -> set:
         return set(self.files)
@@ -247,8 +247,13 @@ class _CheckpointTensors:
             return self._loaded[name].float()
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), "pt") as handle:
-            return handle.get_tensor(name).float()
+        from rapidformer.models.megatron_import import unreadable, unreadable_errors
+
+        try:
+            with safe_open(str(self.files[name]), "pt") as handle:
+                return handle.get_tensor(name).float()
+        except unreadable_errors() as error:
+            raise unreadable(self.directory, error) from error
 
 
 class LazyState(Mapping):
