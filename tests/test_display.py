@@ -104,6 +104,22 @@ def _summary(stderr: str, run_dir: Path) -> dict[str, str]:
     return rows
 
 
+def test_a_megatron_run_s_summary_offers_no_export_command_it_would_refuse(finished_run,
+                                                                          tmp_path):
+    import shutil
+
+    from rapidformer.cli.summary import summary_lines
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run[0], run_dir)
+    assert any(line.split()[0] == "export" for line in summary_lines(run_dir))
+    ran = yaml.safe_load((run_dir / "config.yaml").read_text())
+    ran["model"]["arch"] = "megatron_llama"  # its checkpoints export only at the run's end
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(ran))
+    names = [line.split()[0] for line in summary_lines(run_dir)[1:]]
+    assert "export" not in names and "resume" in names
+
+
 def test_the_summary_names_the_checkpoints_and_a_resume_command_that_composes(finished_run):
     from rapidformer.checkpoint import store as checkpoint
     from rapidformer.config.compose import compose

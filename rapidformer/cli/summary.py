@@ -138,6 +138,18 @@ def _best(records: list[dict]) -> str | None:
     return ", ".join(f"{k}={format_value(v)} (step {s})" for k, (v, s) in best.items()) or None
 
 
+def _megatron_run(run_dir: Path) -> bool:
+    """Whether the run trained a megatron-core model (config.yaml's model.arch)."""
+    import yaml
+
+    try:
+        arch = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get(
+            "model", {}).get("arch", "")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    return str(arch).startswith("megatron")
+
+
 def summary_lines(run_dir: Path, argv: list[str] | None = None) -> list[str]:
     run_dir = Path(run_dir).absolute()  # every line holds for any folder it is used from
     records = read_metrics(run_dir)
@@ -160,7 +172,9 @@ def summary_lines(run_dir: Path, argv: list[str] | None = None) -> list[str]:
         rows.append(("train on", resume_command(run_dir, argv, TRAIN_ON)))
     elif newest:
         rows.append(("resume", resume_command(run_dir, argv)))
-        rows.append(("export", shlex.join(["rapidformer", "export", str(run_dir), "--to", "DIR"])))
+        if not _megatron_run(run_dir):  # its checkpoints do not export (the run's end does)
+            rows.append(("export", shlex.join(["rapidformer", "export", str(run_dir), "--to",
+                                               "DIR"])))
     if records:
         rows.append(("curves", shlex.join(["rapidformer", "plot", str(run_dir)])))
     width = max(len(name) for name, _ in rows)
