@@ -88,6 +88,12 @@ def environment_problems(cfg: RunConfig, output_dir: str | None = None,
         problems += [problem for cls in requested(cfg)
                      for problem in cls.environment_problems(cfg, device)]
         problems += transforms.environment_problems(cfg, device)
+        if cfg.trainer.offload_activations and device.type == "cpu" and \
+                cfg.trainer.device != "cpu":  # trainer.device=cpu: the config's check says it
+            from rapidformer.accelerators.recompute import CPU_OFFLOAD
+
+            problems.append(Problem(f"{CPU_OFFLOAD} (trainer.device={cfg.trainer.device} "
+                                    f"found no GPU)"))
     if cfg.graph.name == "compile" and cfg.graph.options:
         problems += caught(check_inductor_options, cfg.graph.options)
     problems += caught(check_tracker_installed, cfg.logger.name)

@@ -177,3 +177,15 @@ def test_eval_of_an_offloaded_run_on_a_cpu_is_not_refused(tmp_path):
     config["trainer"].update(device="auto", offload_activations=True)
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     assert "validation/loss" in evaluate(run)["metrics"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without a GPU")
+def test_the_refusal_pass_finds_no_gpu_for_offload_under_device_auto():
+    # what `rapidformer validate` runs: both problems at once, before any model is built
+    with pytest.raises(ConfigError) as info:
+        settle(compose(["trainer.device=auto", "trainer.offload_activations=true"]), "out",
+               environment=True)
+    text = str(info.value)
+    assert "this run recomputes nothing" in text
+    assert "where they are in host memory already" in text and "trainer.device=auto found no GPU" \
+        in text
