@@ -136,6 +136,30 @@ def test_model_state_estimates_follow_the_zero_arithmetic():
     assert ckpt - moved == 24 * c * 4
 
 
+@pytest.mark.parametrize("peft, base_bytes", [
+    # the frozen base's weights only: bf16 (peft.base_dtype=bf16), fp32 (auto: a checkpoint's
+    # values decide, counted fp32), qlora's blocks in 4 bits with its scales, the rest bf16
+    (["peft=lora", "peft.base_dtype=bf16"], lambda p, blocks: 2 * p),
+    (["peft=lora"], lambda p, blocks: 4 * p),
+    (["peft=qlora"], lambda p, blocks: blocks * (0.5 + 1 / 64 + 4 / (64 * 256))
+     + (p - blocks) * 2),
+])
+def test_a_peft_run_plans_a_frozen_base_and_trained_adapters(peft, base_bytes):
+    from rapidformer.planning.memory_plan import Mode, estimate
+    from rapidformer.planning.model_shape import ModelShape
+
+    p, layers, h, f = 8_000_000_000, 32, 4096, 14336
+    shape = ModelShape(p, 218_000_000, layers, h, 32, f, 128256, True)
+    cfg = _cfg("+recipe=llama_lora", "precision=bf16", *peft)
+    full = estimate(shape, _cfg("+recipe=llama_lora", "precision=bf16", "peft=none"), Mode("none"))
+    tuned = estimate(shape, cfg, Mode("none"))
+    adapters = cfg.peft.r * layers * (4 * 2 * h + 3 * (h + f))
+    assert tuned.model_states == pytest.approx(base_bytes(p, layers * 218_000_000)
+                                               + 16 * adapters, rel=1e-6)
+    assert full.model_states == 16 * p and tuned.model_states < full.model_states / 3
+    assert tuned.activations == full.activations
+
+
 def test_memory_auto_picks_the_fastest_mode_that_fits(capsys):
     from rapidformer.planning.memory_plan import plan
     from rapidformer.planning.model_shape import model_shape

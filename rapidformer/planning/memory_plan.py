@@ -109,7 +109,8 @@ def estimate(shape: ModelShape, cfg: RunConfig, mode: Mode, on_gpu: bool = True)
     if cfg.model.is_megatron:
         return _megatron_estimate(shape, cfg, mode, facts)
     p, d = shape.parameters, data_parallel_size(cfg)
-    states = facts.on_device(p, d)
+    states = _peft_states(shape, cfg, facts, d) if cfg.peft.name != "none" else \
+        facts.on_device(p, d)
     # what a layer's saved tensors are made of: the residual stream (the strategy's: fp32
     # under autocast and in fp32 runs, 16-bit when DeepSpeed or FSDP2 cast the weights) and
     # the matmul outputs (the compute dtype)
@@ -118,6 +119,38 @@ def estimate(shape: ModelShape, cfg: RunConfig, mode: Mode, on_gpu: bool = True)
     activations = _hf_activations(shape, cfg, mode, facts.residual, compute, eager_attention)
     buffers = strategy.buffer_bytes(cfg, p, shape.block_parameters)
     return Estimate(mode, int(states), int(activations), int(buffers))
+
+
+# bytes a 4-bit (NF4/FP4) weight takes with its scales: 4 bits, and an absmax per block of 64
+# (8-bit with a second quantization of the scales, bitsandbytes' double_quant; fp32 without)
+QLORA_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
+
+
+def _peft_states(shape: ModelShape, cfg: RunConfig, facts: StateBytes, data_parallel: int
+                 ) -> float:
+    """Model states under peft=lora/qlora: the frozen base's weights alone (no gradients, no
+    optimizer state), the adapters trained in full as the strategy holds a trained parameter.
+    The base is in bf16 under precision=bf16 where peft.base_dtype makes it so (bf16, or
+    qlora's) and fp32 otherwise (auto is bf16 only for a bf16 checkpoint's values, unknown
+    before loading it: counted fp32); qlora's block weights in 4 bits. Adapters: rank r on every attention and MLP
+    projection (4 of hidden x hidden, 3 of hidden x ffn: an upper bound for fewer targets)."""
+    from rapidformer.accelerators.base import PARAMETERS
+
+    p = cfg.peft
+    # as transforms/lora_layers.py's frozen_base_dtype decides it
+    bf16 = cfg.precision.dtype == "bf16" and p.base_dtype != "fp32" and \
+        (p.base_dtype == "bf16" or p.name == "qlora")
+    held = 2 if bf16 else 4
+    blocks = shape.layers * shape.block_parameters
+    rest = max(shape.parameters - blocks, 0)  # embeddings, head, final norm
+    base = blocks * (QLORA_BYTES[p.double_quant] if p.name == "qlora" else held) + rest * held
+    if PARAMETERS in facts.offloaded:
+        base = 0
+    elif PARAMETERS in facts.sharded:
+        base /= data_parallel
+    h, f = shape.hidden, shape.ffn
+    adapters = p.r * shape.layers * (4 * 2 * h + 3 * (h + f))
+    return base + facts.on_device(adapters, data_parallel)
 
 
 def _hf_activations(shape: ModelShape, cfg: RunConfig, mode: Mode, residual: int, compute: int,
