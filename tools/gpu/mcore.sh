@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one GPU call: `bash tools/gpu/mcore.sh megatron|ligerhang|tests ...` from the repository root
+# one GPU call: `bash tools/gpu/mcore.sh megatron|tests ...` from the repository root
 # (carry .whl-lora, which holds megatron-core, hydra, datasets and liger; or WHL=.whl-mcore)
 set -u
 W=${WHL:-.whl-lora}
@@ -16,11 +16,6 @@ for what in "$@"; do
         --micro ${MICRO:-8} --variants ${VARIANTS:-sdpa sdpa_compile} --warmup 5 --iters 20 \
         --run-timeout ${RUNT:-160} --out $OUT/megatron_llama_1b.json --logs $OUT/mlogs > $OUT/megatron.log 2>&1
       echo "megatron rc=$?" >> $OUT/env.txt; tail -6 $OUT/megatron.log ;;
-    ligerhang)
-      TORCH_LOGS=recompiles,graph_breaks PYTHONFAULTHANDLER=1 timeout -s ABRT ${HLIMIT:-200} python3 -m rapidformer +recipe=llama_pretrain \
-        model=llama_1b precision=bf16 graph=compile kernels=liger trainer.train_iters=60 \
-        trainer.output_dir=/tmp/ligerhang > $OUT/ligerhang.log 2>&1
-      echo "ligerhang rc=$?" >> $OUT/env.txt; tail -c 3000 $OUT/ligerhang.log ;;
     tests)
       timeout ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS} > $OUT/gpu_tests.log 2>&1
       echo "tests rc=$?" >> $OUT/env.txt; tail -15 $OUT/gpu_tests.log ;;
