@@ -240,7 +240,12 @@ def test_other_directories_and_missing_tensors_are_refused(one_rank, tmp_path, c
     whole = (checkpoints["llama"] / "model.safetensors").read_bytes()
     for name, content, file in [("cut", whole[:len(whole) // 2], "model.safetensors"),
                                 ("noise", b"\x07" * 4096, "model.safetensors"),
-                                ("index", b"{not json", "model.safetensors.index.json")]:
+                                ("index", b"{not json", "model.safetensors.index.json"),
+                                ("map_list", b'{"weight_map": ["a"]}',
+                                 "model.safetensors.index.json"),
+                                ("index_null", b"null", "model.safetensors.index.json"),
+                                ("bin_noise", b"\x80\x02junk" * 100, "pytorch_model.bin"),
+                                ("bin_empty", b"", "pytorch_model.bin")]:
         broken = _config_only(tmp_path / name)
         (broken / file).write_bytes(content)
         assert f"model.init_from_hf={broken}: its weights could not be read (" in \

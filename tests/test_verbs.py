@@ -150,7 +150,7 @@ def test_a_peft_run_plans_a_frozen_base_and_trained_adapters(peft, base_bytes):
 
     p, layers, h, f = 8_000_000_000, 32, 4096, 14336
     shape = ModelShape(p, 218_000_000, layers, h, 32, f, 128256, True)
-    cfg = _cfg("+recipe=llama_lora", "precision=bf16", *peft)
+    cfg = _cfg("+recipe=llama_lora", "precision=bf16", "peft.modules_to_save=null", *peft)
     full = estimate(shape, _cfg("+recipe=llama_lora", "precision=bf16", "peft=none"), Mode("none"))
     tuned = estimate(shape, cfg, Mode("none"))
     adapters = cfg.peft.r * layers * (4 * 2 * h + 3 * (h + f))
@@ -158,6 +158,16 @@ def test_a_peft_run_plans_a_frozen_base_and_trained_adapters(peft, base_bytes):
                                                + 16 * adapters, rel=1e-6)
     assert full.model_states == 16 * p and tuned.model_states < full.model_states / 3
     assert tuned.activations == full.activations
+    # the modules trained in full (the recipe's: embeddings and head, each vocabulary x hidden)
+    # add their 16 bytes a parameter
+    saved = estimate(shape, _cfg("+recipe=llama_lora", "precision=bf16", *peft,
+                                 "peft.modules_to_save=[embed_tokens,lm_head]"), Mode("none"))
+    assert saved.model_states - tuned.model_states == pytest.approx(16 * 2 * 128256 * h)
+    # DeepSpeed under bf16 holds its weights, the frozen base's too, in 16 bits
+    zero2 = estimate(shape, cfg, Mode("zero2"))
+    assert zero2.model_states < tuned.model_states or cfg.peft.base_dtype == "bf16" or \
+        cfg.peft.name == "qlora"
+    assert zero2.model_states <= 2 * p + 16 * adapters
 
 
 def test_memory_auto_picks_the_fastest_mode_that_fits(capsys):

@@ -38,4 +38,4 @@ def require_served(verb: str, task: str, run_dir) -> None:
         f"task={task} run" + (f" ({why})" if why else "") + "; "
         + (f"use {' or '.join(others)} on it" if others else
            "no verb answers with its model: `rapidformer export RUN_DIR --to DIR` writes it as "
-           "a Hugging Face model"))
+           "a Hugging Face model (a megatron run's is RUN_DIR/hf_model, written at its end)"))

@@ -112,10 +112,14 @@ def check_gpt2_checkpoint(cfg: RunConfig, layernorm_epsilon: float, vocab_size: 
 
 def unreadable_errors() -> tuple[type[BaseException], ...]:
     """What reading a damaged or cut-short checkpoint raises (safetensors' own error, torch's
-    unpickling, JSON): each becomes one InputError naming the directory."""
+    unpickling of a .bin, an empty file, JSON): each becomes one InputError naming the
+    directory."""
+    import pickle
+
     from safetensors import SafetensorError
 
-    return (OSError, ValueError, RuntimeError, SafetensorError)
+    return (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError,
+            SafetensorError)
 
 
 def unreadable(directory: str, error: BaseException) -> InputError:

@@ -236,7 +236,9 @@ class _CheckpointTensors:
                                                         dtype=torch.float32)
                 self._loaded = dict(model.state_dict())
                 self.files = dict.fromkeys(self._loaded)
-        except (*unreadable_errors(), KeyError) as error:
+        # KeyError, TypeError, AttributeError: an index whose weight_map is missing or is not
+        # a mapping of names to file names
+        except (*unreadable_errors(), KeyError, TypeError, AttributeError) as error:
             raise unreadable(directory, error) from error
 
     def names(self) -> set:

@@ -133,14 +133,17 @@ def _peft_states(shape: ModelShape, cfg: RunConfig, facts: StateBytes, data_para
     The base is in bf16 under precision=bf16 where peft.base_dtype makes it so (bf16, or
     qlora's) and fp32 otherwise (auto is bf16 only for a bf16 checkpoint's values, unknown
     before loading it: counted fp32); qlora's block weights in 4 bits. Adapters: rank r on every attention and MLP
-    projection (4 of hidden x hidden, 3 of hidden x ffn: an upper bound for fewer targets)."""
+    projection (4 of hidden x hidden, 3 of hidden x ffn: an upper bound for fewer targets),
+    and the modules peft.modules_to_save trains in full. Activations are counted as without
+    peft (its dropout keeps a little more, peft.fused less)."""
     from rapidformer.accelerators.base import PARAMETERS
 
     p = cfg.peft
-    # as transforms/lora_layers.py's frozen_base_dtype decides it
+    # as transforms/lora_layers.py's frozen_base_dtype decides it; a strategy that holds its
+    # weights in 16 bits (DeepSpeed under bf16) holds the frozen base so too
     bf16 = cfg.precision.dtype == "bf16" and p.base_dtype != "fp32" and \
         (p.base_dtype == "bf16" or p.name == "qlora")
-    held = 2 if bf16 else 4
+    held = min(2 if bf16 else 4, facts.weights)
     blocks = shape.layers * shape.block_parameters
     rest = max(shape.parameters - blocks, 0)  # embeddings, head, final norm
     base = blocks * (QLORA_BYTES[p.double_quant] if p.name == "qlora" else held) + rest * held
@@ -150,7 +153,21 @@ def _peft_states(shape: ModelShape, cfg: RunConfig, facts: StateBytes, data_para
         base /= data_parallel
     h, f = shape.hidden, shape.ffn
     adapters = p.r * shape.layers * (4 * 2 * h + 3 * (h + f))
-    return base + facts.on_device(adapters, data_parallel)
+    return base + facts.on_device(adapters + _saved_in_full(shape, p), data_parallel)
+
+
+# peft.modules_to_save that hold the vocabulary's rows (a new token's embedding, an adapted
+# output head): the others (a task head) are a few rows of hidden
+VOCABULARY_MODULES = ("embed", "wte", "word_embeddings", "lm_head", "output", "shared")
+
+
+def _saved_in_full(shape: ModelShape, p) -> int:
+    """Parameters of peft.modules_to_save: peft trains a copy of each in full (the frozen
+    original is in the base already). A vocabulary-sized module is vocabulary x hidden; any
+    other is counted hidden x hidden (a task head is smaller)."""
+    names = p.modules_to_save or []
+    return sum(shape.vocab * shape.hidden if any(word in name for word in VOCABULARY_MODULES)
+               else shape.hidden * shape.hidden for name in names)
 
 
 def _hf_activations(shape: ModelShape, cfg: RunConfig, mode: Mode, residual: int, compute: int,

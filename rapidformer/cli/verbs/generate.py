@@ -26,7 +26,9 @@ def load_exported(directory: Path):
     if not (directory / "config.json").is_file():
         raise InputError(f"{directory} holds no exported model (no config.json): the run exports "
                          f"to RUN_DIR/hf_model at its end (trainer.export_hf=true); or write one "
-                         f"with `rapidformer export RUN_DIR --to DIR` and pass --model DIR")
+                         f"with `rapidformer export RUN_DIR --to DIR` (a Hugging Face model's "
+                         f"checkpoints; a megatron run exports only at its end) and pass "
+                         f"--model DIR")
     if not (directory / "tokenizer_config.json").is_file():
         raise InputError(f"{directory} has no tokenizer (no tokenizer_config.json); use the run's "
                          f"hf_model/ or a `rapidformer export` directory, which hold both")
