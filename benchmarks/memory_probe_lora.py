@@ -33,6 +33,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -206,7 +207,10 @@ def rapidformer_variant(args, variant: str) -> dict:
         return state["loss"]
 
     task.run_forward_step = forward_step
-    task.train()
+    try:
+        task.train()
+    finally:  # the run's folder holds the base's copy (GBs at 1B): never left in the temp dir
+        shutil.rmtree(work, ignore_errors=True)
     opt = getattr(task.engine, "optimizer", None)
     if opt is not None:
         states = collections.Counter()
