@@ -85,13 +85,20 @@ def test_the_loss_is_on_every_assistant_turn_and_its_end_only(tokenizer):
     assert every[0]["labels"] == every[0]["input_ids"]
 
 
-def test_prompt_response_rows_with_and_without_a_template(tokenizer):
+def test_prompt_response_rows_with_and_without_a_template(tokenizer, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="rapidformer")
     row = {"prompt": "question : where does anna live ? answer :", "response": " paris"}
     ds, _ = encoded(tokenizer, [row])
+    assert "has no chat template" not in caplog.text
     assert labelled_text(tokenizer, ds[0]["input_ids"], ds[0]["labels"]) == ["paris [SEP]"]
     assert tokenizer.decode(ds[0]["input_ids"]).startswith("< | user | > question")
     plain = with_template(tokenizer, None)
     ds, _ = encoded(plain, [row])
+    # the run says how it joins rows without a template (a base model's tokenizer)
+    assert "the tokenizer has no chat template (data.chat_template gives one): each row is its " \
+        "prompt, then its response" in caplog.text
     assert tokenizer.decode(ds[0]["input_ids"]) == "question : where does anna live? answer : " \
                                                    "paris [SEP]"
     assert labelled_text(plain, ds[0]["input_ids"], ds[0]["labels"]) == ["paris [SEP]"]

@@ -12,6 +12,7 @@ templates do; a template that does not is refused with the turn where it differs
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,12 @@ from rapidformer.data.counts import with_counts
 from rapidformer.data.lengths import IGNORE
 from rapidformer.data.text_classification import row_place
 from rapidformer.errors import InputError
+
+log = logging.getLogger("rapidformer")
+WITHOUT_TEMPLATE = ("task=sft: the tokenizer has no chat template (data.chat_template gives one): "
+                    "each row is its prompt, then its response and the end-of-sequence token, "
+                    "with no roles or turn markers; conversations of more than one turn are "
+                    "refused")
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -162,6 +169,8 @@ def encode_rows(dataset, tokenizer, d, loss_on: str, split: str, counts: EncodeC
     """The split as input_ids/labels/attention_mask rows; rows with no label are dropped."""
     form = row_form(dataset.column_names, d)
     renderer = Renderer(tokenizer)
+    if not renderer.templated and split == "train":  # a base model's tokenizer: say so once
+        log.info("%s", WITHOUT_TEMPLATE)
     if not getattr(tokenizer, "is_fast", False):
         raise InputError(f"task=sft needs a fast (Rust) tokenizer, whose character offsets tell "
                          f"the assistant's tokens apart; {type(tokenizer).__name__} is not one")
