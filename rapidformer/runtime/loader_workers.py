@@ -24,14 +24,25 @@ while they start, as torch's are. Where the fork server is only Python's default
 systems but macOS from Python 3.14, while nothing has fixed the start method: a
 `multiprocessing.Queue()` made earlier does), the loaders fork instead, as Python did before.
 
+Workers that ignore SIGTERM also ignore the one way Python's exit stops them: at exit,
+multiprocessing terminates (SIGTERM) its daemon children and then joins them, and a worker of an
+iterator that is still referenced then (a run that failed mid-epoch: the traceback holds it; a
+module-level iterator) waits for indices forever while its parent waits for it: the process
+never exits. So an exit hook, which runs before multiprocessing's, shuts down the workers of
+every iterator still alive and kills (SIGKILL) any that do not stop.
+
     DataLoader(dataset, ..., num_workers=n)  # this module's DataLoader, not torch's
     DataLoader(dataset, ..., worker_init_fn=users_own_init_fn)  # theirs runs after ours
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
+import multiprocessing.util  # registers multiprocessing's exit hook before ours: ours runs first
 import signal
+import threading
+import weakref
 from multiprocessing import resource_tracker
 from typing import Callable
 
@@ -96,6 +107,12 @@ class DataLoader(torch.utils.data.DataLoader):
             self.multiprocessing_context = "fork"
 
     def _get_iterator(self):
+        iterator = self._started_iterator()
+        if self.num_workers > 0:
+            _WITH_WORKERS.add(iterator)
+        return iterator
+
+    def _started_iterator(self):
         method = self._start_method() if self.num_workers > 0 and MASKS else None
         if method in (None, "forkserver"):
             return super()._get_iterator()
@@ -121,3 +138,39 @@ def _forkserver_by_default() -> bool:
     fork, as Python did before."""
     return (multiprocessing.get_start_method(allow_none=True) is None
             and multiprocessing.get_all_start_methods()[0] == "forkserver")
+
+
+_WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()  # iterators of ours that started workers
+
+
+SHUTDOWN_S = 15.0  # torch's shutdown waits 5 s a worker that does not stop
+
+
+@atexit.register
+def _stop_workers_at_exit() -> None:
+    """The workers of every iterator still alive at exit stopped (the module's docstring says
+    why): torch's own shutdown, in a thread given SHUTDOWN_S (parts of it join without a time
+    limit), then SIGKILL for any worker still alive; nothing of theirs is waited for after."""
+    iterators = list(_WITH_WORKERS)
+    if not iterators:
+        return
+
+    def shut_down() -> None:
+        for iterator in iterators:
+            with contextlib.suppress(Exception):
+                iterator._shutdown_workers()
+
+    stopping = threading.Thread(target=shut_down, name="loader-workers-exit", daemon=True)
+    stopping.start()
+    stopping.join(SHUTDOWN_S)
+    for iterator in iterators:
+        for worker in getattr(iterator, "_workers", ()):
+            with contextlib.suppress(Exception):
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join(timeout=5)
+        queues = [*getattr(iterator, "_index_queues", ()),
+                  getattr(iterator, "_worker_result_queue", None)]
+        for queue in queues:  # their feeder threads would wait on pipes no one reads now
+            with contextlib.suppress(Exception):
+                queue.cancel_join_thread()
