@@ -5,6 +5,8 @@ projections. On a CPU the patching is checked where liger-kernel imports (it nee
 GPU the adapters train with the kernels to the losses they reach without them."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -203,3 +205,71 @@ def test_pretraining_with_liger_and_an_adapted_output_layer_computes_a_loss(
                                           "peft.target_modules=[q_proj,lm_head]",
                                           "kernels=liger"])
     assert [r["loss"] for r in records if "loss" in r]
+
+
+def _graph(scope: str):
+    from rapidformer.config.schema import GraphConfig
+
+    return GraphConfig(name="compile", scope=scope)
+
+
+def _fused(head_trains: bool, tied: bool = False):
+    import rapidformer.transforms.liger as liger
+
+    model = tiny_llama(tie_word_embeddings=tied)
+    setattr(model, liger.FUSED_LOSS_MARK, True)  # what liger-kernel's patch leaves, as applied
+    model.get_output_embeddings().weight.requires_grad_(head_trains)
+    return model
+
+
+# found on the GPU (fixed): `+recipe=llama_pretrain kernels=liger` (graph=compile, the whole
+# model) failed at its first step: dynamo cannot trace liger's fp32 accumulation of the trained
+# output layer's gradient ("RuntimeError when making fake tensor call", torch 2.11)
+@pytest.mark.parametrize("make, sharded, scope", [
+    (lambda: _fused(head_trains=True), False, "blocks"),  # pretraining, full fine-tuning
+    (lambda: _fused(head_trains=True, tied=True), False, "blocks"),  # Llama 3.2's tied head
+    (lambda: torch.compile(_fused(head_trains=True)), False, "blocks"),  # seen through wrappers
+    (lambda: _fused(head_trains=False), False, "model"),  # LoRA: the head is frozen (measured)
+    (lambda: tiny_llama(), False, "model"),  # no fused loss
+    (lambda: tiny_llama(), True, "blocks"),  # FSDP2, DeepSpeed
+])
+def test_auto_compiles_the_blocks_where_the_fused_loss_trains_the_head(make, sharded, scope):
+    from rapidformer.accelerators.graph import compile_scope
+
+    assert compile_scope(_graph("auto"), sharded, make()) == scope
+    assert compile_scope(_graph("blocks"), sharded, make()) == "blocks"
+
+
+def test_the_fused_loss_compiles_block_by_block_and_leaves_the_head_eager(caplog):
+    from rapidformer.accelerators.graph import apply_graph, compile_blocks
+
+    model = _fused(head_trains=True)
+    with caplog.at_level("INFO", logger="rapidformer"):
+        model = apply_graph(compile_blocks(model, _graph("auto"), False), _graph("auto"), False)
+    assert not isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    assert all(block._compiled_call_impl is not None for block in model.model.layers)
+    assert "each transformer block, not the whole model: liger-kernel's fused loss trains the " \
+           "output layer" in caplog.text
+
+
+def test_the_whole_model_scope_with_the_fused_loss_training_the_head_is_refused():
+    from rapidformer.accelerators.graph import compile_blocks
+    from rapidformer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="graph.scope=model: liger-kernel's fused loss trains "
+                                          "the output layer.*use graph.scope=auto or blocks"):
+        compile_blocks(_fused(head_trains=True), _graph("model"), False)
+    assert compile_blocks(_fused(head_trains=False), _graph("model"), False) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pretraining_with_liger_under_compile_trains(tmp_path, pretraining_data):
+    pytest.importorskip("liger_kernel")
+    from tests.test_decoders import llama_args, pretrain
+
+    records = pretrain(tmp_path / "run", [*llama_args(pretraining_data), "trainer.train_iters=20",
+                                          "trainer.log_interval=5", "trainer.device=cuda",
+                                          "graph=compile", "precision=bf16", "kernels=liger"])
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]

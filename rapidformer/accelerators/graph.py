@@ -5,7 +5,9 @@ DDP) and each transformer block where FSDP2 or DeepSpeed does. The whole-model c
 fuses the embeddings, the head and the loss (on one H200, BERT-base MLM: 1.25x the tokens/s of
 the per-block compile, docs/benchmarks.md); the per-block (regional) compile keeps compile time
 independent of depth (the identical blocks share one compiled graph) and leaves the blocks for
-FSDP2 to shard and DeepSpeed to partition. graph.scope=blocks / model choose one.
+FSDP2 to shard and DeepSpeed to partition. graph.scope=blocks / model choose one. auto compiles the
+blocks too where the model cannot be compiled whole (liger-kernel's fused loss training the
+output layer: transforms/liger.py says why).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from rapidformer.config.schema import GraphConfig
 from rapidformer.errors import ConfigError
 from rapidformer.models.blocks import transformer_blocks
+from rapidformer.transforms.liger import whole_model_compile_problem
 
 log = logging.getLogger("rapidformer")
 
@@ -48,18 +51,27 @@ def check_inductor_options(options: dict) -> None:
         raise ConfigError(problems)
 
 
-def compile_scope(g: GraphConfig, sharded: bool) -> str:
+def compile_scope(g: GraphConfig, sharded: bool, model: torch.nn.Module) -> str:
     """graph.scope, with auto decided: the whole model unless the strategy shards its blocks
-    (FSDP2, DeepSpeed)."""
+    (FSDP2, DeepSpeed) or the model cannot be compiled whole (`whole_model_compile_problem`);
+    graph.scope=model for such a model is refused."""
+    problem = whole_model_compile_problem(unwrap(model))
+    if g.scope == "model" and problem:
+        raise ConfigError([f"graph.scope=model: {problem} (the first step would fail); use "
+                           f"graph.scope=auto or blocks, which compile each transformer block, "
+                           f"or kernels.fused_linear_cross_entropy=false"])
     if g.scope != "auto":
         return g.scope
-    return "blocks" if sharded else "model"
+    return "blocks" if sharded or problem else "model"
 
 
 def compile_blocks(model: torch.nn.Module, g: GraphConfig, sharded: bool) -> torch.nn.Module:
     """graph=compile, scope=blocks: before any wrapper (DDP, FSDP2, DeepSpeed)."""
-    if g.name != "compile" or compile_scope(g, sharded) != "blocks":
+    if g.name != "compile" or compile_scope(g, sharded, model) != "blocks":
         return model
+    problem = whole_model_compile_problem(model)
+    if problem and g.scope == "auto" and not sharded:
+        log.info("graph=compile: each transformer block, not the whole model: %s", problem)
     blocks = transformer_blocks(model)
     if not blocks:
         raise ConfigError([f"graph.scope=blocks: {type(model).__name__} has no repeated "
@@ -73,7 +85,7 @@ def compile_blocks(model: torch.nn.Module, g: GraphConfig, sharded: bool) -> tor
 
 def apply_graph(model: torch.nn.Module, g: GraphConfig, sharded: bool) -> torch.nn.Module:
     """graph=compile, scope=model: around the (DDP-wrapped) model."""
-    if g.name != "compile" or compile_scope(g, sharded) != "model":
+    if g.name != "compile" or compile_scope(g, sharded, model) != "model":
         return model
     log.info("graph=compile: the whole model compiled")
     return torch.compile(model, **_compile_kwargs(g))

@@ -99,6 +99,19 @@ def applied_fused_loss(model: torch.nn.Module) -> bool:
 FUSED_LOSS_MARK = "_rapidformer_liger_fused_loss"
 
 
+def whole_model_compile_problem(model: torch.nn.Module) -> str | None:
+    """Why torch.compile cannot take `model` whole, or None. liger-kernel's fused loss adds
+    each chunk's bf16 weight gradient into an fp32 one (`torch.addmm(out_dtype=float32)`, the
+    output layer's fp32 weight under autocast), which dynamo fails to trace ("RuntimeError when
+    making fake tensor call": torch 2.11 on one H200, the 1B Llama pretraining row), so the
+    first step failed. The blocks compile; the head and loss are liger's kernels either way."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not applied_fused_loss(model) or head is None or not head.weight.requires_grad:
+        return None  # a frozen head (LoRA) gets no weight gradient: compiled whole, measured
+    return ("liger-kernel's fused loss trains the output layer, whose fp32 gradient "
+            "accumulation torch.compile cannot trace")
+
+
 class LigerKernels(ModelTransform):
     """kernels=liger."""
 
