@@ -10,9 +10,9 @@ The rotary patch replaces the family module's function, process-wide, as liger-k
 kernels=auto (the default) applies them where they measured faster: task=sft on a CUDA GPU, a
 family liger-kernel covers, liger-kernel installed (LoRA SFT of a Llama 3.2 1B shape on one
 H200: +23 % real tokens/s and 4 GB less than the labelled head alone, docs/benchmarks.md);
-anywhere else the model's own layers, and the log line says which and why. Not yet for causal
-LM pretraining: its GPU row with graph=compile did not finish (issue of record), so auto
-leaves it to kernels=liger.
+anywhere else the model's own layers, and the log line says which and why. Not for causal LM
+pretraining: a 1B Llama held 6 GB less but ran at 0.75x the tokens/s (docs/benchmarks.md), so
+auto leaves it to kernels=liger.
 """
 from __future__ import annotations
 
