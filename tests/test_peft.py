@@ -6,6 +6,7 @@ strategy contract (test_strategies.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,11 +250,15 @@ def test_llama_lora_learns_its_answers_and_saves_and_exports_the_adapters(tmp_pa
     assert "peft.PeftModel.from_pretrained" in capsys.readouterr().out
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 16 and config["peft_type"] == "LORA"
+    assert config["base_model_name_or_path"] == str((run / "peft_base").absolute())
     base = AutoModelForCausalLM.from_pretrained(run / "peft_base")
     adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits,
-                                   rtol=1e-5, atol=1e-5)
+    from peft import AutoPeftModelForCausalLM  # reads the base from the config alone
+
+    for model in (adapted, AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()):
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits,
+                                       rtol=1e-5, atol=1e-5)
 
     # resuming these adapters: refused with other settings, without peft, or on another base
     data = tmp_path / "data"
@@ -283,3 +288,20 @@ def test_a_missing_peft_is_refused_before_any_work_with_its_install_line(monkeyp
     with pytest.raises(NotAvailableError, match=r"pip install 'rapidformer\[peft\]'"):
         check_environment(_cfg())  # the run's refusal pass, this machine's part
     check_environment(settle(compose(["trainer.device=cpu"]), "out")[1])
+
+
+@pytest.mark.parametrize("source, name, expected", [
+    ("pretrained", "hub-org/some-model", "hub-org/some-model"),  # not a local folder: as it is
+    ("pretrained", "base_folder", "ABS/base_folder"),  # a local folder: absolute
+    ("config", None, "ABS/run/peft_base"),  # config-built: the copy the run keeps
+])
+def test_the_adapter_directory_names_a_base_that_loads_from_anywhere(tmp_path, monkeypatch,
+                                                                     source, name, expected):
+    from types import SimpleNamespace
+
+    from rapidformer.cli.verbs.export import adapter_base
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base_folder").mkdir()
+    cfg = SimpleNamespace(model=SimpleNamespace(source=source, name_or_path=name))
+    assert adapter_base(cfg, Path("run")) == expected.replace("ABS", str(tmp_path))

@@ -179,9 +179,11 @@ def merged_weights(ckpt: Path, record: dict, adapter_state: dict) -> dict:
     return {k: v.float() if v.is_floating_point() else v for k, v in merged.state_dict().items()}
 
 
-def write_adapter_dir(ckpt: Path, record: dict, adapter_state: dict, out: Path) -> None:
+def write_adapter_dir(ckpt: Path, record: dict, adapter_state: dict, out: Path,
+                      base_name_or_path: str) -> None:
     """peft's adapter directory (adapter_config.json, adapter_model.safetensors) of a
-    checkpoint, built on a meta-device base: no base weights are read or needed."""
+    checkpoint, built on a meta-device base: no base weights are read or needed. Its config
+    names `base_name_or_path`, where peft's AutoPeftModel* classes read the base from."""
     peft = import_peft()
     import transformers
 
@@ -194,4 +196,5 @@ def write_adapter_dir(ckpt: Path, record: dict, adapter_state: dict, out: Path) 
     check_loaded(model, result.missing_keys, result.unexpected_keys, ckpt)
     model.peft_config["default"].modules_to_save = _fresh(model.peft_config["default"]) \
         .modules_to_save
+    model.peft_config["default"].base_model_name_or_path = base_name_or_path
     model.save_pretrained(str(out))

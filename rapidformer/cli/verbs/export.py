@@ -111,7 +111,8 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
         if (ckpt / "tokenizer").is_dir() else None
     if adapter_only:
-        return _write(out, ckpt, saved, tokenizer, _adapter_writer(ckpt, saved))
+        return _write(out, ckpt, saved, tokenizer,
+                      _adapter_writer(ckpt, saved, adapter_base(cfg, run_dir)))
     state = weights(ckpt, saved)
     model = skeleton(cfg, state, tokenizer, run_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -156,7 +157,19 @@ def out_problem(out: Path) -> str | None:
     return None
 
 
-def _adapter_writer(ckpt: Path, saved: CheckpointState):
+def adapter_base(cfg, run_dir: Path) -> str:
+    """Where the adapters' base is read from, for adapter_config.json's base_model_name_or_path
+    (peft's AutoPeftModel* load it from there): the run's pretrained model (a local folder as an
+    absolute path, a hub name as it is), or the copy a run keeps of a config-built base."""
+    from rapidformer.transforms.lora import BASE_COPY
+
+    if cfg.model.source == "pretrained":
+        local = Path(cfg.model.name_or_path)
+        return str(local.absolute()) if local.exists() else cfg.model.name_or_path
+    return str((run_dir / BASE_COPY).absolute())
+
+
+def _adapter_writer(ckpt: Path, saved: CheckpointState, base_name_or_path: str):
     record = saved.transforms.get("lora")
     if record is None:
         raise InputError(f"--adapter-only: {ckpt} holds a whole model (its run used peft=none), "
@@ -165,7 +178,7 @@ def _adapter_writer(ckpt: Path, saved: CheckpointState):
     from rapidformer.transforms.lora_weights import write_adapter_dir
 
     adapter_state = stored_weights(ckpt, saved)
-    return lambda tmp: write_adapter_dir(ckpt, record, adapter_state, tmp)
+    return lambda tmp: write_adapter_dir(ckpt, record, adapter_state, tmp, base_name_or_path)
 
 
 def _write(out: Path, ckpt: Path, saved: CheckpointState, tokenizer, write_model) -> Path:
