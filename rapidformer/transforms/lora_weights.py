@@ -9,6 +9,7 @@ peft's own adapter directory (`rapidformer export --adapter-only`).
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -196,5 +197,9 @@ def write_adapter_dir(ckpt: Path, record: dict, adapter_state: dict, out: Path,
     check_loaded(model, result.missing_keys, result.unexpected_keys, ckpt)
     model.peft_config["default"].modules_to_save = _fresh(model.peft_config["default"]) \
         .modules_to_save
-    model.peft_config["default"].base_model_name_or_path = base_name_or_path
     model.save_pretrained(str(out))
+    # named after saving: peft's save would look the name up (on the hub, for a hub name)
+    config_file = out / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = base_name_or_path
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
