@@ -273,3 +273,23 @@ def test_pretraining_with_liger_under_compile_trains(tmp_path, pretraining_data)
                                           "graph=compile", "precision=bf16", "kernels=liger"])
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 4 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+def test_a_fused_loss_model_without_blocks_is_told_what_to_do_instead():
+    import rapidformer.transforms.liger as liger
+    from rapidformer.accelerators.graph import compile_blocks
+    from rapidformer.errors import ConfigError
+
+    class Head(torch.nn.Module):  # a model of its own: a head, no repeated blocks
+        def __init__(self):
+            super().__init__()
+            self.out = torch.nn.Linear(4, 8)
+
+        def get_output_embeddings(self):
+            return self.out
+
+    model = Head()
+    setattr(model, liger.FUSED_LOSS_MARK, True)
+    with pytest.raises(ConfigError, match="fused loss trains the output layer.*cannot trace, and Head has no "
+                                          "repeated transformer blocks.*use graph=eager"):
+        compile_blocks(model, _graph("auto"), False)

@@ -34,8 +34,39 @@ class Stuck(torch.utils.data.Dataset):
         return i
 
 
+class FailsAtSecond(torch.utils.data.Sampler):
+    def __len__(self):
+        return 10
+
+    def __iter__(self):
+        yield 0
+        raise RuntimeError("the run failed here")  # while the iterator starts, workers started
+
+
 def main(how):
+    import os
     kwargs = {{"num_workers": 2, "batch_size": 1}}
+    if how == "sampler fails":
+        print("[0]", flush=True)
+        iter(DataLoader(list(range(10)), sampler=FailsAtSecond(), **kwargs))
+    if how == "dropped stuck":  # left while a worker hangs: torch's SIGTERM is ignored
+        for batch in DataLoader(Stuck(), **kwargs):
+            print(batch.tolist(), flush=True)
+            break
+        return
+    if how == "forked child":  # a child's exit hook leaves its parent's workers alone (the
+        # child runs ours alone: multiprocessing's own hook in a raw fork's child is no business
+        # of this module's)
+        from rapidformer.runtime.loader_workers import _stop_workers_at_exit
+        batches = iter(DataLoader(list(range(1000)), **kwargs))
+        print(next(batches).tolist(), flush=True)
+        child = os.fork()
+        if child == 0:
+            _stop_workers_at_exit()
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert sum(1 for _ in batches) == 999
+        return
     data = list(range(100))
     if how == "persistent":
         kwargs["persistent_workers"] = True
@@ -73,7 +104,8 @@ def _ended(child: subprocess.Popen, limit: float) -> tuple[int | str, str, str]:
         return "did not exit", out, err[-800:]
 
 
-EXPECTED = {"normal": 0, "raise": 1, "sys.exit": 3, "persistent": 1, "spawn": 1, "stuck": 1}
+EXPECTED = {"normal": 0, "raise": 1, "sys.exit": 3, "persistent": 1, "spawn": 1, "stuck": 1,
+            "sampler fails": 1, "dropped stuck": 0, "forked child": 0}
 
 
 def test_a_process_ends_with_its_loader_workers_running(tmp_path):

@@ -69,14 +69,18 @@ def compile_blocks(model: torch.nn.Module, g: GraphConfig, sharded: bool) -> tor
     """graph=compile, scope=blocks: before any wrapper (DDP, FSDP2, DeepSpeed)."""
     if g.name != "compile" or compile_scope(g, sharded, model) != "blocks":
         return model
-    problem = whole_model_compile_problem(model)
-    if problem and g.scope == "auto" and not sharded:
-        log.info("graph=compile: each transformer block, not the whole model: %s", problem)
     blocks = transformer_blocks(model)
+    problem = whole_model_compile_problem(model)
+    if not blocks and problem and g.scope == "auto":
+        raise ConfigError([f"graph=compile: {problem}, and {type(model).__name__} has no "
+                           f"repeated transformer blocks (children of a ModuleList) to compile "
+                           f"instead; use graph=eager or kernels.fused_linear_cross_entropy=false"])
     if not blocks:
         raise ConfigError([f"graph.scope=blocks: {type(model).__name__} has no repeated "
                            f"transformer blocks (children of a ModuleList) to compile; use "
                            f"graph.scope=model"])
+    if problem and g.scope == "auto" and not sharded:
+        log.info("graph=compile: each transformer block, not the whole model: %s", problem)
     for block in blocks:
         block.compile(**_compile_kwargs(g))
     log.info("graph=compile: %d transformer blocks compiled (regional)", len(blocks))

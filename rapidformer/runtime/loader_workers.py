@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.util  # registers multiprocessing's exit hook before ours: ours runs first
+import os
 import signal
 import threading
 import weakref
@@ -107,9 +108,15 @@ class DataLoader(torch.utils.data.DataLoader):
             self.multiprocessing_context = "fork"
 
     def _get_iterator(self):
-        iterator = self._started_iterator()
-        if self.num_workers > 0:
-            _WITH_WORKERS.add(iterator)
+        if self.num_workers == 0:
+            return self._started_iterator()
+        before = set(multiprocessing.active_children())
+        try:  # the workers noted even where starting the iterator fails after they started
+            iterator = self._started_iterator()
+        finally:
+            _WORKERS.update(p for p in multiprocessing.active_children()
+                            if p.daemon and p not in before)  # torch's workers are daemons
+        _WITH_WORKERS.add(iterator)
         return iterator
 
     def _started_iterator(self):
@@ -141,6 +148,20 @@ def _forkserver_by_default() -> bool:
 
 
 _WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()  # iterators of ours that started workers
+# their worker processes, kept apart: an iterator whose start failed, or one dropped while a
+# worker was stuck (torch's SIGTERM, ignored, was its last word), leaves workers behind it;
+# multiprocessing keeps a Process until it is joined, so the weak reference holds while it runs
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_workers() -> None:
+    """In a forked child: the workers are its parent's, not its own to stop at its exit."""
+    _WITH_WORKERS.clear()
+    _WORKERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers)
 
 
 SHUTDOWN_S = 15.0  # torch's shutdown waits 5 s a worker that does not stop
@@ -151,8 +172,8 @@ def _stop_workers_at_exit() -> None:
     """The workers of every iterator still alive at exit stopped (the module's docstring says
     why): torch's own shutdown, in a thread given SHUTDOWN_S (parts of it join without a time
     limit), then SIGKILL for any worker still alive; nothing of theirs is waited for after."""
-    iterators = list(_WITH_WORKERS)
-    if not iterators:
+    iterators, workers = list(_WITH_WORKERS), list(_WORKERS)
+    if not iterators and not workers:
         return
 
     def shut_down() -> None:
@@ -163,12 +184,12 @@ def _stop_workers_at_exit() -> None:
     stopping = threading.Thread(target=shut_down, name="loader-workers-exit", daemon=True)
     stopping.start()
     stopping.join(SHUTDOWN_S)
+    for worker in {*workers, *(w for it in iterators for w in getattr(it, "_workers", ()))}:
+        with contextlib.suppress(Exception):
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
     for iterator in iterators:
-        for worker in getattr(iterator, "_workers", ()):
-            with contextlib.suppress(Exception):
-                if worker.is_alive():
-                    worker.kill()
-                    worker.join(timeout=5)
         queues = [*getattr(iterator, "_index_queues", ()),
                   getattr(iterator, "_worker_result_queue", None)]
         for queue in queues:  # their feeder threads would wait on pipes no one reads now
