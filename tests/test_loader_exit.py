@@ -13,7 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from tests.conftest import FAST, OFFLINE_ENV
+from tests.conftest import FAST
+from tests.test_signals import _communicate_or_fail, start_in_own_group
 
 REPO = Path(__file__).parents[1]
 LIMIT = 90  # seconds; each exits in a few (a stuck worker: torch's 5 s join, then SIGKILL)
@@ -144,9 +145,8 @@ FailsAtThirdStep(engine=RapidformerEngine()).train()
 def test_a_run_that_fails_mid_epoch_with_loader_workers_exits_non_zero(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(textwrap.dedent(FAILS_AT_THIRD_STEP))
-    child = _start([sys.executable, "-m", "rapidformer", f"user_script={script}", *FAST,
-                    "data.num_workers=2", f"trainer.output_dir={tmp_path / 'run'}"],
-                   tmp_path, {**os.environ, **OFFLINE_ENV, "PYTHONPATH": str(REPO)})
-    code, out, err = _ended(child, 180)
-    assert code not in (0, "did not exit"), (code, err)
+    child = start_in_own_group([f"user_script={script}", *FAST, "data.num_workers=2",
+                                f"trainer.output_dir={tmp_path / 'run'}"], tmp_path)
+    out, err = _communicate_or_fail(child, 180)
+    assert child.returncode != 0, err
     assert "a model error at the third step" in out + err

@@ -134,9 +134,8 @@ def _peft_states(shape: ModelShape, cfg: RunConfig, facts: StateBytes, data_para
     qlora's) and fp32 otherwise (auto is bf16 only for a bf16 checkpoint's values, unknown
     before loading it: counted fp32); qlora's block weights in 4 bits. Adapters: rank r on
     every attention and MLP projection (4 of hidden x hidden, 3 of hidden x ffn: an upper bound
-    for fewer targets),
-    and the modules peft.modules_to_save trains in full. Activations are counted as without
-    peft (its dropout keeps a little more, peft.fused less)."""
+    for fewer targets), and the modules peft.modules_to_save trains in full. Activations are
+    counted as without peft (its dropout keeps a little more, peft.fused less)."""
     from rapidformer.accelerators.base import PARAMETERS
 
     p = cfg.peft

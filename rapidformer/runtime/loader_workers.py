@@ -184,7 +184,7 @@ def _stop_workers_at_exit() -> None:
     stopping = threading.Thread(target=shut_down, name="loader-workers-exit", daemon=True)
     stopping.start()
     stopping.join(SHUTDOWN_S)
-    for worker in {*workers, *(w for it in iterators for w in getattr(it, "_workers", ()))}:
+    for worker in workers:  # every iterator's workers are among them
         with contextlib.suppress(Exception):
             if worker.is_alive():
                 worker.kill()
