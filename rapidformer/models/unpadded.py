@@ -12,8 +12,9 @@ so every other layer computes exactly what it computes on the padded batch, minu
 
 The layout, made on the CPU by the collate step (`Unpad`), is fixed in shape apart from T: the
 batch's B sequences and one tail segment that pads T up to a multiple of `token_multiple` (so
-that a compiled model meets few shapes), `cu_seq_lens_q` has B + 2 entries, and the tail's
-tokens have label -100.
+that a compiled model meets few shapes; under CUDA graphs a step that grows with T,
+`data/lengths.packed_length`), `cu_seq_lens_q` has B + 2 entries, and the tail's tokens have
+label -100.
 
 The attention is told the longest segment a row can hold (`longest_segment`): a sequence (at most
 data.max_seq_length tokens) or the tail (under a multiple of tokens: 255 with graph=compile's
@@ -43,31 +44,42 @@ import logging
 import torch
 
 from rapidformer.data.counts import with_counts
-from rapidformer.data.lengths import IGNORE, fill_value, round_up
+from rapidformer.data.lengths import IGNORE, fill_value, packed_length, packed_step, round_up
 from rapidformer.errors import ConfigError, InputError
 
 log = logging.getLogger("rapidformer")
 
 
-def masked_positions(labels: torch.Tensor, multiple: int) -> torch.Tensor:
+# under CUDA graphs the masked positions are padded to a multiple of this share of the batch's
+# token positions: their count then follows the row's length instead of giving every length a
+# few shapes of its own (BERT's masked share is 15 %; the head's padded rows cost about 1 % of a
+# BERT-base step)
+MASKED_SHARE_STEP = 32
+
+
+def masked_positions(labels: torch.Tensor, multiple: int, relative: bool = False) -> torch.Tensor:
     """The flat indices of the tokens with a loss, -1 after them up to a multiple of `multiple`
-    (a compiled head meets few shapes)."""
+    (a compiled head meets few shapes); `relative`: of the batch's positions / 32 when that
+    is more (CUDA graphs)."""
+    if relative:
+        multiple = max(multiple, round_up(labels.numel() // MASKED_SHARE_STEP, multiple))
     index = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
     padded = torch.full((round_up(max(index.numel(), 1), multiple),), -1, dtype=torch.long)
     padded[:index.numel()] = index
     return padded
 
 
-def unpad_batch(batch: dict, pad_id: int, token_multiple: int) -> dict:
+def unpad_batch(batch: dict, pad_id: int, token_multiple: int, grows: bool = False) -> dict:
     """A padded batch (`attention_mask` marks the real tokens, on either side) in the packed
     layout: every [B, S] tensor becomes [1, T] (T: the real tokens, rounded up to
-    `token_multiple` with a tail segment), [B] tensors stay, `position_ids` restart at each
-    sequence, and `cu_seq_lens_q` holds the B + 2 sequence boundaries."""
+    `token_multiple`, or the step that grows with T, with a tail segment), [B] tensors stay,
+    `position_ids` restart at each sequence, and `cu_seq_lens_q` holds the B + 2 sequence
+    boundaries."""
     mask = batch["attention_mask"].bool()
     rows, width = mask.shape
     lengths = mask.sum(1)
     real = int(lengths.sum())
-    total = round_up(max(real, 1), token_multiple)
+    total = packed_length(real, token_multiple, grows)
     out = {}
     for key, value in batch.items():
         if key == "attention_mask":
@@ -89,28 +101,34 @@ def unpad_batch(batch: dict, pad_id: int, token_multiple: int) -> dict:
     return out
 
 
-def longest_segment(max_length: int, token_multiple: int) -> int:
+def longest_segment(max_length: int, token_multiple: int, most_tokens: int | None = None) -> int:
     """The longest segment of a packed row: a sequence (at most `max_length` tokens) or the
     tail that pads the row up to a multiple of `token_multiple` (at most that many tokens, when
-    the batch has no real token). The attention kernel must be told at least this."""
-    return max(max_length, token_multiple)
+    the batch has no real token), or with `most_tokens` (the step grows with the row, up to a
+    batch of that many) up to the largest step. The attention kernel must be told at least
+    this."""
+    return max(max_length, packed_step(most_tokens or 1, token_multiple, most_tokens is not None))
 
 
 class Unpad:
     """Collate step: the wrapped collate function's padded batch, unpadded; with
     `mlm_multiple`, also the masked-LM positions. With `longest` (what the model's attention
-    is told, `longest_segment`), a batch with a longer segment is refused."""
+    is told, `longest_segment`), a batch with a longer segment is refused. `grows`: the
+    shapes CUDA graphs need (the row's step grows with it, the masked count follows it)."""
 
     def __init__(self, collate, pad_id: int, token_multiple: int = 64,
-                 mlm_multiple: int | None = None, longest: int | None = None):
+                 mlm_multiple: int | None = None, longest: int | None = None,
+                 grows: bool = False):
         self.collate, self.pad_id = collate, pad_id
         self.token_multiple, self.mlm_multiple = token_multiple, mlm_multiple
-        self.longest = longest
+        self.longest, self.grows = longest, grows
 
     def __call__(self, features):
-        batch = unpad_batch(dict(self.collate(features)), self.pad_id, self.token_multiple)
+        batch = unpad_batch(dict(self.collate(features)), self.pad_id, self.token_multiple,
+                            self.grows)
         if self.mlm_multiple:
-            batch["masked_positions"] = masked_positions(batch["labels"], self.mlm_multiple)
+            batch["masked_positions"] = masked_positions(batch["labels"], self.mlm_multiple,
+                                                         self.grows)
         ends = batch["cu_seq_lens_q"]  # B sequences, then the tail that pads the row
         if self.longest is not None:
             segment = int((ends[1:] - ends[:-1]).max())
@@ -128,14 +146,15 @@ class Unpad:
 class WithMaskedPositions:
     """Collate step for padded masked-LM batches: the positions the head runs on."""
 
-    def __init__(self, collate, multiple: int = 64):
-        self.collate, self.multiple = collate, multiple
+    def __init__(self, collate, multiple: int = 64, relative: bool = False):
+        self.collate, self.multiple, self.relative = collate, multiple, relative
         self.enabled = True  # off for a model that runs its own head
 
     def __call__(self, features):
         batch = dict(self.collate(features))
         if self.enabled and "labels" in batch:
-            batch["masked_positions"] = masked_positions(batch["labels"], self.multiple)
+            batch["masked_positions"] = masked_positions(batch["labels"], self.multiple,
+                                                         self.relative)
         return batch
 
 

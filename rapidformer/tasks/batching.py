@@ -8,6 +8,7 @@ import logging
 from rapidformer.data.lengths import PadTo, bucket_lengths
 from rapidformer.models.unpadded import WithMaskedPositions, supported, use_unpadded_forward
 from rapidformer.transforms import rounds_lengths
+from rapidformer.transforms.base import records_graphs
 
 log = logging.getLogger("rapidformer")
 
@@ -28,6 +29,8 @@ class Batching:
         self.transform_forward = transforms.masked_lm_positions()
         self.positions = masked_lm and (cfg.task.mlm_head == "masked" or self.transform_forward)
         self._with_positions: list = []
+        # CUDA graphs record a graph per shape: the masked count then follows the batch's size
+        self.graphs = records_graphs(cfg)
 
     def collates(self, collate):
         """(the training collate, the evaluation collate) around a task's padding collate.
@@ -51,7 +54,7 @@ class Batching:
     def _positions_of(self, collate):
         if not self.positions:
             return collate
-        with_positions = WithMaskedPositions(collate, MLM_MULTIPLE)
+        with_positions = WithMaskedPositions(collate, MLM_MULTIPLE, relative=self.graphs)
         self._with_positions.append(with_positions)
         return with_positions
 

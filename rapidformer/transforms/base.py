@@ -166,3 +166,11 @@ class ModelTransform:
         """The whole model's weights of a checkpoint that recorded this transform, from the
         tensors the strategy read (`rapidformer export`, eval, predict)."""
         return weights
+
+
+def records_graphs(cfg: RunConfig) -> bool:
+    """Whether torch.compile records CUDA graphs (one per input shape: shapes that vary cost a
+    recording each, where plain compile covers them with one dynamic graph)."""
+    g = cfg.graph
+    return g.name == "compile" and (g.mode in ("reduce-overhead", "max-autotune")
+                                    or bool((g.options or {}).get("triton.cudagraphs")))

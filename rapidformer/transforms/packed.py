@@ -24,7 +24,7 @@ from torch import nn
 from rapidformer.data.lengths import bucket_lengths, token_multiple
 from rapidformer.models.attention import flash_drops_dropout
 from rapidformer.models.dtypes import DTYPES
-from rapidformer.transforms.base import ApplyContext, ModelTransform
+from rapidformer.transforms.base import ApplyContext, ModelTransform, records_graphs
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import RunConfig
@@ -105,9 +105,18 @@ class PackedSequences(ModelTransform):
             return PackedCollate(pad_id, bucket_lengths(d.pad_to, d.max_seq_length, compiled))
         from rapidformer.models.unpadded import Unpad, longest_segment
 
-        multiple = token_multiple(d.pad_to, compiled)
+        multiple, most = self._rounding(compiled)
         return Unpad(collate, pad_id, multiple, mlm_multiple=mlm_multiple,
-                     longest=longest_segment(d.max_seq_length, multiple))
+                     longest=longest_segment(d.max_seq_length, multiple, most),
+                     grows=most is not None)
+
+    def _rounding(self, compiled: bool) -> tuple[int, int | None]:
+        """(the multiple a packed row is rounded up to, the most tokens a batch holds where the
+        step grows with the row: CUDA graphs with data.pad_to=auto; else None)."""
+        d = self.cfg.data
+        grows = d.pad_to == "auto" and records_graphs(self.cfg)
+        most = self.cfg.trainer.micro_batch_size * d.max_seq_length if grows else None
+        return token_multiple(d.pad_to, compiled), most
 
     # --- the model -----------------------------------------------------------------------------
     def apply(self, model: nn.Module, context: ApplyContext) -> nn.Module:
@@ -118,12 +127,14 @@ class PackedSequences(ModelTransform):
         from rapidformer.models.unpadded import longest_segment, use_unpadded_forward
 
         d = self.cfg.data
-        multiple = token_multiple(d.pad_to, context.rounds_lengths)
+        multiple, most = self._rounding(context.rounds_lengths)
         # the tail that rounds a row up is a segment too, longer than a sequence when the
         # multiple is (256 under graph=compile, 128-token MRPC): the kernel must cover it
-        use_unpadded_forward(model, longest_segment(d.max_seq_length, multiple))
+        use_unpadded_forward(model, longest_segment(d.max_seq_length, multiple, most))
         log.info("trainer.unpad: training batches are packed without padding (rounded up "
-                 "to %d tokens); evaluation batches stay padded", multiple)
+                 "to %s tokens); evaluation batches stay padded", multiple if most is None else
+                 f"a multiple of {multiple}, or an eighth of the row's power of two under CUDA "
+                 f"graphs")
         dropout = getattr(getattr(model, "config", None), "attention_probs_dropout_prob", 0.0)
         if dropout and flash_drops_dropout(context.device, DTYPES[self.cfg.precision.dtype]):
             log.warning("trainer.unpad: attention dropout (%.2g) is not applied on the GPU: "
