@@ -10,6 +10,8 @@ tools/preprocess_data.py on the same corpus, flags and workers.
     python benchmarks/preprocess_speed.py --megatron --megatron-lm DIR   # a Megatron-LM tree
 
 The corpus and both vocabularies come from rapidformer.data.corpus, so nothing is downloaded.
+Our rows run with TOKENIZERS_PARALLELISM=false, so that a row's workers are the cores it uses
+(each worker's Rust tokenizer runs one thread; with --workers 1 it would use every core).
 Each row is one real run of a tool in a subprocess and is timed from the outside, so the time
 includes interpreter start-up and imports, as a user's run does; the tool's own rate (its
 `done:` line; Megatron's last `Processed` line, which starts after its start-up) is recorded
@@ -82,7 +84,10 @@ def run_one(name: str, flags: list[str], level: str, corpus: dict, workers: int,
     if tool == "rapidformer":
         argv = [sys.executable, "-m", "rapidformer.data.preprocess_data", *common,
                 "--dataset-impl", "mmap", "--log-interval", "1000000", *flags]
-        shown, env, cwd = "python -m rapidformer.data.preprocess_data", None, None
+        # one tokenizer thread a worker: a row's workers are the cores it uses (with --workers 1
+        # the tool's Rust tokenizer would otherwise use every core of the machine)
+        shown, env, cwd = "python -m rapidformer.data.preprocess_data", \
+            {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, None
     else:
         # its progress line comes every --log-interval documents: once, at the end
         argv = [sys.executable, str(megatron["dir"] / "tools" / "preprocess_data.py"), *common,

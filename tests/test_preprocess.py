@@ -557,15 +557,18 @@ def test_a_worker_imports_neither_torch_nor_transformers(tmp_path, gpt2_files):
     from rapidformer.data.preprocess_tokenizers import build_tokenizer
 
     vocab, merges = gpt2_files
-    args = parse_args(_gpt2_args(tmp_path / "in.json", tmp_path / "out", vocab, merges)
-                      + ["--append-eod"])
+    source = tmp_path / "in.json"
+    source.write_text('{"text": "The kid."}\n')
+    args = parse_args(_gpt2_args(source, tmp_path / "out", vocab, merges) + ["--append-eod"])
     tokenizer, eod, _ = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, None)
     pickled = tmp_path / "encoder.pkl"
     pickled.write_bytes(pickle.dumps(Encoder(args, tokenizer, eod)))
     probe = ("import pickle, sys\n"
-             "from rapidformer.data.preprocess_encode import _encode_in_worker, _start_worker\n"
+             "from rapidformer.data.preprocess_encode import _encode_range_in_worker, "
+             "_start_worker\n"
              f"_start_worker(pickle.loads(open({str(pickled)!r}, 'rb').read()))\n"
-             "errors, nbytes, docs, arrays = _encode_in_worker([(1, b'{\"text\": \"The kid.\"}')])\n"
+             f"errors, nbytes, docs, arrays, _ = _encode_range_in_worker((0, "
+             f"{source.stat().st_size}))\n"
              "print(arrays['text'][0].tolist(), 'torch' in sys.modules, "
              "'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -573,3 +576,139 @@ def test_a_worker_imports_neither_torch_nor_transformers(tmp_path, gpt2_files):
     assert out.returncode == 0, out.stderr
     ids = tokenizer.encode("The kid.", add_special_tokens=False) + [eod]
     assert out.stdout.strip() == f"{ids} False False"
+
+
+def test_byte_range_tasks_write_the_same_bytes_and_number_lines_alike(tmp_path, gpt2_files,
+                                                                       monkeypatch, capsys):
+    """Many small byte ranges (a task per few lines): the output and every reported line
+    number are those of one range, with blank lines, CRLF and no final newline."""
+    import rapidformer.data.preprocess_encode as encode
+
+    vocab, merges = gpt2_files
+    lines = [json.dumps({"text": MIXED[i % len(MIXED)]}) for i in range(300)]
+    lines[17], lines[101], lines[250] = "{not json", "", "  \r"
+    lines[150] = json.dumps({"txt": "no text key"}) + "\r"
+    path = tmp_path / "ranges.json"
+    path.write_text("\n".join(lines))  # no newline at the end
+    outputs, errors = {}, {}
+    for workers, task_bytes in ((1, 1 << 30), (1, 200), (3, 200)):
+        monkeypatch.setattr(encode, "MIN_TASK_BYTES", task_bytes)
+        monkeypatch.setattr(encode, "MAX_TASK_BYTES", max(task_bytes, 1 << 20))
+        prefix = tmp_path / f"w{workers}_{task_bytes}"
+        preprocess_main([*_gpt2_args(path, prefix, vocab, merges), "--append-eod",
+                         "--on-error", "skip", "--workers", str(workers)])
+        outputs[workers, task_bytes] = [Path(f"{prefix}_text_document{e}").read_bytes()
+                                        for e in (".bin", ".idx")]
+        errors[workers, task_bytes] = [line for line in capsys.readouterr().err.splitlines()
+                                       if line.startswith("skipping")]
+    assert len(set(map(tuple, outputs.values()))) == 1
+    assert len(set(map(tuple, errors.values()))) == 1
+    assert [e.split(" line ")[1].split(",")[0].split(":")[0] for e in errors[1, 200]] == \
+        ["18", "151"]
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "BertWordPieceLowerCase",
+                                  "BertWordPieceCase"])
+def test_the_rust_tokenizer_built_without_transformers_gives_the_same_ids(kind, gpt2_files,
+                                                                          bert_vocab):
+    from rapidformer.data.preprocess_tokenizers import build_rust_tokenizer, build_tokenizer
+
+    vocab, merges = gpt2_files if kind.startswith("GPT2") else (bert_vocab, None)
+    texts = [t for t in TEXTS] + ["<|endoftext|> [SEP] [MASK] Café  naïve\u00a0x\t\n 日本語 🙂",
+                                  "", "   "]
+    for eod in ("sep", "eos"):
+        ours, our_eod, our_size = build_rust_tokenizer(kind, str(vocab), merges and str(merges),
+                                                       None, eod)
+        theirs, eod_id, size = build_tokenizer(kind, str(vocab), merges and str(merges), None, eod)
+        assert (our_eod, our_size) == (eod_id, size)
+        assert [e.ids for e in ours.encode_batch(texts, add_special_tokens=False)] == \
+            [e.ids for e in theirs.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+def test_ids_past_the_vocabularys_entry_count_are_written_as_they_are(tmp_path, gpt2_files,
+                                                                      bert_vocab):
+    """A vocab.json whose <|endoftext|> id is 70,000 (a few hundred entries) and a vocab.txt
+    whose repeated lines put [SEP] past 70,000: the output holds int32 ids, the ids
+    themselves (uint16 outputs wrapped them to id - 65,536)."""
+    vocab, merges = gpt2_files
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    entries = json.loads(vocab.read_text())
+    entries["<|endoftext|>"] = 70000
+    (sparse / "vocab.json").write_text(json.dumps(entries))
+    source = tmp_path / "in.json"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    preprocess_main([*_gpt2_args(source, tmp_path / "gpt", sparse / "vocab.json", merges),
+                     "--append-eod"])
+    gpt = _read(tmp_path / "gpt_text_document")
+    assert gpt[0].dtype == np.int32 and [int(gpt[i][-1]) for i in range(3)] == [70000] * 3
+
+    repeated = tmp_path / "vocab.txt"
+    repeated.write_text(bert_vocab.read_text() + "zzz\n" * 70000 + "[SEP]\n")
+    preprocess_main(["--input", str(source), "--output-prefix", str(tmp_path / "bert"),
+                     "--vocab-file", str(repeated), "--tokenizer-type", "BertWordPieceLowerCase",
+                     "--append-eod", "--bert-eod", "sep"])
+    bert = _read(tmp_path / "bert_text_document")
+    from tokenizers import Tokenizer, models
+
+    sep = Tokenizer(models.WordPiece.from_file(str(repeated))).token_to_id("[SEP]")
+    assert sep > 65535 and bert[0].dtype == np.int32 and int(bert[0][-1]) == sep
+
+
+def test_a_half_surrogate_pair_is_a_bad_line(tmp_path, gpt2_files, capsys):
+    vocab, merges = gpt2_files
+    source = tmp_path / "in.json"
+    source.write_text('{"text": "fine"}\n{"text": "a\\ud800b"}\n{"text": ["ok", "x\\udfff"]}\n')
+    args = _gpt2_args(source, tmp_path / "out", vocab, merges)
+    with pytest.raises(SystemExit) as info:
+        preprocess_main(args)
+    assert info.value.code == 2
+    assert (f"{source} line 2, key 'text', character 2: \\ud800 is half of a UTF-16 surrogate "
+            f"pair") in capsys.readouterr().err
+    assert not list(tmp_path.glob("out_*"))
+    preprocess_main([*args, "--on-error", "skip"])
+    skipped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("skip")]
+    assert [s.split(": ")[0] for s in skipped] == [
+        f"skipping {source} line 2, key 'text', character 2",
+        f"skipping {source} line 3, key 'text', item 1, character 2"]
+    assert len(_read(tmp_path / "out_text_document")) == 1
+
+
+def test_an_input_that_changes_while_it_is_read_is_an_error(tmp_path, gpt2_files):
+    """Each process opens the input once and checks it is the file the run started on: a
+    file removed after that is still read; one replaced or written to before, or cut short
+    after, is an error naming the input (no other data is read as if it were)."""
+    from rapidformer.data.preprocess_data import parse_args
+    from rapidformer.data.preprocess_encode import Encoder, file_identity
+    from rapidformer.data.preprocess_errors import PreprocessError
+    from rapidformer.data.preprocess_tokenizers import build_rust_tokenizer
+
+    vocab, merges = gpt2_files
+    source = tmp_path / "in.json"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    size = source.stat().st_size
+    args = parse_args(_gpt2_args(source, tmp_path / "out", vocab, merges))
+    tokenizer, eod, _ = build_rust_tokenizer(args.tokenizer_type, args.vocab_file,
+                                             args.merge_file, None)
+
+    def encoder():
+        return Encoder(args, tokenizer, eod, identity=file_identity(source.stat()))
+
+    removed = encoder()
+    removed.open_input()
+    source.unlink()
+    assert removed.encode_range((0, size))[2] == 3  # three documents
+
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    replaced = encoder()
+    source.write_text(source.read_text() + json.dumps({"text": "one more"}) + "\n")
+    with pytest.raises(PreprocessError, match=f"--input {source} was replaced or written to "
+                                              f"while the run read it; nothing was written"):
+        replaced.open_input()
+
+    shortened = encoder()
+    shortened.open_input()
+    with open(source, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(PreprocessError, match="became shorter while the run read it"):
+        shortened.encode_range((0, size))

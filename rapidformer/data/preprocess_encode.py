@@ -5,6 +5,7 @@ into sentences with `--split-sentences`, and the chunk's pieces are tokenized in
 call. A worker process imports neither transformers nor torch."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import signal
 
 import numpy as np
 
-from rapidformer.data.preprocess_errors import LineError, json_type
+from rapidformer.data.preprocess_errors import LineError, PreprocessError, json_type
 from rapidformer.data.preprocess_tokenizers import build_tokenizer
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'A-Z0-9])")
@@ -52,6 +53,7 @@ def _check_text(value, key: str) -> None:
     # Megatron reads a list as the document's sentences; anything else would be tokenized as
     # its Python repr ('None', '{...}')
     if isinstance(value, str):
+        _check_encodable(value, f", key {key!r}")
         return
     if not isinstance(value, list):
         raise LineError(f"{json_type(value)}, expected a string or a list of strings (its "
@@ -60,17 +62,59 @@ def _check_text(value, key: str) -> None:
         if not isinstance(item, str):
             raise LineError(f"{json_type(item)}, expected a string (a sentence)",
                             f", key {key!r}, item {i}")
+        _check_encodable(item, f", key {key!r}, item {i}")
+
+
+def _check_encodable(text: str, where: str) -> None:
+    # a JSON escape of half a UTF-16 pair ("\ud800") decodes to a lone surrogate, which no
+    # tokenizer takes (the Rust one raised a TypeError for the whole run)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LineError(f"\\u{ord(text[exc.start]):04x} is half of a UTF-16 surrogate pair "
+                        f"(an escape without its other half); fix or remove the escape",
+                        f"{where}, character {exc.start + 1}") from exc
 
 
 def split_sentences(text: str) -> list[str]:
     return [s for s in (part.strip() for part in SENTENCE_END.split(text)) if s]
 
 
-# documents per task a worker takes: one batched tokenizer call and one array per key each
-
-
-# documents per task a worker takes: one batched tokenizer call and one array per key each
+# lines per batched tokenizer call inside a task
 CHUNK_LINES = 256
+# a task is a byte range of the input, read by the worker itself: about this many per worker
+# (load balance and progress), and no smaller than MIN_TASK_BYTES (per-task overhead)
+TASKS_PER_WORKER = 8
+MIN_TASK_BYTES = 1 << 20
+MAX_TASK_BYTES = 4 << 20  # a range's lines are held at once: about 12x its bytes at worst
+
+
+def byte_ranges(path, parts: int) -> list[tuple[int, int]]:
+    """About `parts` consecutive (start, end) byte ranges covering the file, each starting
+    at the beginning of a line (right after a b"\\n"), so that no line is cut."""
+    size = os.path.getsize(path)
+    bounds = [0]
+    with open(path, "rb") as f:
+        for k in range(1, parts):
+            pos = size * k // parts
+            if pos <= bounds[-1]:
+                continue
+            f.seek(pos - 1)  # a line that starts exactly at pos stays whole
+            f.readline()
+            end = f.tell()
+            if bounds[-1] < end < size:
+                bounds.append(end)
+    bounds.append(size)
+    return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def file_identity(stat: os.stat_result) -> tuple:
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def task_count(size: int, workers: int) -> int:
+    per = min(max(size // max(workers * TASKS_PER_WORKER, 1), MIN_TASK_BYTES), MAX_TASK_BYTES)
+    return max(1, -(-size // max(per, 1)))
 
 
 class Encoder:
@@ -80,8 +124,11 @@ class Encoder:
     tokenizer: it imports neither transformers nor torch (a spawned worker used to spend
     seconds importing them before its first line)."""
 
-    def __init__(self, args, tokenizer, eod: int | None):
-        self.args, self.eod = args, eod
+    def __init__(self, args, tokenizer, eod: int | None, dtype=np.int32, identity=None):
+        self.args, self.eod, self.dtype = args, eod, dtype
+        # the input file the run started on (`file_identity`): each process opens it once and
+        # checks that it still is (a file replaced, grown or cut short is an error, not data)
+        self.identity, self._input = identity, None
         # the Rust tokenizer behind a Hugging Face one (a tokenizers.Tokenizer), else the
         # Hugging Face tokenizer itself
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -90,7 +137,8 @@ class Encoder:
     def __getstate__(self):
         # a worker gets the Rust tokenizer serialized, or builds the Hugging Face one itself
         rust = hasattr(self.tokenizer, "encode_batch")
-        return {**self.__dict__, "tokenizer": self.tokenizer.to_str() if rust else None}
+        return {**self.__dict__, "tokenizer": self.tokenizer.to_str() if rust else None,
+                "_input": None}
 
     def initializer(self):
         # Ctrl-C reaches the whole process group: the main process alone handles it, and stops
@@ -106,6 +154,24 @@ class Encoder:
             a = self.args
             self.tokenizer, _, _ = build_tokenizer(a.tokenizer_type, a.vocab_file, a.merge_file,
                                                    a.tokenizer_model, a.bert_eod)
+        self.open_input()  # at the start: a later removal of the file does not stop the run
+
+    def open_input(self):
+        if self._input is None:
+            try:
+                f = open(self.args.input, "rb")
+            except OSError as exc:
+                raise self._changed(f"could not be opened again ({exc.strerror})") from exc
+            if self.identity is not None and file_identity(os.fstat(f.fileno())) != self.identity:
+                f.close()
+                raise self._changed("was replaced or written to")
+            self._input = f
+        return self._input
+
+    def _changed(self, what: str) -> PreprocessError:
+        return PreprocessError(f"--input {self.args.input} {what} while the run read it; "
+                               f"nothing was written under {self.args.output_prefix}_*; run "
+                               f"again on a file that does not change while it is read")
 
     def encode_chunk(self, chunk: list[tuple[int, bytes]]):
         """(errors as (line, message), input bytes, documents, {key: (tokens, sequence
@@ -117,7 +183,7 @@ class Encoder:
             try:
                 texts = parse_line(raw, self.args.json_keys)
             except LineError as exc:
-                errors.append((number, f"line {number}{exc.where}: {exc.what}"))
+                errors.append((number, f"{exc.where}: {exc.what}"))
                 continue
             for key, text in texts.items():
                 split = self._pieces(text)
@@ -126,6 +192,46 @@ class Encoder:
         out = {key: self._arrays(pieces[key], counts[key]) for key in self.args.json_keys}
         return errors, nbytes, len(chunk) - len(errors), out
 
+    def encode_range(self, task: tuple[int, int]):
+        """The worker reads its own byte range of the input (nothing of it is sent through a
+        pipe): (errors as (line within the range, where + message), bytes, documents,
+        {key: (tokens, sequence lengths, sequences per document)}, newlines in the range).
+        With --on-error fail it stops at its first malformed line."""
+        start, end = task
+        f = self.open_input()
+        try:
+            f.seek(start)
+            data = f.read(end - start)
+        except OSError as exc:
+            raise self._changed(f"could not be read at byte {start} ({exc.strerror})") from exc
+        if len(data) != end - start:
+            raise self._changed("became shorter")
+        newlines = data.count(b"\n")
+        lines = data.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()  # after the range's last b"\n"
+        numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+        del data, lines
+        errors, documents, parts = [], 0, {k: [] for k in self.args.json_keys}
+        for chunk in _chunks(iter(numbered), CHUNK_LINES):
+            chunk_errors, _, docs, arrays = self.encode_chunk(chunk)
+            documents += docs
+            for key, value in arrays.items():
+                parts[key].append(value)
+            if chunk_errors:
+                errors += chunk_errors
+                if self.args.on_error == "fail":
+                    break
+        out = {}
+        for key, chunks in parts.items():
+            if len(chunks) == 1:
+                out[key] = chunks[0]
+            else:
+                out[key] = tuple(np.concatenate([c[i] for c in chunks]) if chunks
+                                 else np.zeros(0, dtype=(self.dtype, np.int32, np.int32)[i])
+                                 for i in range(3))
+        return errors, end - start, documents, out, newlines
+
     def _pieces(self, text: str | list[str]) -> list[str]:
         if isinstance(text, list):
             return text
@@ -133,25 +239,29 @@ class Encoder:
 
     def _arrays(self, pieces: list[str], counts: list[int]):
         ids = self._encode(pieces)
-        tokens, lengths, per_document, at = [], [], [], 0
-        for n in counts:
-            # Megatron keeps only sentences with tokens, and ends a document with tokens with
-            # the EOD (on its last sentence)
-            sentences = [s for s in ids[at:at + n] if s]
-            at += n
-            if sentences and self.args.append_eod:
-                sentences[-1] = [*sentences[-1], self.eod]
-            for s in sentences:
-                tokens.extend(s)
-                lengths.append(len(s))
-            per_document.append(len(sentences))
-        return (np.array(tokens, dtype=np.int32), np.array(lengths, dtype=np.int32),
-                np.array(per_document, dtype=np.int32))
+        lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype,
+                             count=int(lens.sum()))
+        counts = np.asarray(counts, dtype=np.int64)
+        document = np.repeat(np.arange(counts.size), counts)
+        # Megatron keeps only sentences with tokens, and ends a document with tokens with the
+        # EOD (on its last sentence)
+        keep = lens > 0
+        lengths, document = lens[keep], document[keep]
+        per_document = np.bincount(document, minlength=counts.size).astype(np.int32)
+        if self.args.append_eod and lengths.size:
+            last = np.ones(lengths.size, dtype=bool)
+            last[:-1] = document[1:] != document[:-1]
+            tokens = np.insert(tokens, np.cumsum(lengths)[last], self.dtype(self.eod))
+            lengths = lengths + last
+        return tokens, lengths.astype(np.int32), per_document
 
     def _encode(self, pieces: list[str]) -> list[list[int]]:
         if not pieces:
             return []
         tokenizer = self.tokenizer
+        if hasattr(tokenizer, "encode_batch_fast"):  # Rust, without offsets: ids alone
+            return [e.ids for e in tokenizer.encode_batch_fast(pieces, add_special_tokens=False)]
         if hasattr(tokenizer, "encode_batch"):  # Rust: one batched call for the chunk
             return [e.ids for e in tokenizer.encode_batch(pieces, add_special_tokens=False)]
         return [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
@@ -166,8 +276,8 @@ def _start_worker(encoder: Encoder) -> None:
     _worker = encoder
 
 
-def _encode_in_worker(chunk):
-    return _worker.encode_chunk(chunk)
+def _encode_range_in_worker(task):
+    return _worker.encode_range(task)
 
 
 def _chunks(lines, size: int):

@@ -5,6 +5,7 @@ but never interrupt the clean-up or the renaming; the temporary files of earlier
 writer is gone are removed first."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing
 import os
@@ -15,11 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-from rapidformer.data.indexed_writer import IndexedWriter
-from rapidformer.data.preprocess_encode import (CHUNK_LINES, Encoder, _chunks, _encode_in_worker,
-                                                _start_worker)
+from rapidformer.data.indexed_writer import IndexedWriter, token_dtype
+from rapidformer.data.preprocess_encode import (Encoder, _encode_range_in_worker, _start_worker,
+                                                byte_ranges, file_identity, task_count)
 from rapidformer.data.preprocess_errors import Interrupted, PreprocessError
-from rapidformer.data.preprocess_tokenizers import build_tokenizer
+from rapidformer.data.preprocess_tokenizers import build_rust_tokenizer
 
 LEVELS = ("document", "sentence")
 
@@ -62,6 +63,18 @@ class _SignalStop:
             self.defer = before
 
 
+def _in_order(pool, tasks, ahead: int):
+    """The ranges' results in input order, no more than `ahead` ranges sent before the one to
+    write (the arrays of ranges done early wait in memory: a slow range held them all)."""
+    pending = collections.deque()
+    for task in tasks:
+        pending.append(pool.apply_async(_encode_range_in_worker, (task,)))
+        if len(pending) >= ahead:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
 def _writer_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # a file of an earlier process with this pid: this one has not begun
@@ -102,7 +115,7 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
     level = LEVELS[1] if args.split_sentences else LEVELS[0]
     refuse_outputs_over_inputs(args, level)  # before any work: nothing read, nothing written
     # built here first so that a bad vocabulary fails at once, not inside a worker
-    tokenizer, eod, vocab_size = build_tokenizer(args.tokenizer_type, args.vocab_file,
+    tokenizer, eod, vocab_size = build_rust_tokenizer(args.tokenizer_type, args.vocab_file,
                                                  args.merge_file, args.tokenizer_model,
                                                  args.bert_eod)
     if args.append_eod and eod is None:
@@ -130,38 +143,44 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
     finals = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
     temps = {key: str(out_dir / f".tmp-{Path(finals[key]).name}-{os.getpid()}")
              for key in args.json_keys}
-    encoder = Encoder(args, tokenizer, eod)
-    started, done, tokens, size, skipped = time.time(), 0, 0, 0, 0
+    # the dtype holds every id the tokenizer gives: a vocabulary file with gaps or repeated
+    # entries has ids past its entry count (uint16 wrapped them)
+    highest = max([*tokenizer.get_vocab().values(), eod or 0])
+    encoder = Encoder(args, tokenizer, eod, token_dtype(max(vocab_size, highest + 1)),
+                      file_identity(source.stat()))
+    started, done, tokens, size, skipped, lines_before = time.time(), 0, 0, 0, 0, 0
     pool, writers = None, {}
     try:
-        writers = {key: IndexedWriter(temps[key] + ".bin", vocab_size)
+        writers = {key: IndexedWriter(temps[key] + ".bin", max(vocab_size, highest + 1))
                    for key in args.json_keys}
-        with open(source, "rb") as f:
-            # bytes, decoded line by line: a bad byte is then reported at its line and column
-            lines = ((n, line) for n, line in enumerate(f, start=1) if line.strip())
-            chunks = _chunks(lines, CHUNK_LINES)
-            if args.workers > 1:
-                pool = multiprocessing.get_context("spawn").Pool(
-                    args.workers, initializer=_start_worker, initargs=(encoder,))
-                results = pool.imap(_encode_in_worker, chunks)
-            else:
-                results = map(encoder.encode_chunk, chunks)
-            for errors, nbytes, documents, arrays in results:
-                size += nbytes
-                for _, error in errors:
-                    if args.on_error == "fail":
-                        raise PreprocessError(f"{source} {error}; fix the line, or pass "
-                                              f"--on-error skip to leave such lines out")
-                    skipped += 1
-                    print(f"skipping {source} {error}", file=sys.stderr)
-                for key, (ids, lengths, per_document) in arrays.items():
-                    # an empty document too: Megatron's builder keeps it, so document N stays
-                    # line N
-                    writers[key].add(ids, lengths, per_document)
-                    tokens += int(ids.size)
-                before, done = done, done + documents
-                if done // args.log_interval > before // args.log_interval:
-                    _progress(done, size, started)
+        # tasks are byte ranges of the input, each starting at a line: a worker reads and
+        # tokenizes its own range and sends back NumPy arrays, written here in input order
+        tasks = byte_ranges(source, task_count(source.stat().st_size, args.workers))
+        if args.workers > 1:
+            pool = multiprocessing.get_context("spawn").Pool(
+                args.workers, initializer=_start_worker, initargs=(encoder,))
+            results = _in_order(pool, tasks, ahead=4 * args.workers)
+        else:
+            encoder.open_input()
+            results = map(encoder.encode_range, tasks)
+        for errors, nbytes, documents, arrays, newlines in results:
+            size += nbytes
+            for number, error in errors:
+                error = f"line {lines_before + number}{error}"
+                if args.on_error == "fail":
+                    raise PreprocessError(f"{source} {error}; fix the line, or pass "
+                                          f"--on-error skip to leave such lines out")
+                skipped += 1
+                print(f"skipping {source} {error}", file=sys.stderr)
+            lines_before += newlines
+            for key, (ids, lengths, per_document) in arrays.items():
+                # an empty document too: Megatron's builder keeps it, so document N stays
+                # line N
+                writers[key].add(ids, lengths, per_document)
+                tokens += int(ids.size)
+            before, done = done, done + documents
+            if done // args.log_interval > before // args.log_interval:
+                _progress(done, size, started)
         _check_not_empty(source, args, done, tokens)
         for key, writer in writers.items():
             writer.finalize(temps[key] + ".idx")
