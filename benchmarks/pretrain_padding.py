@@ -106,6 +106,10 @@ def rapidformer_row(row: str, corpus: str, prefix: str, vocab: Path, args, work:
             "first_step_s": float(first.group(1)) if first else None,
             "recompiles": int(graphs.group(2)) if graphs else 0,
             "loss_at_end": round(windows[-1]["loss"], 4),
+            # each log window: where a mean below the steady rate comes from (a recording, a
+            # wait for the loader)
+            "windows": [[r["step"], round(r["samples_per_s"], 1),
+                         round(r.get("data_wait_frac", 0), 3)] for r in windows],
             **({"profile": profiled} if profiled else {})}
 
 

@@ -77,20 +77,28 @@ def test_a_profile_past_the_runs_end_writes_the_steps_recorded(tmp_path, caplog)
 def test_a_gpu_profile_counts_each_kernel_once():
     from torch.autograd import DeviceType
 
-    def event(key, device_type, us):
+    def event(key, device_type, us, annotation=False):
         return SimpleNamespace(key=key, device_type=device_type, device_time_total=us,
-                               self_cpu_time_total=0)
+                               self_cpu_time_total=0, is_user_annotation=annotation)
 
-    # a compiled graph's host event carries its kernels' time again: a region, not a kernel
+    # a compiled graph's host event carries its kernels' time again: a region, not a kernel;
+    # so does the optimizer step's record_function, on the host and as its device-side twin
     prof = SimpleNamespace(key_averages=lambda: [
         event("CompiledFunctionBackward", DeviceType.CPU, 3000),
+        event("Optimizer.step#AdamW.step", DeviceType.CPU, 500, annotation=True),
+        event("Optimizer.step#AdamW.step", DeviceType.CUDA, 500, annotation=True),
+        event("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", DeviceType.CUDA,
+              500),
         event("nvjet_sm90_tst_gemm", DeviceType.CUDA, 2000),
         event("pytorch_flash::flash_bwd_kernel", DeviceType.CUDA, 1000)])
     summary = kernel_summary(prof, "cuda", steps=1, wall_s=0.004)
-    assert summary["kernel_ms_per_step"] == 3.0 and summary["busy_frac"] == 0.75
+    assert summary["kernel_ms_per_step"] == 3.5 and summary["busy_frac"] == 0.875
     assert summary["kinds"]["matmul"]["ms_per_step"] == 2.0
     assert summary["kinds"]["attention"]["ms_per_step"] == 1.0
-    assert summary["regions"] == [{"name": "CompiledFunctionBackward", "device_ms_per_step": 3.0}]
+    assert summary["kinds"]["optimizer"]["ms_per_step"] == 0.5
+    assert summary["regions"] == [
+        {"name": "CompiledFunctionBackward", "device_ms_per_step": 3.0},
+        {"name": "Optimizer.step#AdamW.step", "device_ms_per_step": 0.5}]
 
 
 def test_bucket_lengths_and_the_padding_collate():

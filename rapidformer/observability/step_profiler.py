@@ -46,7 +46,11 @@ def kernel_summary(prof, device_type: str, steps: int, wall_s: float | None = No
     regions: dict[str, float] = {}
     for event in prof.key_averages():
         if device_type == "cuda":
-            # a host-side event's device time is its kernels' time again: kernels only
+            # a host-side event's device time is its kernels' time again: kernels only; a
+            # record_function's device-side twin (the optimizer step's) is a region, kept once
+            # under its host-side event
+            if getattr(event, "is_user_annotation", False) and event.device_type == DeviceType.CUDA:
+                continue
             if event.device_type == DeviceType.CUDA and event.device_time_total > 0:
                 kernels[event.key] = kernels.get(event.key, 0.0) + event.device_time_total
             elif event.device_type == DeviceType.CPU and event.device_time_total > 0:
