@@ -412,8 +412,9 @@ def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: 
                         short_seq_prob: float, seed: int, binary_head: bool = True,
                         skip_warmup: bool = True, path_to_cache=None):
     """(train, valid, test) BERT datasets of Hugging Face-keyed samples; a missing split is None."""
-    from megatron.core.datasets.bert_dataset import (BERTMaskedWordPieceDataset,
-                                                     BERTMaskedWordPieceDatasetConfig)
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
+
+    from rapidformer.data.bert_masking import FastMaskingBERTDataset
 
     if not 0 < masked_lm_prob < 1:
         raise InputError(f"mask_prob={masked_lm_prob} must be in (0, 1), e.g. 0.15")
@@ -429,7 +430,8 @@ def build_bert_datasets(data_path, tokenizer: MegatronTokenizer, splits_string: 
         masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
         masking_use_longer_ngrams=False, masking_use_geometric_distribution=False,
         classification_head=binary_head)
-    splits = _build(BERTMaskedWordPieceDataset, config, indexed, num_samples)
+    # megatron-core's samples, their masking computed faster (data/bert_masking.py)
+    splits = _build(FastMaskingBERTDataset, config, indexed, num_samples)
     return tuple(None if d is None else BertSamples(d, tokenizer.hf_pad) for d in splits)
 
 
