@@ -19,17 +19,24 @@ from tests.test_padding_options import TINY
 PAD = 0
 
 
-@pytest.mark.parametrize("tokens, multiple, grows, length", [
-    (100, 256, False, 256), (15000, 256, False, 15104), (15000, 8, False, 15000),
-    (100, 256, True, 256), (2300, 256, True, 2304), (3000, 256, True, 3072),
-    (4097, 256, True, 4608), (15000, 256, True, 15360), (16384, 256, True, 16384),
-    (16385, 256, True, 18432), (0, 256, True, 256), (1, 8, True, 8), (70, 8, True, 72),
+FULL = 32 * 512
+
+
+@pytest.mark.parametrize("tokens, multiple, most, length", [
+    (100, 256, None, 256), (15000, 256, None, 15104), (15000, 8, None, 15000),
+    (100, 256, FULL, 256), (2300, 256, FULL, 2304), (3000, 256, FULL, 3072),
+    (4097, 256, FULL, 4608), (15000, 256, FULL, 15360), (16384, 256, FULL, 16384),
+    (16385, 256, 20000, 18432), (0, 256, FULL, 256), (1, 8, 64, 8), (70, 8, 4096, 72),
+    # never past a full batch rounded to the multiple (the memory plan's tokens)
+    (15000, 256, 15100, 15104), (16000, 256, 16100, 16128), (16500, 256, 16896, 16896),
 ])
 def test_a_packed_row_is_rounded_to_a_step_that_grows_with_it_under_cuda_graphs(
-        tokens, multiple, grows, length):
-    assert packed_length(tokens, multiple, grows) == length
-    step = packed_step(tokens, multiple, grows)
-    assert length % step == 0 and length - max(tokens, 1) < step
+        tokens, multiple, most, length):
+    assert packed_length(tokens, multiple, most) == length
+    step = packed_step(tokens, multiple, most)
+    assert length - max(tokens, 1) < step and length >= max(tokens, 1)
+    if most is not None:
+        assert length <= -(-most // multiple) * multiple
 
 
 def stream(kind: str, batches: int, rows: int = 32, seq: int = 512, seed: int = 0):
@@ -60,8 +67,10 @@ def test_packed_bert_batches_take_few_shapes_under_cuda_graphs(kind, most_shapes
     seq, rows = 512, 32
     shapes = {}
     for grows in (False, True):
-        longest = longest_segment(seq, 256, rows * seq if grows else None)
-        collate = Unpad(lambda b: b, PAD, 256, mlm_multiple=64, longest=longest, grows=grows)
+        most = rows * seq if grows else None
+        longest = longest_segment(seq, 256, most)
+        collate = Unpad(lambda b: b, PAD, 256, mlm_multiple=64, longest=longest,
+                        most_tokens=most, max_length=seq)
         seen = set()
         for batch in stream(kind, 200, rows, seq):
             packed = collate(dict(batch))
@@ -96,6 +105,17 @@ def test_the_masked_count_follows_the_batch_size_under_cuda_graphs():
     assert sorted(relative["masked_positions"][:2300].tolist()) == sorted(plain[:2300].tolist())
 
 
+def test_a_sequence_longer_than_the_data_s_is_refused_whatever_the_tail_may_be():
+    from rapidformer.errors import InputError
+
+    mask = torch.ones(2, 700, dtype=torch.long)
+    batch = {"input_ids": torch.ones(2, 700, dtype=torch.long), "attention_mask": mask}
+    collate = Unpad(lambda b: b, PAD, 256, longest=longest_segment(512, 256, FULL),
+                    most_tokens=FULL, max_length=512)
+    with pytest.raises(InputError, match="a segment of 700 tokens, longer than the 512"):
+        collate(dict(batch))
+
+
 @pytest.mark.parametrize("overrides, grows", [
     (["graph=compile", "graph.mode=reduce-overhead"], True),
     (["graph=compile", "graph.mode=max-autotune"], True),
@@ -104,9 +124,12 @@ def test_the_masked_count_follows_the_batch_size_under_cuda_graphs():
     (["graph=eager"], False),
     (["graph=compile", "graph.mode=reduce-overhead", "data.pad_to=512"], False),
 ])
-def test_only_cuda_graphs_with_pad_to_auto_grow_the_step(overrides, grows, tmp_path):
+def test_only_cuda_graphs_on_a_gpu_with_pad_to_auto_grow_the_step(overrides, grows, tmp_path):
     _, cfg = settle(compose([*TINY, "trainer.unpad=true", *overrides]), str(tmp_path))
-    multiple, most = PackedSequences(cfg)._rounding(compiled=cfg.graph.name == "compile")
+    compiled = cfg.graph.name == "compile"
+    assert PackedSequences(cfg)._rounding(compiled)[1] is None  # a CPU run: no CUDA graphs
+    cfg.trainer.device = "cuda"
+    multiple, most = PackedSequences(cfg)._rounding(compiled)
     assert (most is not None) == grows
     if grows:
         assert most == cfg.trainer.micro_batch_size * cfg.data.max_seq_length

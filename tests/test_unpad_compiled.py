@@ -71,9 +71,13 @@ def test_the_attention_is_told_the_longest_segment_of_a_compiled_runs_rows(monke
     told = []
     real = attention.varlen_attention
 
-    def spy(module, query, key, value, cu_seq_lens, max_length, scaling, dropout):
+    def spy(module, query, key, value, cu_seq_lens, max_length, scaling, dropout,
+            rows_length=None):
         told.append((cu_seq_lens.clone(), max_length))
-        return real(module, query, key, value, cu_seq_lens, max_length, scaling, dropout)
+        # the rows path (this CPU) lays sequences out in rows of data.max_seq_length
+        assert rows_length == 32
+        return real(module, query, key, value, cu_seq_lens, max_length, scaling, dropout,
+                    rows_length)
 
     monkeypatch.setattr(attention, "varlen_attention", spy)
     with torch.no_grad():

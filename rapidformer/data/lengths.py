@@ -75,19 +75,23 @@ def token_multiple(pad_to, compiled: bool) -> int:
 STEPS_PER_DOUBLING = 8
 
 
-def packed_step(tokens: int, multiple: int, grows: bool = False) -> int:
-    """The step a packed row of `tokens` real tokens is rounded up to: `multiple`, or where
-    `grows` (CUDA graphs, which record a graph for every new shape) an eighth of the row's
-    power of two when that is more. Rows of BERT-base pretraining on long documents (32 x 512
-    tokens a batch) then take 5 lengths in 200 batches instead of 27 at 3.5 % padding instead
-    of 0.9 %: the recordings end within the run's first steps."""
-    if not grows:
+def packed_step(tokens: int, multiple: int, most: int | None = None) -> int:
+    """The step a packed row of `tokens` real tokens is rounded up to: `multiple`, or where the
+    step grows (`most`: the most tokens a batch holds; CUDA graphs, which record a graph for
+    every new shape) an eighth of the row's power of two when that is more. Rows of BERT-base
+    pretraining on long documents (32 x 512 tokens a batch) then take 5 lengths in 200 batches
+    instead of 27 at 3.5 % padding instead of 0.9 %: the recordings end within the run's first
+    steps."""
+    if most is None:
         return multiple
     return max(multiple, (1 << (max(tokens, 1).bit_length() - 1)) // STEPS_PER_DOUBLING)
 
 
-def packed_length(tokens: int, multiple: int, grows: bool = False) -> int:
-    return round_up(max(tokens, 1), packed_step(tokens, multiple, grows))
+def packed_length(tokens: int, multiple: int, most: int | None = None) -> int:
+    """`tokens` rounded up to its step; never past `most` rounded up to `multiple` (what a
+    full batch is rounded to without the growing step: the memory plan's tokens)."""
+    length = round_up(max(tokens, 1), packed_step(tokens, multiple, most))
+    return length if most is None else min(length, round_up(most, multiple))
 
 
 def pad_batch(batch: dict, length: int, pad_id: int, left: bool = False) -> dict:

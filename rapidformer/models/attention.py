@@ -81,16 +81,17 @@ def _packed_sequences_unless_own_positions(find):
 HALF = (torch.bfloat16, torch.float16)
 
 
-def varlen_attention(module, query, key, value, cu_seq_lens, max_length: int, scaling, dropout):
+def varlen_attention(module, query, key, value, cu_seq_lens, max_length: int, scaling, dropout,
+                     rows_length: int | None = None):
     """Attention within each sequence of a packed row; query/key/value [1, heads, T, dim],
     returns [1, T, heads, dim] as transformers' attention functions do. `max_length` bounds
     every segment, the tail that pads the row included: the flash kernel computes only the
     first `max_length` positions of each (models/unpadded.py). bf16/fp16 on a GPU:
     the variable-length flash kernel, which has no dropout (`flash_drops_dropout` tells the
     run before it starts: a log call here would break the compiled graph in every layer);
-    otherwise the sequences are put back into rows of `max_length` for SDPA (the attention
-    costs what padded attention costs, the rest of the model still runs on the real tokens
-    only)."""
+    otherwise the sequences are put back into rows of `rows_length` (the longest sequence;
+    default `max_length`) for SDPA, where a longer tail wraps (the attention costs what padded
+    attention costs, the rest of the model still runs on the real tokens only)."""
     if query.is_cuda and query.dtype in HALF:
         from torch.nn.attention.varlen import varlen_attn
 
@@ -98,8 +99,8 @@ def varlen_attention(module, query, key, value, cu_seq_lens, max_length: int, sc
         out = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length,
                           scale=scaling)
         return out.unsqueeze(0), None
-    return _attention_in_rows(module, query, key, value, cu_seq_lens, max_length, scaling,
-                              dropout)
+    return _attention_in_rows(module, query, key, value, cu_seq_lens, rows_length or max_length,
+                              scaling, dropout)
 
 
 def flash_drops_dropout(device: torch.device, dtype: torch.dtype) -> bool:
@@ -143,7 +144,7 @@ def training_attention(module, query, key, value, attention_mask, scaling=None, 
     packed_encoder = attention_mask is None or getattr(module, "is_causal", True) is False
     if cu_seq_lens is not None and packed_encoder:
         return varlen_attention(module, query, key, value, cu_seq_lens, kwargs["max_length_q"],
-                                scaling, dropout)
+                                scaling, dropout, kwargs.get("rows_length"))
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                   dropout=dropout, **kwargs)
 

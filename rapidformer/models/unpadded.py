@@ -17,8 +17,10 @@ that a compiled model meets few shapes; under CUDA graphs a step that grows with
 label -100.
 
 The attention is told the longest segment a row can hold (`longest_segment`): a sequence (at most
-data.max_seq_length tokens) or the tail (under a multiple of tokens: 255 with graph=compile's
-256). The variable-length flash kernel computes only that many positions of each segment; the
+data.max_seq_length tokens) or the tail (under the step the row is rounded to: 255 with
+graph=compile's 256; up to an eighth of the batch's most tokens under CUDA graphs). The rows
+path (no flash kernel: a CPU, fp32) lays the sequences out in rows of data.max_seq_length, where
+a longer tail wraps (its outputs are never read). The variable-length flash kernel computes only that many positions of each segment; the
 rest of a longer one is left as whatever memory held (`empty_like`), forward and backward
 alike, and reaches the weights' gradients (a NaN times a zero gradient is NaN). Telling it
 data.max_seq_length alone made MRPC fine-tuning at 128 tokens with graph=compile NaN from its
@@ -69,17 +71,19 @@ def masked_positions(labels: torch.Tensor, multiple: int, relative: bool = False
     return padded
 
 
-def unpad_batch(batch: dict, pad_id: int, token_multiple: int, grows: bool = False) -> dict:
+def unpad_batch(batch: dict, pad_id: int, token_multiple: int, most_tokens: int | None = None
+                ) -> dict:
     """A padded batch (`attention_mask` marks the real tokens, on either side) in the packed
     layout: every [B, S] tensor becomes [1, T] (T: the real tokens, rounded up to
-    `token_multiple`, or the step that grows with T, with a tail segment), [B] tensors stay,
+    `token_multiple`, or with `most_tokens` the step that grows with T, with a tail segment),
+    [B] tensors stay,
     `position_ids` restart at each sequence, and `cu_seq_lens_q` holds the B + 2 sequence
     boundaries."""
     mask = batch["attention_mask"].bool()
     rows, width = mask.shape
     lengths = mask.sum(1)
     real = int(lengths.sum())
-    total = packed_length(real, token_multiple, grows)
+    total = packed_length(real, token_multiple, most_tokens)
     out = {}
     for key, value in batch.items():
         if key == "attention_mask":
@@ -107,35 +111,37 @@ def longest_segment(max_length: int, token_multiple: int, most_tokens: int | Non
     the batch has no real token), or with `most_tokens` (the step grows with the row, up to a
     batch of that many) up to the largest step. The attention kernel must be told at least
     this."""
-    return max(max_length, packed_step(most_tokens or 1, token_multiple, most_tokens is not None))
+    return max(max_length, packed_step(most_tokens or 1, token_multiple, most_tokens))
 
 
 class Unpad:
     """Collate step: the wrapped collate function's padded batch, unpadded; with
-    `mlm_multiple`, also the masked-LM positions. With `longest` (what the model's attention
-    is told, `longest_segment`), a batch with a longer segment is refused. `grows`: the
-    shapes CUDA graphs need (the row's step grows with it, the masked count follows it)."""
+    `mlm_multiple`, also the masked-LM positions. A batch with a sequence longer than
+    `max_length` or a segment longer than `longest` (what the model's attention is told,
+    `longest_segment`) is refused. `most_tokens`: the shapes CUDA graphs need (the row's
+    step grows with it, the masked count follows it)."""
 
     def __init__(self, collate, pad_id: int, token_multiple: int = 64,
                  mlm_multiple: int | None = None, longest: int | None = None,
-                 grows: bool = False):
+                 most_tokens: int | None = None, max_length: int | None = None):
         self.collate, self.pad_id = collate, pad_id
         self.token_multiple, self.mlm_multiple = token_multiple, mlm_multiple
-        self.longest, self.grows = longest, grows
+        self.longest, self.most_tokens, self.max_length = longest, most_tokens, max_length
 
     def __call__(self, features):
         batch = unpad_batch(dict(self.collate(features)), self.pad_id, self.token_multiple,
-                            self.grows)
+                            self.most_tokens)
         if self.mlm_multiple:
             batch["masked_positions"] = masked_positions(batch["labels"], self.mlm_multiple,
-                                                         self.grows)
+                                                         self.most_tokens is not None)
         ends = batch["cu_seq_lens_q"]  # B sequences, then the tail that pads the row
-        if self.longest is not None:
-            segment = int((ends[1:] - ends[:-1]).max())
-            if segment > self.longest:
+        lengths = ends[1:] - ends[:-1]
+        for bound, segments in ((self.longest, lengths), (self.max_length, lengths[:-1])):
+            segment = int(segments.max()) if segments.numel() else 0
+            if bound is not None and segment > bound:
                 raise InputError(
                     f"trainer.unpad: a packed batch holds a segment of {segment} tokens, "
-                    f"longer than the {self.longest} the attention computes per sequence "
+                    f"longer than the {bound} the attention computes per sequence "
                     f"(data.max_seq_length, or the multiple the row is rounded up to): the "
                     f"data reached the collate untruncated; set data.max_seq_length to the "
                     f"longest example")
@@ -170,11 +176,12 @@ def supported(model) -> str | None:
     return HEADS.get(type(model).__name__)
 
 
-def use_unpadded_forward(model, max_length: int):
+def use_unpadded_forward(model, max_length: int, longest: int | None = None):
     """Give a Hugging Face BERT task model a forward that also takes the packed layout and
     `masked_positions`; batches without them go to the model's own forward. `max_length`: the
-    longest segment of the packed rows it will see, the tail included (`longest_segment`). Set
-    before any wrapper (DDP, torch.compile, FSDP2), which then call it."""
+    longest sequence; `longest`: the longest segment of the packed rows it will see, the tail
+    included (`longest_segment`; default `max_length`). Set before any wrapper (DDP,
+    torch.compile, FSDP2), which then call it."""
     kind = supported(model)
     if kind is None:
         raise ConfigError([f"trainer.unpad and the masked-positions head drive Hugging Face "
@@ -185,20 +192,23 @@ def use_unpadded_forward(model, max_length: int):
     def forward(*args, cu_seq_lens_q=None, masked_positions=None, **batch):
         if cu_seq_lens_q is None and masked_positions is None:
             return own(*args, **batch)
-        return _FORWARDS[kind](model, batch, cu_seq_lens_q, masked_positions, max_length)
+        return _FORWARDS[kind](model, batch, cu_seq_lens_q, masked_positions, lengths)
+
+    lengths = (max_length, longest or max_length)
 
     model.forward = forward
     return model
 
 
-def _encode(model, batch: dict, cu, max_length: int) -> torch.Tensor:
-    """The encoder's last hidden states, flat: [B*S, H] padded, [T, H] packed."""
+def _encode(model, batch: dict, cu, lengths: tuple[int, int]) -> torch.Tensor:
+    """The encoder's last hidden states, flat: [B*S, H] padded, [T, H] packed. `lengths`: the
+    longest sequence (the rows path's row) and the longest segment (the flash kernel's)."""
     inputs = {k: batch[k] for k in ("input_ids", "token_type_ids", "position_ids",
                                     "attention_mask") if batch.get(k) is not None}
     if cu is not None:
         cu = cu.to(torch.int32)
-        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length,
-                      max_length_k=max_length)
+        inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=lengths[1],
+                      max_length_k=lengths[1], rows_length=lengths[0])
     hidden = model.base_model(**inputs).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])
 
@@ -227,10 +237,10 @@ def _masked_lm(model, flat, batch, positions):
     return loss, logits
 
 
-def _sequence_classification(model, batch, cu, positions, max_length):
+def _sequence_classification(model, batch, cu, positions, lengths):
     from transformers.modeling_outputs import SequenceClassifierOutput
 
-    flat = _encode(model, batch, cu, max_length)
+    flat = _encode(model, batch, cu, lengths)
     logits = model.classifier(model.dropout(_pooled(model, flat, batch, cu)))
     labels = batch.get("labels")
     loss = None if labels is None else _classification_loss(model.config, logits, labels)
@@ -252,10 +262,10 @@ def _classification_loss(config, logits, labels):
     return functional.binary_cross_entropy_with_logits(logits.float(), labels.float())
 
 
-def _token_classification(model, batch, cu, positions, max_length):
+def _token_classification(model, batch, cu, positions, lengths):
     from transformers.modeling_outputs import TokenClassifierOutput
 
-    flat = _encode(model, batch, cu, max_length)
+    flat = _encode(model, batch, cu, lengths)
     logits = model.classifier(model.dropout(flat))
     labels = batch.get("labels")
     loss = None if labels is None else torch.nn.functional.cross_entropy(
@@ -263,18 +273,18 @@ def _token_classification(model, batch, cu, positions, max_length):
     return TokenClassifierOutput(loss=loss, logits=logits.view(*batch["input_ids"].shape, -1))
 
 
-def _masked_lm_forward(model, batch, cu, positions, max_length):
+def _masked_lm_forward(model, batch, cu, positions, lengths):
     from transformers.modeling_outputs import MaskedLMOutput
 
-    flat = _encode(model, batch, cu, max_length)
+    flat = _encode(model, batch, cu, lengths)
     loss, logits = _masked_lm(model, flat, batch, positions)
     return MaskedLMOutput(loss=loss, logits=logits)
 
 
-def _pretraining_forward(model, batch, cu, positions, max_length):
+def _pretraining_forward(model, batch, cu, positions, lengths):
     from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
-    flat = _encode(model, batch, cu, max_length)
+    flat = _encode(model, batch, cu, lengths)
     mlm_loss, logits = _masked_lm(model, flat, batch, positions)
     relationship = model.cls.seq_relationship(_pooled(model, flat, batch, cu))
     loss = mlm_loss

@@ -30,7 +30,7 @@ class Batching:
         self.positions = masked_lm and (cfg.task.mlm_head == "masked" or self.transform_forward)
         self._with_positions: list = []
         # CUDA graphs record a graph per shape: the masked count then follows the batch's size
-        self.graphs = records_graphs(cfg)
+        self.graphs = records_graphs(cfg) and cfg.data.pad_to == "auto"
 
     def collates(self, collate):
         """(the training collate, the evaluation collate) around a task's padding collate.

@@ -170,7 +170,10 @@ class ModelTransform:
 
 def records_graphs(cfg: RunConfig) -> bool:
     """Whether torch.compile records CUDA graphs (one per input shape: shapes that vary cost a
-    recording each, where plain compile covers them with one dynamic graph)."""
+    recording each, where plain compile covers them with one dynamic graph): its modes or
+    options ask for them and the run is on a GPU (elsewhere torch skips them)."""
     g = cfg.graph
-    return g.name == "compile" and (g.mode in ("reduce-overhead", "max-autotune")
-                                    or bool((g.options or {}).get("triton.cudagraphs")))
+    asked = g.name == "compile" and (g.mode in ("reduce-overhead", "max-autotune")
+                                     or bool((g.options or {}).get("triton.cudagraphs")))
+    device = cfg.trainer.device
+    return asked and (device == "cuda" or (device == "auto" and torch.cuda.is_available()))

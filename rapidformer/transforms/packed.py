@@ -107,8 +107,8 @@ class PackedSequences(ModelTransform):
 
         multiple, most = self._rounding(compiled)
         return Unpad(collate, pad_id, multiple, mlm_multiple=mlm_multiple,
-                     longest=longest_segment(d.max_seq_length, multiple, most),
-                     grows=most is not None)
+                     longest=longest_segment(d.max_seq_length, multiple, most), most_tokens=most,
+                     max_length=d.max_seq_length)
 
     def _rounding(self, compiled: bool) -> tuple[int, int | None]:
         """(the multiple a packed row is rounded up to, the most tokens a batch holds where the
@@ -130,7 +130,8 @@ class PackedSequences(ModelTransform):
         multiple, most = self._rounding(context.rounds_lengths)
         # the tail that rounds a row up is a segment too, longer than a sequence when the
         # multiple is (256 under graph=compile, 128-token MRPC): the kernel must cover it
-        use_unpadded_forward(model, longest_segment(d.max_seq_length, multiple, most))
+        use_unpadded_forward(model, d.max_seq_length,
+                             longest_segment(d.max_seq_length, multiple, most))
         log.info("trainer.unpad: training batches are packed without padding (rounded up "
                  "to %s tokens); evaluation batches stay padded", multiple if most is None else
                  f"a multiple of {multiple}, or an eighth of the row's power of two under CUDA "
