@@ -559,6 +559,9 @@ SKIPPED_FAMILIES = {
         "a benchmark: it measures for minutes to hours, most on an H200 (its results are "
         "docs/benchmarks.md's tables); `python benchmarks/run.py --smoke`, the suite's CPU form, "
         "runs in tests/test_benchmarks.py"),
+    "bash tools/gpu/": Skip(
+        "the GPU machine's script: it installs the carried wheels and runs benchmark rows on an "
+        "H200 (tools/gpu/README.md)"),
 }
 
 
