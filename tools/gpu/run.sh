@@ -31,7 +31,11 @@ for what in "$@"; do
       echo "preprocess-scaling rc=$?" >> $OUT/env.txt; tail -22 $OUT/preprocess_scaling.log
       timeout 240 python3 benchmarks/preprocess_speed.py --mb 100 --workers 16 --megatron \
         --megatron-lm .megatron-lm --out $OUT/preprocess_megatron.json > $OUT/preprocess_megatron.log 2>&1
-      echo "preprocess-megatron rc=$?" >> $OUT/env.txt; tail -12 $OUT/preprocess_megatron.log ;;
+      echo "preprocess-megatron rc=$?" >> $OUT/env.txt; tail -12 $OUT/preprocess_megatron.log
+      # the machine's own ceiling for 16 tokenizing processes (what the scaling is held to)
+      timeout 120 python3 benchmarks/cpu_ceiling.py --work tokenize \
+        --out $OUT/cpu_ceiling_tokenize.json > $OUT/cpu_ceiling.log 2>&1
+      echo "cpu-ceiling rc=$?" >> $OUT/env.txt; cat $OUT/cpu_ceiling.log ;;
     decoder-profile)  # where the decoder step's time goes, plain HF + compile beside ours
       timeout 560 python3 benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 \
         --iters 80 --profile 61 63 --out $OUT/decoder_profile.json > $OUT/decoder_profile.log 2>&1
