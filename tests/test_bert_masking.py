@@ -102,3 +102,67 @@ def test_the_permutation_option_runs_megatron_cores_code(bert, monkeypatch):
                         lambda self, *args: called.append(args) or "megatron-core's")
     assert dataset._create_masked_lm_predictions([tokenizer.cls], 8, None) == "megatron-core's"
     assert called
+
+
+def with_tokenizer(dataset, **changes):
+    import dataclasses
+
+    dataset = copy.copy(dataset)
+    dataset.config = copy.copy(dataset.config)
+    dataset.config.tokenizer = dataclasses.replace(dataset.config.tokenizer, **changes)
+    return dataset
+
+
+def both(dataset, tokens, target=20, seed=0):
+    """(megatron-core's result or its exception type, ours), each with the next draw."""
+    out = []
+    for call in (BERTMaskedWordPieceDataset._create_masked_lm_predictions,
+                 FastMaskingBERTDataset._create_masked_lm_predictions):
+        rng = np.random.RandomState(seed)
+        try:
+            result = call(dataset, list(tokens), target, rng)
+            out.append(([list(map(int, x)) for x in result[:4]], rng.randint(1 << 30)))
+        except Exception as exc:  # noqa: BLE001 - the exception's type is compared
+            out.append(type(exc))
+    return out
+
+
+def test_a_token_the_vocabulary_lacks_is_megatron_cores_key_error(bert):
+    dataset, tokenizer = bert
+    words = [i for i, t in tokenizer.inv_vocab.items() if not t.startswith("##")][5:8]
+    cls, sep = tokenizer.cls, tokenizer.sep
+    gap = dict(tokenizer.inv_vocab)
+    del gap[words[1]]
+    cases = [(dataset, [cls, words[0], -1, sep]), (dataset, [cls, words[0], 10**6, sep]),
+             (with_tokenizer(dataset, inv_vocab=gap), [cls, *words, sep])]
+    for data, tokens in cases:
+        theirs, ours = both(data, tokens)
+        assert theirs is KeyError and ours is KeyError
+
+
+def test_special_tokens_outside_the_vocabulary_and_a_changed_tokenizer(bert):
+    dataset, tokenizer = bert
+    words = [i for i, t in tokenizer.inv_vocab.items() if not t.startswith("##")][5:12]
+    # [CLS]/[SEP] ids the vocabulary lacks: megatron-core checks them before any lookup
+    outside = with_tokenizer(dataset, cls=10**6, sep=10**6 + 1)
+    theirs, ours = both(outside, [10**6, *words, 10**6 + 1])
+    assert theirs == ours and not isinstance(theirs, type)
+    # a copy given another tokenizer (a word that now continues one): its own tables
+    both(dataset, [tokenizer.cls, *words, tokenizer.sep])  # the original's tables are built
+    changed = dict(tokenizer.inv_vocab)
+    changed[words[2]] = "##zz"
+    other = with_tokenizer(dataset, inv_vocab=changed)
+    theirs, ours = both(other, [tokenizer.cls, *words, tokenizer.sep], target=100, seed=4)
+    assert theirs == ours
+
+
+def test_the_index_cache_and_pickling_are_megatron_cores(bert):
+    import pickle
+
+    dataset, _ = bert
+    # megatron-core names the cache's files after the class: the same samples, the same cache
+    assert type(dataset).__name__ == "BERTMaskedWordPieceDataset"
+    assert dataset.unique_identifiers["class"] == "BERTMaskedWordPieceDataset"
+    again = pickle.loads(pickle.dumps(dataset))
+    assert type(again) is FastMaskingBERTDataset
+    assert all(np.array_equal(again[3][k], dataset[3][k]) for k in dataset[3])

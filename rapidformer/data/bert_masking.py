@@ -12,7 +12,8 @@ indices draws the same numbers), `choice`'s one uniform draw against the same cu
 probabilities, each token's mask from the dataset's own `_get_token_mask`, the second shuffle.
 tests/test_bert_masking.py compares every sample with megatron-core's own, for the settings this
 project uses and the others megatron-core offers; its permutation option (off in Megatron-LM's
-pretrain_bert.py and here) runs megatron-core's code.
+pretrain_bert.py and here) and a token the vocabulary lacks (its KeyError) run megatron-core's
+code.
 """
 from __future__ import annotations
 
@@ -27,22 +28,45 @@ class FastMaskingBERTDataset(BERTMaskedWordPieceDataset):
 
     def _create_masked_lm_predictions(self, token_ids, target_sequence_length,
                                       numpy_random_state):
-        if self.config.masking_do_permutation:
+        if self.config.masking_do_permutation or not _in_vocabulary(self, token_ids):
+            # megatron-core's own code: its permutation option, and its KeyError for an id
+            # the vocabulary lacks
             return super()._create_masked_lm_predictions(token_ids, target_sequence_length,
                                                          numpy_random_state)
         return masked_lm_predictions(self, token_ids, target_sequence_length, numpy_random_state)
 
 
-def _continuation_table(dataset) -> np.ndarray:
-    """Per token id: whether it continues a word (WordPiece's "##")."""
-    table = getattr(dataset, "_continuation", None)
-    if table is None:
-        inv = dataset.config.tokenizer.inv_vocab
-        table = np.zeros(max(inv) + 1, dtype=bool)
+# megatron-core names the index cache's files after the class: the samples are the same, so is
+# the cache (a run of either class reuses the other's; pickling goes by the qualified name)
+FastMaskingBERTDataset.__name__ = BERTMaskedWordPieceDataset.__name__
+
+
+def _word_tables(dataset) -> tuple[np.ndarray, np.ndarray]:
+    """Per token id: whether the vocabulary has it, and whether it continues a word
+    (WordPiece's "##"); built once per tokenizer."""
+    tokenizer = dataset.config.tokenizer
+    cached = getattr(dataset, "_word_tables", None)
+    if cached is None or cached[0] is not tokenizer:
+        inv = tokenizer.inv_vocab
+        known = np.zeros(max(inv, default=-1) + 1, dtype=bool)
+        continues = np.zeros_like(known)
         for token_id, token in inv.items():
-            table[token_id] = token.startswith("##")
-        dataset._continuation = table
-    return table
+            if token_id >= 0:
+                known[token_id] = True
+                continues[token_id] = token.startswith("##")
+        cached = dataset._word_tables = (tokenizer, known, continues)
+    return cached[1], cached[2]
+
+
+def _in_vocabulary(dataset, token_ids) -> bool:
+    """Whether every token but [CLS] and [SEP] has a vocabulary entry (megatron-core looks
+    each up, and raises KeyError for one it lacks)."""
+    tokenizer = dataset.config.tokenizer
+    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = ids[(ids != tokenizer.cls) & (ids != tokenizer.sep)]
+    known, _ = _word_tables(dataset)
+    return bool(ids.size == 0 or (ids.min() >= 0 and ids.max() < known.size
+                                  and known[ids].all()))
 
 
 def _ngram_cdf(config) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +92,8 @@ def masked_lm_predictions(dataset, token_ids, target_sequence_length, rng):
     tokenizer = config.tokenizer
     ids = np.asarray(token_ids, dtype=np.int64)
     special = (ids == tokenizer.cls) | (ids == tokenizer.sep)
-    continues = _continuation_table(dataset)[ids] & ~special
+    continues = np.zeros(ids.size, dtype=bool)
+    continues[~special] = _word_tables(dataset)[1][ids[~special]]
     starts = ~special & ~continues
     boundaries = (special | starts).astype(np.int64).tolist()
     eligible = np.flatnonzero(~special)  # the candidates' positions, in order
