@@ -1,8 +1,8 @@
-"""The workers' job in `preprocess_data`: a chunk of numbered input lines -> for each
-`--json-keys` key, NumPy arrays of token ids, sequence lengths and sequences per document.
-Each line is parsed and checked (a bad one is reported with its line, column or key), split
-into sentences with `--split-sentences`, and the chunk's pieces are tokenized in one batched
-call. A worker process imports neither transformers nor torch."""
+"""The workers' job in `preprocess_data`: a byte range of the input -> for each `--json-keys`
+key, NumPy arrays of token ids, sequence lengths and sequences per document. The worker reads
+the range itself; each line is parsed and checked (a bad one is reported with its line, column
+or key), split into sentences with `--split-sentences`, and every `CHUNK_LINES` lines' pieces
+are tokenized in one batched call. A worker process imports neither transformers nor torch."""
 from __future__ import annotations
 
 import itertools
@@ -174,12 +174,11 @@ class Encoder:
                                f"again on a file that does not change while it is read")
 
     def encode_chunk(self, chunk: list[tuple[int, bytes]]):
-        """(errors as (line, message), input bytes, documents, {key: (tokens, sequence
-        lengths, sequences per document)}) for a chunk of numbered lines, in their order."""
-        errors, pieces, nbytes = [], {k: [] for k in self.args.json_keys}, 0
+        """(errors as (line, message), documents, {key: (tokens, sequence lengths, sequences
+        per document)}) for a chunk of numbered lines, in their order."""
+        errors, pieces = [], {k: [] for k in self.args.json_keys}
         counts = {k: [] for k in self.args.json_keys}  # pieces per document
         for number, raw in chunk:
-            nbytes += len(raw)
             try:
                 texts = parse_line(raw, self.args.json_keys)
             except LineError as exc:
@@ -190,7 +189,7 @@ class Encoder:
                 pieces[key].extend(split)
                 counts[key].append(len(split))
         out = {key: self._arrays(pieces[key], counts[key]) for key in self.args.json_keys}
-        return errors, nbytes, len(chunk) - len(errors), out
+        return errors, len(chunk) - len(errors), out
 
     def encode_range(self, task: tuple[int, int]):
         """The worker reads its own byte range of the input (nothing of it is sent through a
@@ -213,8 +212,8 @@ class Encoder:
         numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
         del data, lines
         errors, documents, parts = [], 0, {k: [] for k in self.args.json_keys}
-        for chunk in _chunks(iter(numbered), CHUNK_LINES):
-            chunk_errors, _, docs, arrays = self.encode_chunk(chunk)
+        for chunk in _chunks(numbered, CHUNK_LINES):
+            chunk_errors, docs, arrays = self.encode_chunk(chunk)
             documents += docs
             for key, value in arrays.items():
                 parts[key].append(value)
@@ -222,15 +221,14 @@ class Encoder:
                 errors += chunk_errors
                 if self.args.on_error == "fail":
                     break
-        out = {}
-        for key, chunks in parts.items():
-            if len(chunks) == 1:
-                out[key] = chunks[0]
-            else:
-                out[key] = tuple(np.concatenate([c[i] for c in chunks]) if chunks
-                                 else np.zeros(0, dtype=(self.dtype, np.int32, np.int32)[i])
-                                 for i in range(3))
+        out = {key: self._joined(chunks) for key, chunks in parts.items()}
         return errors, end - start, documents, out, newlines
+
+    def _joined(self, chunks: list[tuple]) -> tuple:
+        """One (tokens, sequence lengths, sequences per document) of a range's chunks."""
+        if not chunks:
+            return np.zeros(0, self.dtype), np.zeros(0, np.int32), np.zeros(0, np.int32)
+        return chunks[0] if len(chunks) == 1 else tuple(map(np.concatenate, zip(*chunks)))
 
     def _pieces(self, text: str | list[str]) -> list[str]:
         if isinstance(text, list):
