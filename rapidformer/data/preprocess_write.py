@@ -145,17 +145,17 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
              for key in args.json_keys}
     # the dtype holds every id the tokenizer gives: a vocabulary file with gaps or repeated
     # entries has ids past its entry count (uint16 wrapped them)
-    highest = max([*tokenizer.get_vocab().values(), eod or 0])
-    encoder = Encoder(args, tokenizer, eod, token_dtype(max(vocab_size, highest + 1)),
-                      file_identity(source.stat()))
+    id_bound = max([vocab_size - 1, *tokenizer.get_vocab().values(), eod or 0]) + 1
+    identity = file_identity(source.stat())
+    encoder = Encoder(args, tokenizer, eod, token_dtype(id_bound), identity)
     started, done, tokens, size, skipped, lines_before = time.time(), 0, 0, 0, 0, 0
     pool, writers = None, {}
     try:
-        writers = {key: IndexedWriter(temps[key] + ".bin", max(vocab_size, highest + 1))
+        writers = {key: IndexedWriter(temps[key] + ".bin", id_bound)
                    for key in args.json_keys}
         # tasks are byte ranges of the input, each starting at a line: a worker reads and
         # tokenizes its own range and sends back NumPy arrays, written here in input order
-        tasks = byte_ranges(source, task_count(source.stat().st_size, args.workers))
+        tasks = byte_ranges(source, task_count(identity[2], args.workers))
         if args.workers > 1:
             pool = multiprocessing.get_context("spawn").Pool(
                 args.workers, initializer=_start_worker, initargs=(encoder,))
