@@ -13,7 +13,8 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset  # noqa: E402
 
-from rapidformer.data.bert_masking import FastMaskingBERTDataset, masked_lm_predictions  # noqa: E402
+from rapidformer.data.bert_masking import (FastMaskingBERTDataset,  # noqa: E402
+                                           masked_lm_predictions)
 from rapidformer.data.megatron import MegatronTokenizer, build_bert_datasets  # noqa: E402
 from rapidformer.data.preprocess_tokenizers import build_tokenizer  # noqa: E402
 

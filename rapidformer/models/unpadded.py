@@ -16,15 +16,16 @@ that a compiled model meets few shapes; under CUDA graphs a step that grows with
 `data/lengths.packed_length`), `cu_seq_lens_q` has B + 2 entries, and the tail's tokens have
 label -100.
 
-The attention is told the longest segment a row can hold (`longest_segment`): a sequence (at most
-data.max_seq_length tokens) or the tail (under the step the row is rounded to: 255 with
-graph=compile's 256; up to an eighth of the batch's most tokens under CUDA graphs). The rows
-path (no flash kernel: a CPU, fp32) lays the sequences out in rows of data.max_seq_length, where
-a longer tail wraps (its outputs are never read). The variable-length flash kernel computes only that many positions of each segment; the
-rest of a longer one is left as whatever memory held (`empty_like`), forward and backward
-alike, and reaches the weights' gradients (a NaN times a zero gradient is NaN). Telling it
+The attention is told the longest segment a row can hold (`longest_segment`): a sequence (at
+most data.max_seq_length tokens) or the tail (under the step the row is rounded to: 255 with
+graph=compile's 256; up to an eighth of the batch's most tokens under CUDA graphs). The
+variable-length flash kernel computes only that many positions of each segment; the rest of a
+longer one is left as whatever memory held (`empty_like`), forward and backward alike, and
+reaches the weights' gradients (a NaN times a zero gradient is NaN). Telling it
 data.max_seq_length alone made MRPC fine-tuning at 128 tokens with graph=compile NaN from its
-second step on a GPU (issue 37); the collate refuses a batch with a longer segment.
+second step on a GPU (issue 37); the collate refuses a batch with a longer segment. The rows
+path (no flash kernel: a CPU, fp32) lays the sequences out in rows of data.max_seq_length, where
+a longer tail wraps (its outputs are never read).
 
 The task heads see the packed layout through `use_unpadded_forward`, which gives the model a
 forward that takes either layout: the [CLS] of each sequence is read at its start
@@ -76,9 +77,8 @@ def unpad_batch(batch: dict, pad_id: int, token_multiple: int, most_tokens: int 
     """A padded batch (`attention_mask` marks the real tokens, on either side) in the packed
     layout: every [B, S] tensor becomes [1, T] (T: the real tokens, rounded up to
     `token_multiple`, or with `most_tokens` the step that grows with T, with a tail segment),
-    [B] tensors stay,
-    `position_ids` restart at each sequence, and `cu_seq_lens_q` holds the B + 2 sequence
-    boundaries."""
+    [B] tensors stay, `position_ids` restart at each sequence, and `cu_seq_lens_q` holds the
+    B + 2 sequence boundaries."""
     mask = batch["attention_mask"].bool()
     rows, width = mask.shape
     lengths = mask.sum(1)
