@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|preprocess` from the repository root
+# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|bert-long|megatron|preprocess` from the repository root
 # (carry [".whl"]: `bash ../shared/tools/device-wheels.sh torchao==0.18.0 liger-kernel==0.8.5`)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -40,6 +40,16 @@ for what in "$@"; do
       timeout 560 python3 benchmarks/decoder_speed.py --rows hf-compile rf-bf16 rf-fp8 \
         --iters 80 --profile 61 63 --out $OUT/decoder_profile.json > $OUT/decoder_profile.log 2>&1
       echo "decoder-profile rc=$?" >> $OUT/env.txt; tail -c 3000 $OUT/decoder_profile.log ;;
+    bert-long)  # long-document BERT pretraining, both systems in one call (issue 37's 1.5x)
+      timeout 540 python3 benchmarks/pretrain_padding.py --corpora long \
+        --rows hf-compile rf-unpad-compile-cudagraphs --iters 200 \
+        --out $OUT/pretrain_padding_long.json > $OUT/pretrain_padding_long.log 2>&1
+      echo "bert-long rc=$?" >> $OUT/env.txt; grep '^{' $OUT/pretrain_padding_long.log | cut -c1-900 ;;
+    megatron)  # megatron-core GPT 1.3B on one GPU (issue 37's 50 % MFU)
+      timeout 540 python3 benchmarks/megatron_attention.py --variants sdpa sdpa_compile \
+        --warmup 5 --iters 15 --run-timeout 240 --out $OUT/megatron_attention.json \
+        > $OUT/megatron_attention.log 2>&1
+      echo "megatron rc=$?" >> $OUT/env.txt; tail -8 $OUT/megatron_attention.log ;;
     decoder-fused)  # the rows issue 37 still owes: fused projections with and without FP8
       timeout 560 python3 benchmarks/decoder_speed.py --rows rf-bf16-fused rf-fp8 rf-fp8-fused \
         --iters 80 --out $OUT/decoder_fused.json > $OUT/decoder_fused.log 2>&1
