@@ -712,3 +712,38 @@ def test_an_input_that_changes_while_it_is_read_is_an_error(tmp_path, gpt2_files
         f.truncate(10)
     with pytest.raises(PreprocessError, match="became shorter while the run read it"):
         shortened.encode_range((0, size))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 16])
+@pytest.mark.parametrize("layout", ["even", "uneven", "long line", "no final newline",
+                                    "one line", "empty"])
+def test_byte_ranges_start_at_lines_cover_the_input_and_shrink_at_its_end(
+        tmp_path, monkeypatch, workers, layout):
+    import random
+
+    import rapidformer.data.preprocess_encode as encode
+
+    monkeypatch.setattr(encode, "MIN_TASK_BYTES", 1000)
+    monkeypatch.setattr(encode, "MAX_TASK_BYTES", 4000)
+    rng = random.Random(workers)
+    lines = {"even": [b"x" * 49] * 4000,
+             "uneven": [b"y" * rng.choice([0, 3, 40, 400, 2500]) for _ in range(800)],
+             "long line": [b"a" * 10] * 300 + [b"b" * 50000] + [b"c" * 20] * 300,
+             "no final newline": [b"z" * rng.randint(1, 90) for _ in range(3000)],
+             "one line": [b"w" * 7000], "empty": []}[layout]
+    data = b"\n".join(lines) + (b"" if layout == "no final newline" or not lines else b"\n")
+    path = tmp_path / "in.json"
+    path.write_bytes(data)
+    ranges = encode.byte_ranges(path, workers)
+    assert [a for a, _ in ranges[1:]] == [b for _, b in ranges[:-1]]
+    assert (ranges[0][0], ranges[-1][1]) == (0, len(data)) if data else ranges == []
+    assert all(data[a - 1:a] == b"\n" for a, _ in ranges[1:])  # no line is cut
+    per = encode.task_bytes(len(data), workers)
+    if layout == "even":  # lines of 50 bytes: sizes within a line of their target
+        sizes = [b - a for a, b in ranges]
+        assert max(sizes) <= per + 50
+        if workers > 1:  # the end of the input comes in short ranges
+            assert sizes[-1] <= max(per // 16, 50) + 50 and sizes[-2] < per // 2
+            assert len(ranges) < 3 * len(data) // per
+        else:
+            assert all(size >= per for size in sizes[:-1])

@@ -83,38 +83,45 @@ def split_sentences(text: str) -> list[str]:
 # lines per batched tokenizer call inside a task
 CHUNK_LINES = 256
 # a task is a byte range of the input, read by the worker itself: about this many per worker
-# (load balance and progress), and no smaller than MIN_TASK_BYTES (per-task overhead)
+# (load balance and progress), and no smaller than MIN_TASK_BYTES (per-task overhead) until the
+# end of the input, where they shrink (`byte_ranges`)
 TASKS_PER_WORKER = 8
 MIN_TASK_BYTES = 1 << 20
 MAX_TASK_BYTES = 4 << 20  # a range's lines are held at once: about 12x its bytes at worst
 
 
-def byte_ranges(path, parts: int) -> list[tuple[int, int]]:
-    """About `parts` consecutive (start, end) byte ranges covering the file, each starting
-    at the beginning of a line (right after a b"\\n"), so that no line is cut."""
+def task_bytes(size: int, workers: int) -> int:
+    return min(max(size // max(workers * TASKS_PER_WORKER, 1), MIN_TASK_BYTES), MAX_TASK_BYTES)
+
+
+def byte_ranges(path, workers: int) -> list[tuple[int, int]]:
+    """Consecutive (start, end) byte ranges covering the file, each starting at the beginning
+    of a line (right after a b"\\n"), so that no line is cut. Each is `task_bytes` long while
+    much of the input is left, then a worker's share of half of what is left, down to a 16th of
+    that (guided scheduling): the last ranges, which the workers end at different times, are
+    short, so that no worker is left tokenizing a full range while the others wait."""
     size = os.path.getsize(path)
+    per = task_bytes(size, workers)
+    least = max(per // 16, 1)
     bounds = [0]
     with open(path, "rb") as f:
-        for k in range(1, parts):
-            pos = size * k // parts
-            if pos <= bounds[-1]:
-                continue
-            f.seek(pos - 1)  # a line that starts exactly at pos stays whole
+        while True:
+            left = size - bounds[-1]
+            step = per if workers == 1 else max(min(per, left // (2 * workers)), least)
+            if step >= left:
+                break
+            f.seek(bounds[-1] + step - 1)  # a line that starts exactly there stays whole
             f.readline()
             end = f.tell()
-            if bounds[-1] < end < size:
-                bounds.append(end)
+            if end >= size:
+                break
+            bounds.append(end)
     bounds.append(size)
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
 def file_identity(stat: os.stat_result) -> tuple:
     return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-
-def task_count(size: int, workers: int) -> int:
-    per = min(max(size // max(workers * TASKS_PER_WORKER, 1), MIN_TASK_BYTES), MAX_TASK_BYTES)
-    return max(1, -(-size // max(per, 1)))
 
 
 class Encoder:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rapidformer.data.indexed_writer import IndexedWriter, token_dtype
 from rapidformer.data.preprocess_encode import (Encoder, _encode_range_in_worker, _start_worker,
-                                                byte_ranges, file_identity, task_count)
+                                                byte_ranges, file_identity)
 from rapidformer.data.preprocess_errors import Interrupted, PreprocessError
 from rapidformer.data.preprocess_tokenizers import build_rust_tokenizer
 
@@ -155,7 +155,7 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
                    for key in args.json_keys}
         # tasks are byte ranges of the input, each starting at a line: a worker reads and
         # tokenizes its own range and sends back NumPy arrays, written here in input order
-        tasks = byte_ranges(source, task_count(identity[2], args.workers))
+        tasks = byte_ranges(source, args.workers)
         if args.workers > 1:
             pool = multiprocessing.get_context("spawn").Pool(
                 args.workers, initializer=_start_worker, initargs=(encoder,))
