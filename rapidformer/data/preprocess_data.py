@@ -10,7 +10,7 @@ Megatron's format exactly (`data/indexed_writer.py`: byte for byte what megatron
 `IndexedDatasetBuilder` writes), without importing megatron-core.
 
 Speed: the input is cut into byte ranges that start at a line (about 8 per worker, 1 to
-4 MiB each); a worker reads its own range from the file (no text goes through a pipe),
+4 MiB each, shorter toward the end); a worker reads its own range from the file (no text goes through a pipe),
 tokenizes it `CHUNK_LINES` lines per batched call to the Rust tokenizer (`encode_batch_fast`:
 ids without offsets), rebuilt from the main process's serialized one (no transformers or torch
 import in a worker; the main process builds the GPT-2 and BERT ones without transformers too),
