@@ -9,15 +9,16 @@ One JSON object per line; each `--json-keys` field (default `text`) becomes
 Megatron's format exactly (`data/indexed_writer.py`: byte for byte what megatron-core's
 `IndexedDatasetBuilder` writes), without importing megatron-core.
 
-Speed: the input is cut into byte ranges that start at a line (about 8 per worker, 1 to
-4 MiB each, shorter toward the end); a worker reads its own range from the file (no text goes through a pipe),
-tokenizes it `CHUNK_LINES` lines per batched call to the Rust tokenizer (`encode_batch_fast`:
-ids without offsets), rebuilt from the main process's serialized one (no transformers or torch
-import in a worker; the main process builds the GPT-2 and BERT ones without transformers too),
-and sends back NumPy arrays of the output's token dtype, which the main process writes as they
-come, in input order, numbering the lines of each range after those of the ranges before it.
-With --workers 1 the ranges are tokenized in the main process, whose Rust tokenizer uses all
-cores (TOKENIZERS_PARALLELISM=false makes it one thread, as each worker's is).
+Speed: the input is cut into byte ranges that start at a line (about 8 per worker, 1 to 4 MiB
+each, shorter toward the end); a worker reads its own range from the file (no text goes through
+a pipe), tokenizes it `CHUNK_LINES` lines per batched call to the Rust tokenizer
+(`encode_batch_fast`: ids without offsets), rebuilt from the main process's serialized one (no
+transformers or torch import in a worker; the main process builds the GPT-2 and BERT ones
+without transformers too), and sends back NumPy arrays of the output's token dtype, which the
+main process writes as they come, in input order, numbering the lines of each range after those
+of the ranges before it. With --workers 1 the ranges are tokenized in the main process, whose
+Rust tokenizer uses all cores (TOKENIZERS_PARALLELISM=false makes it one thread, as each
+worker's is).
 
 Documents are numbered as Megatron-LM's tools/preprocess_data.py (the megatron-core version)
 numbers them, one per line:
