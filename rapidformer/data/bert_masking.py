@@ -28,12 +28,14 @@ class FastMaskingBERTDataset(BERTMaskedWordPieceDataset):
 
     def _create_masked_lm_predictions(self, token_ids, target_sequence_length,
                                       numpy_random_state):
-        if self.config.masking_do_permutation or not _in_vocabulary(self, token_ids):
+        result = None if self.config.masking_do_permutation else masked_lm_predictions(
+            self, token_ids, target_sequence_length, numpy_random_state)
+        if result is None:
             # megatron-core's own code: its permutation option, and its KeyError for an id
             # the vocabulary lacks
             return super()._create_masked_lm_predictions(token_ids, target_sequence_length,
                                                          numpy_random_state)
-        return masked_lm_predictions(self, token_ids, target_sequence_length, numpy_random_state)
+        return result
 
 
 # megatron-core names the index cache's files after the class: the samples are the same, so is
@@ -58,17 +60,6 @@ def _word_tables(dataset) -> tuple[np.ndarray, np.ndarray]:
     return cached[1], cached[2]
 
 
-def _in_vocabulary(dataset, token_ids) -> bool:
-    """Whether every token but [CLS] and [SEP] has a vocabulary entry (megatron-core looks
-    each up, and raises KeyError for one it lacks)."""
-    tokenizer = dataset.config.tokenizer
-    ids = np.asarray(token_ids, dtype=np.int64)
-    ids = ids[(ids != tokenizer.cls) & (ids != tokenizer.sep)]
-    known, _ = _word_tables(dataset)
-    return bool(ids.size == 0 or (ids.min() >= 0 and ids.max() < known.size
-                                  and known[ids].all()))
-
-
 def _ngram_cdf(config) -> tuple[np.ndarray, np.ndarray]:
     """The n values and the cumulative probabilities `RandomState.choice` searches, as it
     computes them from megatron-core's probabilities."""
@@ -87,13 +78,19 @@ def _ngram_cdf(config) -> tuple[np.ndarray, np.ndarray]:
 
 def masked_lm_predictions(dataset, token_ids, target_sequence_length, rng):
     """(masked token ids, masked positions, their labels, boundaries, masked spans): what
-    megatron-core's `_create_masked_lm_predictions` returns for the same arguments."""
+    megatron-core's `_create_masked_lm_predictions` returns for the same arguments; None, with
+    nothing drawn, where a token but [CLS] and [SEP] has no vocabulary entry (megatron-core
+    looks each up and raises KeyError)."""
     config = dataset.config
     tokenizer = config.tokenizer
     ids = np.asarray(token_ids, dtype=np.int64)
     special = (ids == tokenizer.cls) | (ids == tokenizer.sep)
+    words = ids[~special]
+    known, continuation = _word_tables(dataset)
+    if words.size and not (words.min() >= 0 and words.max() < known.size and known[words].all()):
+        return None
     continues = np.zeros(ids.size, dtype=bool)
-    continues[~special] = _word_tables(dataset)[1][ids[~special]]
+    continues[~special] = continuation[words]
     starts = ~special & ~continues
     boundaries = (special | starts).astype(np.int64).tolist()
     eligible = np.flatnonzero(~special)  # the candidates' positions, in order

@@ -188,13 +188,12 @@ def use_unpadded_forward(model, max_length: int, longest: int | None = None):
                            f"BERT models ({', '.join(HEADS)}); {type(model).__name__} is not "
                            f"one: set trainer.unpad=false (and task.mlm_head=all)"])
     own = model.forward
+    lengths = (max_length, longest or max_length)
 
     def forward(*args, cu_seq_lens_q=None, masked_positions=None, **batch):
         if cu_seq_lens_q is None and masked_positions is None:
             return own(*args, **batch)
         return _FORWARDS[kind](model, batch, cu_seq_lens_q, masked_positions, lengths)
-
-    lengths = (max_length, longest or max_length)
 
     model.forward = forward
     return model

@@ -8,7 +8,7 @@ import logging
 from rapidformer.data.lengths import PadTo, bucket_lengths
 from rapidformer.models.unpadded import WithMaskedPositions, supported, use_unpadded_forward
 from rapidformer.transforms import rounds_lengths
-from rapidformer.transforms.base import records_graphs
+from rapidformer.transforms.base import shapes_for_graphs
 
 log = logging.getLogger("rapidformer")
 
@@ -30,7 +30,7 @@ class Batching:
         self.positions = masked_lm and (cfg.task.mlm_head == "masked" or self.transform_forward)
         self._with_positions: list = []
         # CUDA graphs record a graph per shape: the masked count then follows the batch's size
-        self.graphs = records_graphs(cfg) and cfg.data.pad_to == "auto"
+        self.graphs = shapes_for_graphs(cfg)
 
     def collates(self, collate):
         """(the training collate, the evaluation collate) around a task's padding collate.

@@ -168,12 +168,14 @@ class ModelTransform:
         return weights
 
 
-def records_graphs(cfg: RunConfig) -> bool:
-    """Whether torch.compile records CUDA graphs (one per input shape: shapes that vary cost a
-    recording each, where plain compile covers them with one dynamic graph): its modes or
-    options ask for them and the run is on a GPU (elsewhere torch skips them)."""
+def shapes_for_graphs(cfg: RunConfig) -> bool:
+    """Whether batch shapes are bounded for CUDA graphs (one recording per input shape, where
+    plain compile covers varying shapes with one dynamic graph): torch.compile's modes or
+    options ask for them, the run is on a GPU (elsewhere torch skips them), and data.pad_to=auto
+    leaves the rounding to rapidformer."""
     g = cfg.graph
     asked = g.name == "compile" and (g.mode in ("reduce-overhead", "max-autotune")
                                      or bool((g.options or {}).get("triton.cudagraphs")))
     device = cfg.trainer.device
-    return asked and (device == "cuda" or (device == "auto" and torch.cuda.is_available()))
+    gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return asked and gpu and cfg.data.pad_to == "auto"

@@ -24,7 +24,7 @@ from torch import nn
 from rapidformer.data.lengths import bucket_lengths, token_multiple
 from rapidformer.models.attention import flash_drops_dropout
 from rapidformer.models.dtypes import DTYPES
-from rapidformer.transforms.base import ApplyContext, ModelTransform, records_graphs
+from rapidformer.transforms.base import ApplyContext, ModelTransform, shapes_for_graphs
 
 if TYPE_CHECKING:
     from rapidformer.config.schema import RunConfig
@@ -114,8 +114,8 @@ class PackedSequences(ModelTransform):
         """(the multiple a packed row is rounded up to, the most tokens a batch holds where the
         step grows with the row: CUDA graphs with data.pad_to=auto; else None)."""
         d = self.cfg.data
-        grows = d.pad_to == "auto" and records_graphs(self.cfg)
-        most = self.cfg.trainer.micro_batch_size * d.max_seq_length if grows else None
+        most = (self.cfg.trainer.micro_batch_size * d.max_seq_length
+                if shapes_for_graphs(self.cfg) else None)
         return token_multiple(d.pad_to, compiled), most
 
     # --- the model -----------------------------------------------------------------------------
