@@ -106,6 +106,59 @@ def test_auto_picks_liger_only_where_it_measured_faster(monkeypatch, overrides, 
     assert why == decision if decision is None else decision in why
 
 
+def _pretrained(tmp_path, model_type: str) -> str:
+    import transformers
+
+    folder = tmp_path / model_type
+    transformers.AutoConfig.for_model(model_type).save_pretrained(folder)
+    return str(folder)
+
+
+# (overrides, the refusal's words or None): the family is known before the model is built
+FAMILIES = [
+    (["+recipe=llama_lora"], None),
+    (["+recipe=llama_lora", "model=gpt2_tiny"], "model type 'gpt2'"),
+    (["+recipe=quickstart"], "model type 'bert'"),
+    (["+recipe=bert_pretrain", "model=bert_tiny"], "model type 'bert'"),
+    (["+recipe=t5_summarize", "model=t5_tiny"], "model type 't5'"),
+    (["+recipe=quickstart", "model=hf", "model.name_or_path=PRETRAINED/bert"],
+     "model type 'bert'"),
+    (["+recipe=llama_lora", "model=hf", "model.name_or_path=PRETRAINED/llama"], None),
+    # not on this machine: the type is known when the model loads (and refused there)
+    (["+recipe=quickstart", "model=hf", "model.name_or_path=no-such-org/no-such-model"], None),
+]
+
+
+@pytest.mark.parametrize("overrides, refused", FAMILIES)
+def test_liger_refuses_a_family_it_has_no_kernels_for_before_building_it(
+        monkeypatch, tmp_path, overrides, refused):
+    import sys
+    import types
+
+    from rapidformer.config.compose import resolve
+    from rapidformer.transforms import config_problems, liger
+
+    monkeypatch.setattr(liger, "installed", lambda name: True)
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None, "mistral": None, "qwen2": None}
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    for model_type in ("bert", "llama"):
+        _pretrained(tmp_path, model_type)
+    overrides = [o.replace("PRETRAINED", str(tmp_path)) for o in overrides]
+    for kernels in ("liger", "auto", "none"):
+        cfg = resolve(compose([*overrides, f"kernels={kernels}"]), "out", check=False)[1]
+        found = [p for p in config_problems(cfg) if "liger-kernel" in p]
+        if refused is None or kernels != "liger":
+            assert not found, found
+        else:
+            assert len(found) == 1 and refused in found[0] and "Use kernels=none" in found[0]
+            assert "it covers llama, mistral, qwen2" in found[0]
+    # without liger-kernel the family is not judged: the missing package is the problem
+    monkeypatch.setattr(liger, "installed", lambda name: False)
+    cfg = resolve(compose([*overrides, "kernels=liger"]), "out", check=False)[1]
+    assert not [p for p in config_problems(cfg) if "liger-kernel has no" in p]
+
+
 def test_auto_is_never_refused_and_on_a_cpu_keeps_the_models_layers(caplog):
     from rapidformer.transforms.liger import applied_fused_loss
 

@@ -48,16 +48,34 @@ def check_shape(m: ModelConfig, config) -> None:
         raise ConfigError(problems)
 
 
-def check_local_shape(m: ModelConfig) -> None:
-    """Before the run starts: the check, where the model's config.json is on this machine (a
-    local directory or the Hugging Face cache). Elsewhere the check runs when the model loads."""
-    if m.source != "pretrained" or not m.name_or_path or \
-            all(getattr(m, key) is None for key in CONFIG_NAMES):
-        return
+def local_config(m: ModelConfig):
+    """A pretrained model's transformers config where its config.json is on this machine (a
+    local directory or the Hugging Face cache), else None: nothing is downloaded."""
+    if m.source != "pretrained" or not m.name_or_path:
+        return None
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(m.name_or_path, local_files_only=True)
+        return AutoConfig.from_pretrained(m.name_or_path, local_files_only=True)
     except (OSError, ValueError):
+        return None
+
+
+def check_local_shape(m: ModelConfig) -> None:
+    """Before the run starts: the check, where the model's config.json is on this machine.
+    Elsewhere the check runs when the model loads."""
+    if all(getattr(m, key) is None for key in CONFIG_NAMES):
         return
-    check_shape(m, config)
+    config = local_config(m)
+    if config is not None:
+        check_shape(m, config)
+
+
+def known_model_type(m: ModelConfig) -> str | None:
+    """The Hugging Face model type the run will build, known before it builds it: a
+    config-built model's arch, a pretrained one's config.json where it is on this machine;
+    None where only loading the model would tell (or for megatron-core models)."""
+    if m.source == "config":
+        return None if m.is_megatron or m.arch == "auto" else m.arch
+    config = local_config(m)
+    return getattr(config, "model_type", None)

@@ -25,6 +25,7 @@ import torch
 
 from rapidformer.errors import EXIT_NOT_AVAILABLE, InputError, Problem
 from rapidformer.transforms.base import ApplyContext, ModelTransform
+from rapidformer.models.pretrained_shape import known_model_type
 from rapidformer.runtime.packages import installed
 
 if TYPE_CHECKING:
@@ -47,10 +48,8 @@ def apply_kernels(model: torch.nn.Module, k: KernelsConfig) -> None:
         raise InputError(f"kernels=liger needs liger-kernel, which is not installed: {INSTALL}") \
             from exc
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise InputError(f"kernels=liger: liger-kernel has no kernels for model type "
-                         f"'{model_type}' ({type(model).__name__}); it covers "
-                         f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}. Use kernels=none")
+    if problem := family_problem(model_type or "unknown"):
+        raise InputError(f"kernels=liger on {type(model).__name__}: {problem}. Use kernels=none")
     # liger-kernel passes on only the switches a family's patch takes (Gemma's MLP is GeGLU:
     # no swiglu): one it does not take is not applied, which the log says, and one turned off
     # that it would not apply anyway changes nothing
@@ -62,6 +61,19 @@ def apply_kernels(model: torch.nn.Module, k: KernelsConfig) -> None:
              " ".join(f"{name}={on}" for name, on in switches.items()),
              "".join(f"; {name}: not a {model_type} kernel" for name in SWITCHES
                      if name not in takes))
+
+
+def family_problem(model_type: str | None) -> str | None:
+    """Why liger-kernel cannot patch a model of `model_type`, or None (also when the type is
+    not known yet, or liger-kernel is not installed: that is an environment problem)."""
+    if model_type is None or not installed("liger_kernel"):
+        return None
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    if model_type in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return None
+    return (f"liger-kernel has no kernels for model type '{model_type}'; it covers "
+            f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}")
 
 
 def fuses_the_loss(k: KernelsConfig) -> bool:
@@ -83,12 +95,8 @@ def auto_choice(cfg: RunConfig, model: torch.nn.Module, device: torch.device) ->
         return f"the run is on '{device.type}' (liger-kernel's kernels run on CUDA GPUs)"
     if not installed("liger_kernel"):
         return f"liger-kernel is not installed ({INSTALL})"
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        return f"liger-kernel has no kernels for model type '{model_type}'"
-    return None
+    return family_problem(getattr(getattr(model, "config", None), "model_type", None)
+                          or "unknown")
 
 
 def applied_fused_loss(model: torch.nn.Module) -> bool:
@@ -129,11 +137,17 @@ class LigerKernels(ModelTransform):
     @classmethod
     def config_problems(cls, cfg: RunConfig) -> list[str]:
         m = cfg.model
-        if cfg.kernels.name != "liger" or not (m.is_megatron or cfg.graph.name == "ort"):
+        if cfg.kernels.name != "liger":
             return []
-        return [f"kernels={cfg.kernels.name} with "
-                f"{'model=' + m.name if m.is_megatron else 'graph=ort'}: its kernels patch "
-                f"Hugging Face models trained by torch; use kernels=none"]
+        if m.is_megatron or cfg.graph.name == "ort":
+            return [f"kernels={cfg.kernels.name} with "
+                    f"{'model=' + m.name if m.is_megatron else 'graph=ort'}: its kernels patch "
+                    f"Hugging Face models trained by torch; use kernels=none"]
+        # the family, where it is known before the model is built: a BERT refused here, not
+        # after its weights are loaded (and never measured by accelerate=auto)
+        problem = family_problem(known_model_type(m))
+        return [f"kernels=liger with model={m.name}: {problem}. Use kernels=none"] \
+            if problem else []
 
     @classmethod
     def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
