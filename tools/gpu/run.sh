@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|bert-long|megatron|preprocess` from the repository root
+# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|bert-long|megatron|preprocess|tune-WORKLOAD` from the repository root
 # (carry [".whl"]: `bash ../shared/tools/device-wheels.sh torchao==0.18.0 liger-kernel==0.8.5`)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -54,6 +54,11 @@ for what in "$@"; do
       timeout 560 python3 benchmarks/decoder_speed.py --rows rf-bf16-fused rf-fp8 rf-fp8-fused \
         --iters 80 --out $OUT/decoder_fused.json > $OUT/decoder_fused.log 2>&1
       echo "decoder-fused rc=$?" >> $OUT/env.txt; tail -12 $OUT/decoder_fused.log ;;
+    tune-*)  # accelerate=auto against the default and the hand-picked rows (issue 38), one workload
+      workload=${what#tune-}
+      timeout 570 python3 benchmarks/tune_search.py --workloads $workload --timeout 260 \
+        --out $OUT/tune_search_$workload.json > $OUT/tune_$workload.log 2>&1
+      echo "tune-$workload rc=$?" >> $OUT/env.txt; grep -v '^ ' $OUT/tune_$workload.log | tail -c 4000 ;;
   esac
 done
 cat $OUT/env.txt
