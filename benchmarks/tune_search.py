@@ -4,6 +4,10 @@ end through the CLI, on issue 38's three workloads, one GPU.
     python benchmarks/tune_search.py                              # GPU: every workload
     python benchmarks/tune_search.py --workloads mrpc_small mrpc_base
     python benchmarks/tune_search.py --smoke                      # CPU, tiny, in about 2 min
+    # a workload longer than one GPU call, in two: the baseline rows, then the search's rows
+    # judged with the first call's (its JSON given back)
+    python benchmarks/tune_search.py --workloads llama_sft --rows default hand-picked --out A.json
+    python benchmarks/tune_search.py --workloads llama_sft --rows auto --earlier A.json
 
 Workloads (the data and models of the padding and LoRA benchmarks, built locally, nothing
 downloaded):
@@ -11,7 +15,9 @@ downloaded):
                           32, a 6x384 and a 12x768 BERT (benchmarks/finetune_padding.py)
   bert_pretrain           BERT-base masked LM + NSP on short documents, seq 128, batch 32
                           (benchmarks/pretrain_padding.py's short corpus)
-  llama_sft               Llama-3.2-1B-shaped LoRA SFT on instruction-length chats, seq 2048
+  llama_sft               Llama-3.2-1B-shaped LoRA SFT on instruction-length chats, seq 2048,
+                          200 steps of 16 (a packed row about 2.5 minutes on one H200: the
+                          rows of a workload fit two calls of 10 minutes)
                           (benchmarks/lora_sft.py's workload)
 Rows of each: `default` (the workload's command, no accelerator setting), each hand-picked row
 (the fastest of docs/benchmarks.md for it), `auto` (accelerate=auto with an empty cache: the
@@ -100,7 +106,7 @@ def workload_args(name: str, work: Path, smoke: bool) -> list[str]:
                  "trainer.micro_batch_size=4", "trainer.global_batch_size=4"] if smoke else \
             ["model=llama_1b", "data.max_seq_length=2048", "model.max_position_embeddings=2048",
              "model.embedding_rows=128256", "data.synthetic_train_size=6000",
-             "trainer.train_iters=400", "trainer.micro_batch_size=16",
+             "trainer.train_iters=200", "trainer.micro_batch_size=16",
              "trainer.global_batch_size=16"]
         return ["+recipe=llama_lora", "peft.modules_to_save=null", f"data.path={work / 'sft'}",
                 "data.synthetic_lengths=instruction", "data.synthetic_eval_size=16",
@@ -132,6 +138,19 @@ def row(workload: str, name: str, args_: list[str], work: Path, timeout: float) 
 
 
 AUTO_ROWS = ("auto", "auto-cached")
+# --rows: which rows this call runs; auto is both of its rows (the second reads the first's
+# cache, in this call's temporary folder)
+ROW_GROUPS = ("default", "hand-picked", "auto")
+
+
+def earlier_rows(paths: list[str], workloads: list[str]) -> list[dict]:
+    """The rows of `workloads` in the reports of earlier calls (--earlier)."""
+    rows = []
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        rows += [{**r, "call": report.get("date")} for r in report["rows"]
+                 if r.get("workload") in workloads]
+    return rows
 LOSS_TOLERANCE = 0.1  # the last logged loss against the default's, as accelerate.loss_tolerance
 
 
@@ -174,6 +193,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, a few steps")
     parser.add_argument("--out", default="docs/benchmarks/tune_search.json")
     parser.add_argument("--overrides", nargs="*", default=[])
+    parser.add_argument("--rows", nargs="+", default=list(ROW_GROUPS), choices=ROW_GROUPS,
+                        help="the rows this call runs (a workload longer than a call in two)")
+    parser.add_argument("--earlier", nargs="*", default=[],
+                        help="reports of earlier calls whose rows join this call's verdict")
     args = parser.parse_args()
     picked = HAND_PICKED
     search = [f"accelerate.budget_s={args.budget}", "accelerate.max_fraction=100"]
@@ -185,21 +208,28 @@ def main() -> None:
         search += ["accelerate.max_candidates=2", "accelerate.steps=5",
                    "accelerate.warmup_steps=2", "accelerate.axes=[sequences,micro_batch_size]"]
     rows, verdicts = [], {}
+    earlier = earlier_rows(args.earlier, args.workloads)
     with tempfile.TemporaryDirectory(prefix="rapidformer-tune-search-") as temp:
         work = Path(temp)
         cache = [f"accelerate.cache_dir={work / 'cache'}"]  # empty: auto pays for its search
         for workload in args.workloads:
             base = [*workload_args(workload, work, args.smoke), *args.overrides]
-            runs = {"default": base, **{name: [*base, *extra]
-                                        for name, extra in picked[workload].items()},
-                    "auto": [*base, "accelerate=auto", *search, *cache],
-                    "auto-cached": [*base, "accelerate=auto", *search, *cache]}
+            runs = {}
+            if "default" in args.rows:
+                runs["default"] = base
+            if "hand-picked" in args.rows:
+                runs.update({name: [*base, *extra] for name, extra in picked[workload].items()})
+            if "auto" in args.rows:
+                runs.update({name: [*base, "accelerate=auto", *search, *cache]
+                             for name in AUTO_ROWS})
             done = []
             for name, command in runs.items():
                 done.append(row(workload, name, command, work, args.timeout))
                 print(json.dumps({k: v for k, v in done[-1].items() if k != "table"}), flush=True)
             rows += done
-            verdicts[workload] = verdict(done)
+            before = [r for r in earlier if r["workload"] == workload and r["row"] not in runs]
+            verdicts[workload] = verdict(before + done)
+            rows += before
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

@@ -82,3 +82,26 @@ def test_the_tuning_benchmark_judges_the_choice_it_was_served():
     zero = rows()
     zero[0]["loss_at_end"] = 0.0
     assert verdict(zero)["complete"]  # no division by a zero loss
+
+
+def test_a_workload_measured_in_two_calls_is_judged_on_both(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from tune_search import earlier_rows, verdict
+
+    first = {"date": "2026-12-05", "rows": [
+        {"workload": "llama_sft", "row": "default", "wall_s": 30.0, "loss_at_end": 0.60},
+        {"workload": "llama_sft", "row": "packed", "wall_s": 20.0, "loss_at_end": 0.61},
+        {"workload": "mrpc_small", "row": "default", "wall_s": 9.0, "loss_at_end": 0.5}]}
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps(first))
+    before = earlier_rows([str(path)], ["llama_sft"])
+    assert [(r["row"], r["call"]) for r in before] == [("default", "2026-12-05"),
+                                                      ("packed", "2026-12-05")]
+    auto = [{"workload": "llama_sft", "row": "auto", "wall_s": 80.0, "loss_at_end": 0.6,
+             "choice": "packed", "search_s": 60.0},
+            {"workload": "llama_sft", "row": "auto-cached", "wall_s": 20.4, "loss_at_end": 0.61,
+             "cached": True, "choice": "packed"}]
+    assert not verdict(auto)["complete"]  # no default, no hand-picked row: no verdict
+    judged = verdict(before + auto)
+    assert judged["complete"] and judged["within_5_percent"] and judged["not_slower_than_default"]
+    assert judged["choice_vs_fastest_wall"] == 1.02

@@ -54,11 +54,20 @@ for what in "$@"; do
       timeout 560 python3 benchmarks/decoder_speed.py --rows rf-bf16-fused rf-fp8 rf-fp8-fused \
         --iters 80 --out $OUT/decoder_fused.json > $OUT/decoder_fused.log 2>&1
       echo "decoder-fused rc=$?" >> $OUT/env.txt; tail -12 $OUT/decoder_fused.log ;;
-    tune-*)  # accelerate=auto against the default and the hand-picked rows (issue 38), one workload
-      workload=${what#tune-}
-      timeout 570 python3 benchmarks/tune_search.py --workloads $workload --timeout 260 \
-        --out $OUT/tune_search_$workload.json > $OUT/tune_$workload.log 2>&1
-      echo "tune-$workload rc=$?" >> $OUT/env.txt; grep -v '^ ' $OUT/tune_$workload.log | tail -c 4000 ;;
+    tune-*)  # accelerate=auto against the default and the hand-picked rows (issue 38), one
+      # workload: tune-WORKLOAD all its rows; a longer one in two calls, tune-WORKLOAD:base (the
+      # default and hand-picked rows), then tune-WORKLOAD:auto with the first's JSON committed
+      # as docs/benchmarks/tune_search_WORKLOAD_base.json
+      workload=${what#tune-}; workload=${workload%%:*}
+      case $what in
+        *:base) rows="--rows default hand-picked"; name=${workload}_base ;;
+        *:auto) rows="--rows auto --earlier docs/benchmarks/tune_search_${workload}_base.json"
+                name=$workload ;;
+        *) rows=""; name=$workload ;;
+      esac
+      timeout 570 python3 benchmarks/tune_search.py --workloads $workload --timeout 260 $rows \
+        --out $OUT/tune_search_$name.json > $OUT/tune_$name.log 2>&1
+      echo "tune-$name rc=$?" >> $OUT/env.txt; grep -v '^ ' $OUT/tune_$name.log | tail -c 4000 ;;
   esac
 done
 cat $OUT/env.txt
