@@ -114,49 +114,86 @@ def _pretrained(tmp_path, model_type: str) -> str:
     return str(folder)
 
 
+def _unreadable(tmp_path, name: str, config: dict) -> None:
+    import json
+
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(config))
+
+
 # (overrides, the refusal's words or None): the family is known before the model is built
 FAMILIES = [
     (["+recipe=llama_lora"], None),
-    (["+recipe=llama_lora", "model=gpt2_tiny"], "model type 'gpt2'"),
+    (["+recipe=llama_lora", "model=gpt2_tiny"], "model=gpt2_tiny (model.arch=gpt2): "
+                                                "liger-kernel has no kernels for model type 'gpt2'"),
     (["+recipe=quickstart"], "model type 'bert'"),
     (["+recipe=bert_pretrain", "model=bert_tiny"], "model type 'bert'"),
     (["+recipe=t5_summarize", "model=t5_tiny"], "model type 't5'"),
     (["+recipe=quickstart", "model=hf", "model.name_or_path=PRETRAINED/bert"],
+     "model.name_or_path=PRETRAINED/bert (its config.json): liger-kernel has no kernels for "
      "model type 'bert'"),
     (["+recipe=llama_lora", "model=hf", "model.name_or_path=PRETRAINED/llama"], None),
-    # not on this machine: the type is known when the model loads (and refused there)
+    # not on this machine, or a config.json transformers cannot read, or one with its own code
+    # (never run to read it): the type is known when the model loads, and refused there
     (["+recipe=quickstart", "model=hf", "model.name_or_path=no-such-org/no-such-model"], None),
+    (["+recipe=llama_lora", "model=hf", "model.name_or_path=PRETRAINED/yarn"], None),
+    (["+recipe=llama_lora", "model=hf", "model.name_or_path=PRETRAINED/custom"], None),
+    (["+recipe=llama_lora", "model=hf", "model.name_or_path=PRETRAINED/listed"], None),
+    (["model=megatron_gpt_tiny", "task=causal_lm"], None),
 ]
+
+
+def _fake_liger(monkeypatch, covered=("llama", "mistral", "qwen2"), broken=False):
+    import sys
+    import types
+
+    from rapidformer.transforms import liger
+
+    monkeypatch.setattr(liger, "installed", lambda name: True)
+    if broken:  # installed, but its import fails (triton, an unsupported transformers)
+        monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)
+        return
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {name: None for name in covered}
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
 
 
 @pytest.mark.parametrize("overrides, refused", FAMILIES)
 def test_liger_refuses_a_family_it_has_no_kernels_for_before_building_it(
         monkeypatch, tmp_path, overrides, refused):
-    import sys
-    import types
-
     from rapidformer.config.compose import resolve
-    from rapidformer.transforms import config_problems, liger
+    from rapidformer.transforms import config_problems, environment_problems, liger
 
-    monkeypatch.setattr(liger, "installed", lambda name: True)
-    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
-    fake.MODEL_TYPE_TO_APPLY_LIGER_FN = {"llama": None, "mistral": None, "qwen2": None}
-    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
     for model_type in ("bert", "llama"):
         _pretrained(tmp_path, model_type)
+    _unreadable(tmp_path, "yarn", {"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}})
+    _unreadable(tmp_path, "custom", {"model_type": "not-in-transformers",
+                                     "auto_map": {"AutoConfig": "own.OwnConfig"}})
+    _unreadable(tmp_path, "listed", {"model_type": ["llama"]})
     overrides = [o.replace("PRETRAINED", str(tmp_path)) for o in overrides]
-    for kernels in ("liger", "auto", "none"):
+    refused = refused and refused.replace("PRETRAINED", str(tmp_path))
+    cuda = torch.device("cuda")
+
+    def family(kernels: str) -> list[str]:
         cfg = resolve(compose([*overrides, f"kernels={kernels}"]), "out", check=False)[1]
-        found = [p for p in config_problems(cfg) if "liger-kernel" in p]
+        # the config-only pass never reads the machine for it
+        assert not [p for p in config_problems(cfg) if "has no kernels" in p]
+        return [p.text for p in environment_problems(cfg, cuda) if "has no kernels" in p.text]
+
+    _fake_liger(monkeypatch)
+    for kernels in ("liger", "auto", "none"):
+        found = family(kernels)
         if refused is None or kernels != "liger":
             assert not found, found
         else:
             assert len(found) == 1 and refused in found[0] and "Use kernels=none" in found[0]
             assert "it covers llama, mistral, qwen2" in found[0]
-    # without liger-kernel the family is not judged: the missing package is the problem
+    # liger-kernel installed but broken, or missing: the family is not judged (applying it,
+    # or the missing package, is the problem)
+    _fake_liger(monkeypatch, broken=True)
+    assert not family("liger")
     monkeypatch.setattr(liger, "installed", lambda name: False)
-    cfg = resolve(compose([*overrides, "kernels=liger"]), "out", check=False)[1]
-    assert not [p for p in config_problems(cfg) if "liger-kernel has no" in p]
+    assert not family("liger")
 
 
 def test_auto_is_never_refused_and_on_a_cpu_keeps_the_models_layers(caplog):

@@ -55,8 +55,9 @@ def local_config(m: ModelConfig):
         return None
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(m.name_or_path, local_files_only=True)
+    try:  # a model with its own code is not run (nor asked about) to read its config
+        return AutoConfig.from_pretrained(m.name_or_path, local_files_only=True,
+                                          trust_remote_code=False)
     except (OSError, ValueError):
         return None
 
@@ -77,5 +78,8 @@ def known_model_type(m: ModelConfig) -> str | None:
     None where only loading the model would tell (or for megatron-core models)."""
     if m.source == "config":
         return None if m.is_megatron or m.arch == "auto" else m.arch
-    config = local_config(m)
-    return getattr(config, "model_type", None)
+    try:
+        model_type = getattr(local_config(m), "model_type", None)
+    except Exception:  # noqa: BLE001 - a config.json transformers cannot read: loading the
+        return None  # model reports it, where the run needs it
+    return model_type if isinstance(model_type, str) else None

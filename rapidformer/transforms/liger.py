@@ -68,7 +68,10 @@ def family_problem(model_type: str | None) -> str | None:
     not known yet, or liger-kernel is not installed: that is an environment problem)."""
     if model_type is None or not installed("liger_kernel"):
         return None
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception:  # noqa: BLE001 - installed but broken (triton, transformers): applying
+        return None  # it says so, with liger-kernel's own error
 
     if model_type in MODEL_TYPE_TO_APPLY_LIGER_FN:
         return None
@@ -137,17 +140,11 @@ class LigerKernels(ModelTransform):
     @classmethod
     def config_problems(cls, cfg: RunConfig) -> list[str]:
         m = cfg.model
-        if cfg.kernels.name != "liger":
+        if cfg.kernels.name != "liger" or not (m.is_megatron or cfg.graph.name == "ort"):
             return []
-        if m.is_megatron or cfg.graph.name == "ort":
-            return [f"kernels={cfg.kernels.name} with "
-                    f"{'model=' + m.name if m.is_megatron else 'graph=ort'}: its kernels patch "
-                    f"Hugging Face models trained by torch; use kernels=none"]
-        # the family, where it is known before the model is built: a BERT refused here, not
-        # after its weights are loaded (and never measured by accelerate=auto)
-        problem = family_problem(known_model_type(m))
-        return [f"kernels=liger with model={m.name}: {problem}. Use kernels=none"] \
-            if problem else []
+        return [f"kernels={cfg.kernels.name} with "
+                f"{'model=' + m.name if m.is_megatron else 'graph=ort'}: its kernels patch "
+                f"Hugging Face models trained by torch; use kernels=none"]
 
     @classmethod
     def environment_problems(cls, cfg: RunConfig, device: torch.device) -> list[Problem]:
@@ -159,7 +156,16 @@ class LigerKernels(ModelTransform):
         if not installed("liger_kernel"):
             return [Problem(f"kernels=liger needs liger-kernel, which is not installed: "
                             f"{INSTALL}", EXIT_NOT_AVAILABLE)]
-        return []
+        # the family, where this machine knows it before the model is built (the installed
+        # liger-kernel's coverage, a pretrained model's config.json): a BERT is refused here,
+        # not after its weights are read, and accelerate=auto never measures it
+        m = cfg.model
+        problem = family_problem(known_model_type(m))
+        if problem is None:
+            return []
+        where = f"model.name_or_path={m.name_or_path} (its config.json)" \
+            if m.source == "pretrained" else f"model={m.name} (model.arch={m.arch})"
+        return [Problem(f"kernels=liger with {where}: {problem}. Use kernels=none")]
 
     def apply(self, model: torch.nn.Module, context: ApplyContext) -> torch.nn.Module:
         k = self.cfg.kernels
