@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|bert-long|megatron|preprocess|tune-WORKLOAD` from the repository root
+# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|bert-long|megatron|megatron-gb64|preprocess|tune-WORKLOAD[:base|:auto]` from the repository root
 # (carry [".whl"]: `bash ../shared/tools/device-wheels.sh torchao==0.18.0 liger-kernel==0.8.5`)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -50,6 +50,12 @@ for what in "$@"; do
         --warmup 5 --iters 15 --run-timeout 240 --out $OUT/megatron_attention.json \
         > $OUT/megatron_attention.log 2>&1
       echo "megatron rc=$?" >> $OUT/env.txt; tail -8 $OUT/megatron_attention.log ;;
+    megatron-gb64)  # the same at a pretraining run's global batch (64 sequences: 8 micro
+      # batches a step), the optimizer step paid once per 131k tokens instead of once per 16k
+      timeout 300 python3 benchmarks/megatron_attention.py --variants sdpa_compile \
+        --global-batch 64 --warmup 3 --iters 6 --run-timeout 280 \
+        --out $OUT/megatron_attention_gb64.json > $OUT/megatron_attention_gb64.log 2>&1
+      echo "megatron-gb64 rc=$?" >> $OUT/env.txt; tail -4 $OUT/megatron_attention_gb64.log ;;
     decoder-fused)  # the rows issue 37 still owes: fused projections with and without FP8
       timeout 560 python3 benchmarks/decoder_speed.py --rows rf-bf16-fused rf-fp8 rf-fp8-fused \
         --iters 80 --out $OUT/decoder_fused.json > $OUT/decoder_fused.log 2>&1
