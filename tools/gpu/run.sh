@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|bert-long|megatron|megatron-gb64|preprocess|tune-WORKLOAD[:base|:auto]` from the repository root
+# one GPU call: `bash tools/gpu/run.sh tests|decoder|decoder-profile|decoder-fused|bert|bert-long|bert-long-fp8|megatron|megatron-gb64|preprocess|tune-WORKLOAD[:base|:auto]` from the repository root
 # (carry [".whl"]: `bash ../shared/tools/device-wheels.sh torchao==0.18.0 liger-kernel==0.8.5`)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -45,6 +45,12 @@ for what in "$@"; do
         --rows hf-compile rf-unpad-compile-cudagraphs --iters 200 \
         --out $OUT/pretrain_padding_long.json > $OUT/pretrain_padding_long.log 2>&1
       echo "bert-long rc=$?" >> $OUT/env.txt; grep '^{' $OUT/pretrain_padding_long.log | cut -c1-900 ;;
+    bert-long-fp8)  # the long-document rapidformer row with float8 matmuls (the 768- and
+      # 3072-wide layers), against bert-long's rows of the same call or the last one
+      timeout 300 python3 benchmarks/pretrain_padding.py --corpora long \
+        --rows rf-unpad-compile-cudagraphs --precision fp8 --iters 200 \
+        --out $OUT/pretrain_padding_long_fp8.json > $OUT/pretrain_padding_long_fp8.log 2>&1
+      echo "bert-long-fp8 rc=$?" >> $OUT/env.txt; grep '^{' $OUT/pretrain_padding_long_fp8.log | cut -c1-900 ;;
     megatron)  # megatron-core GPT 1.3B on one GPU (issue 37's 50 % MFU)
       timeout 540 python3 benchmarks/megatron_attention.py --variants sdpa sdpa_compile \
         --warmup 5 --iters 15 --run-timeout 240 --out $OUT/megatron_attention.json \
