@@ -210,12 +210,23 @@ def test_axes_and_hand_picked_candidates_are_checked():
 
 def test_the_child_measures_the_run_as_given_with_the_candidate():
     run = ["+recipe=quickstart", "accelerate=auto", "accelerate.budget_s=10",
-           "trainer.output_dir=/somewhere", "trainer.epochs=3", "hydra.run.dir=x", "precision=fp16"]
+           "trainer.output_dir=/somewhere", "trainer.epochs=3", "hydra.run.dir=x", "precision=fp16",
+           "precision.initial_scale=1024", "graph=compile", "graph.mode=max-autotune"]
     got = child_overrides(run, Candidate("bf16", (("precision", "bf16"),)), 5, "/tmp/c")
-    assert got[:2] == ["+recipe=quickstart", "precision=fp16"]
-    assert got.index("precision=bf16") > got.index("precision=fp16")  # the candidate's wins
+    # the candidate's group replaces the user's, sub-keys included (as the check applied it);
+    # the other groups' keys stay
+    assert got[:4] == ["+recipe=quickstart", "graph=compile", "graph.mode=max-autotune",
+                       "precision=bf16"]
+    assert not any(o.startswith(("precision=fp16", "precision.initial")) for o in got)
     assert "accelerate=none" in got and "trainer.train_iters=5" in got
     assert not any(o.startswith(("accelerate.", "hydra.run", "trainer.epochs")) for o in got)
+    # and the same in the reproducing command, and the run that trains with the choice
+    from rapidformer.tuning.search import command
+
+    assert command(run, ["precision=bf16"]).endswith(
+        "trainer.epochs=3 hydra.run.dir=x graph=compile graph.mode=max-autotune precision=bf16")
+    unpad = child_overrides(run, Candidate("unpad", (("trainer.unpad", "true"),)), 5, "/tmp/c")
+    assert "precision.initial_scale=1024" in unpad and "precision=fp16" in unpad
 
 
 def measured(label: str, rate: float, warmup_s: float, losses=(1.0, 0.9, 0.8, 0.7),
@@ -282,8 +293,63 @@ def test_the_cache_key_follows_model_data_hardware_and_versions(monkeypatch):
     for longer in ("trainer.epochs=200", "trainer.train_iters=5000"):  # another time to result
         _, plain4, cfg4 = settled("accelerate=auto", longer)
         assert cache.key_of(cache.key_fields(cfg4, plain4, "cpu")) != key, longer
+    # what trains otherwise is in the key (a cached fp16 choice is not reused at another
+    # learning rate); where the run writes and what it logs are not
+    for other in ("trainer.lr=50", "trainer.seed=7", "trainer.clip_grad=0",
+                  "trainer.weight_decay=0.3", "optim.beta2=0.9", "scheduler=constant",
+                  "precision=fp16", "precision=fp16 precision.initial_scale=1024",
+                  "trainer.eval_interval=7"):
+        _, plain5, cfg5 = settled("accelerate=auto", *other.split())
+        assert cache.key_of(cache.key_fields(cfg5, plain5, "cpu")) != key, other
+    for same in ("trainer.output_dir=elsewhere", "trainer.log_interval=1",
+                 "trainer.progress_bar=false", "accelerate.cache_dir=/elsewhere"):
+        _, plain6, cfg6 = settled("accelerate=auto", same)
+        assert cache.key_of(cache.key_fields(cfg6, plain6, "cpu")) == key, same
     monkeypatch.setattr(cache, "versions", lambda: {"torch": "0.0"})
     assert cache.key_of(cache.key_fields(cfg, plain, "cpu")) != key
+
+
+def test_new_data_or_weights_at_the_same_path_search_again(tmp_path):
+    data = tmp_path / "pairs"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"a": 1}\n')
+    prefix = tmp_path / "corpus_text_sentence"
+    for ext in (".bin", ".idx"):
+        prefix.with_suffix(ext).write_bytes(b"0" * 8)
+    states = [cache.local_state(str(data)), cache.local_state(str(prefix))]
+    assert [len(s) for s in states] == [1, 2]  # a folder's files; a Megatron prefix's two
+    (data / "train.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    prefix.with_suffix(".bin").write_bytes(b"0" * 16)
+    assert [cache.local_state(str(data)), cache.local_state(str(prefix))] != states
+    assert cache.local_state("org/hub-model") == [] and cache.local_state(None) == []
+
+
+def test_a_cache_that_cannot_be_read_or_written_costs_a_search_not_the_run(tmp_path):
+    record = {"key": "k", "choice": {"label": "bf16", "overrides": ["precision=bf16"]}}
+    where = tmp_path / "cache"
+    assert cache.store(where, "k", record)[0] == where / "k.json"
+    assert cache.load(where, "k") == (record, "")
+    assert cache.load(where, "other") == (None, "")  # nothing there: no complaint
+    for text in ("[]", "null", '{"key": "k"}', "{not json", '{"key": "k", "choice": "bf16"}'):
+        (where / "k.json").write_text(text)
+        hit, why = cache.load(where, "k")
+        assert hit is None and str(where / "k.json") in why, text
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    for directory in (blocked, blocked / "below"):
+        stored, why = cache.store(directory, "k", record)
+        assert stored is None and str(directory) in why
+    assert blocked.read_text() == ""  # nothing written over it
+
+
+def test_a_search_is_refused_where_each_node_would_search_alone():
+    from rapidformer.tuning.run import refusals
+
+    _, _, cfg = settled("accelerate=auto", "launcher.nnodes=2", "launcher.nproc_per_node=1")
+    found = refusals(cfg, multirun=False)
+    assert len(found) == 1 and "launcher.nnodes=2" in found[0] and "rapidformer tune" in found[0]
+    _, _, one = settled("accelerate=auto", "launcher.nproc_per_node=2")
+    assert not refusals(one, multirun=False)
 
 
 # a search on a CPU: the quickstart's tiny BERT on 800 pairs, 5 steps a candidate
@@ -314,6 +380,60 @@ def test_a_crashing_a_hanging_and_a_diverging_candidate_cost_themselves_only(tmp
         "differs" in rows["trainer.lr=1000"]["loss_check"]
     assert record["choice"]["label"] == "reference" and record["choice"]["overrides"] == []
     assert rows["reference"]["passed"] and rows["reference"]["tokens_per_s"] > 0
+
+
+def _processes_naming(text: str) -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_search_stopped_by_a_signal_kills_its_child_and_removes_its_folder(tmp_path, signum):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import OFFLINE_ENV
+
+    env = {**os.environ, **OFFLINE_ENV, "TMPDIR": str(tmp_path),
+           "RAPIDFORMER_TUNING_FAULTS": json.dumps({"reference": "hang"})}
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "rapidformer.cli", "tune", *SEARCH,
+         f"accelerate.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("rapidformer-tuning-*/candidate-*/child.log")):
+        assert parent.poll() is None and time.monotonic() < deadline, parent.communicate()
+        time.sleep(0.2)
+    time.sleep(1.0)  # the child is started (it hangs: the reference's measurement never ends)
+    children = [pid for pid in _processes_naming(str(tmp_path / "rapidformer-tuning-"))
+                if pid != parent.pid]
+    assert children
+    parent.send_signal(getattr(signal, signum))
+    try:
+        _, err = parent.communicate(timeout=60)
+        time.sleep(0.5)
+        left = _processes_naming(str(tmp_path / "rapidformer-tuning-"))
+    finally:  # a failing run leaves no hanging child behind
+        for pid in _processes_naming(str(tmp_path / "rapidformer-tuning-")):
+            os.kill(pid, signal.SIGKILL)
+    assert parent.returncode == 75, err[-2000:]
+    assert f"the search was stopped by {signum}" in err and "Traceback" not in err
+    assert not left  # the child is gone
+    assert not list(tmp_path.glob("rapidformer-tuning-*"))  # and its folder
+    assert not (tmp_path / "cache").exists()  # nothing cached
 
 
 @pytest.mark.slow

@@ -1,14 +1,15 @@
 """Search results kept by what decides them, so that a second run skips the search.
 
-The key is a hash of: the model's shape (its config section: name, source, path, sizes), the
-data's shape (its section: source, path, lengths, padding, packing) and the task, the batch
-(micro and global batch, ranks), the search's own settings, the hardware (device kind and
-name, how many) and the library versions (torch, transformers, rapidformer and the optional
-accelerator libraries). A change in any of them searches again. One JSON file per key under
-accelerate.cache_dir, else $RAPIDFORMER_TUNING_CACHE, else ~/.cache/rapidformer/tuning.
+The key is a hash of: every setting of the run but those that change only where it writes and
+what it logs (IGNORED), the size and modification time of the files its data, model,
+tokenizer and user script name on this machine, the number of ranks, the hardware (device kind
+and name, how many) and the library versions (torch, transformers, rapidformer and the
+optional accelerator libraries). A change in any of them searches again. One JSON file per key
+under accelerate.cache_dir, else $RAPIDFORMER_TUNING_CACHE, else ~/.cache/rapidformer/tuning.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
 
-FORMAT = 1
+FORMAT = 2  # 2: every setting in the key, the files' state
 LIBRARIES = ("torch", "transformers", "rapidformer", "deepspeed", "liger_kernel", "torchao",
              "peft", "megatron-core", "flash_attn")
 
@@ -51,27 +52,63 @@ def hardware(device_kind: str) -> dict:
             "count": os.cpu_count()}
 
 
+# settings that change where a run writes and what it logs, not what a search measures or
+# picks; every other setting is in the key (the learning rate, the seed, the optimizer, the
+# scheduler, each precision and graph key, ...): a cached choice is never reused for a run
+# that trains otherwise
+IGNORED = {"trainer": ("output_dir", "resume", "overwrite", "progress_bar", "tensorboard",
+                       "log_interval", "save_interval", "save_last", "keep_last", "export_hf",
+                       "exit_interval", "dry_run", "profile_steps"),
+           "accelerate": ("cache_dir", "cache", "budget_s"),
+           "logger": None}  # None: the whole section
+LOCAL_KEYS = (("data", "path"), ("model", "name_or_path"), ("model", "tokenizer"),
+              ("model", "merge_file"), ("model", "init_from_hf"))
+MOST_ENTRIES = 1000  # a folder's files looked at, at most
+
+
+def settings(cfg: RunConfig) -> dict:
+    """The typed config as a dict, less what IGNORED names."""
+    import dataclasses
+
+    out = dataclasses.asdict(cfg)
+    for section, keys in IGNORED.items():
+        if keys is None:
+            out.pop(section, None)
+        else:
+            for key in keys:
+                out.get(section, {}).pop(key, None)
+    return out
+
+
+def local_state(value) -> list:
+    """Size and modification time of the files a setting names on this machine (a file, a
+    folder's files, a Megatron prefix's .bin/.idx): new data or weights at the same path search
+    again. Empty for what is not here (a hub name)."""
+    if not isinstance(value, str) or not value:
+        return []
+    path = Path(value).expanduser()
+    found = []
+    for p in (path, path.with_name(path.name + ".bin"), path.with_name(path.name + ".idx")):
+        try:
+            files = [p] if p.is_file() else sorted(p.iterdir())[:MOST_ENTRIES] if p.is_dir() \
+                else []
+            found += [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files
+                      if f.is_file()]
+        except OSError:
+            continue
+    return found
+
+
 def key_fields(cfg: RunConfig, plain: dict, device_kind: str) -> dict:
-    """What the result depends on (plain: the settled config as a dict)."""
+    """What the result depends on (plain: the settled config as a dict, for the sections the
+    typed config does not hold)."""
     from rapidformer.config.sizes import launched_world_size
 
-    search = {k: v for k, v in plain["accelerate"].items() if k not in ("cache_dir", "cache",
-                                                                     "budget_s")}
-    return {"format": FORMAT, "task": plain["task"], "model": plain["model"],
-            "data": plain["data"], "precision": plain["precision"]["name"],
-            "graph": plain["graph"], "kernels": plain["kernels"]["name"],
-            "memory": plain["memory"], "peft": plain["peft"], "parallelism": plain["parallelism"],
-            "batch": {"micro": cfg.trainer.micro_batch_size,
-                      "global": cfg.trainer.global_batch_size,
-                      "unpad": cfg.trainer.unpad,
-                      "checkpoint_activations": cfg.trainer.checkpoint_activations,
-                      "offload_activations": cfg.trainer.offload_activations,
-                      "recompute_granularity": cfg.trainer.recompute_granularity,
-                      "world": launched_world_size(cfg)},
-            # the choice is by time to result for the run's length: another length, another
-            # search
-            "length": {"train_iters": cfg.trainer.train_iters, "epochs": cfg.trainer.epochs},
-            "search": search, "hardware": hardware(device_kind), "versions": versions()}
+    files = {f"{section}.{key}": local_state(getattr(getattr(cfg, section), key, None))
+             for section, key in LOCAL_KEYS}
+    files["user_script"] = local_state(plain.get("user_script"))
+    return {"format": FORMAT, "settings": settings(cfg), "world": launched_world_size(cfg),
+            "files": files, "hardware": hardware(device_kind), "versions": versions()}
 
 
 def key_of(fields: dict) -> str:
@@ -79,20 +116,33 @@ def key_of(fields: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def load(directory: Path, key: str) -> dict | None:
+def load(directory: Path, key: str) -> tuple[dict | None, str]:
+    """(the record for `key`, or None; why a file that is there was not used, or "")."""
     path = directory / f"{key}.json"
+    if not path.exists():
+        return None, ""
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if record.get("key") == key else None
+    except (OSError, ValueError) as exc:
+        return None, f"{path} cannot be read ({exc})"
+    choice = record.get("choice") if isinstance(record, dict) else None
+    if not (isinstance(choice, dict) and isinstance(choice.get("label"), str)
+            and isinstance(choice.get("overrides"), list) and record.get("key") == key):
+        return None, f"{path} is not a search's record"
+    return record, ""
 
 
-def store(directory: Path, key: str, record: dict) -> Path:
-    """Written whole or not at all (a temporary file renamed)."""
-    directory.mkdir(parents=True, exist_ok=True)
+def store(directory: Path, key: str, record: dict) -> tuple[Path | None, str]:
+    """(the file, or None and why not): written whole or not at all (a temporary file
+    renamed); a cache that cannot be written costs the next run a search, not this run."""
     path = directory / f"{key}.json"
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, indent=2, default=str))
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return None, f"{directory} cannot hold it ({exc})"
+    return path, ""

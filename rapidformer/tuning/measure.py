@@ -65,9 +65,10 @@ def child_overrides(run_overrides: list[str], candidate: Candidate, steps: int,
     """The child's command line: the run's overrides less those a measurement replaces (and
     accelerate's own, Hydra's run directory), the candidate's, the measurement's."""
     from rapidformer.config.compose import override_key
+    from rapidformer.tuning.space import kept_overrides
 
     dropped = (*MEASUREMENT_KEYS, "accelerate", "hydra.run.dir", "hydra.job.name")
-    kept = [o for o in run_overrides
+    kept = [o for o in kept_overrides(run_overrides, candidate.override_list())
             if not (override_key(o).lstrip("+~") in dropped
                     or override_key(o).lstrip("+~").startswith("accelerate."))]
     quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")

@@ -19,6 +19,11 @@ def refusals(cfg: RunConfig, multirun: bool) -> list[str]:
     if multirun:
         p.append("accelerate=auto in a sweep (-m): not yet; search once with `rapidformer tune "
                  "...` and sweep over the command it prints")
+    if cfg.launcher.nnodes > 1:
+        p.append(f"accelerate=auto with launcher.nnodes={cfg.launcher.nnodes}: each node would "
+                 f"search alone (a child waits for a rendezvous the others never join, and the "
+                 f"nodes could choose apart); run `rapidformer tune ...` with launcher.nnodes=1 "
+                 f"on one node and give every node the command it prints")
     if cfg.launcher.name != "local":
         p.append(f"accelerate=auto with launcher={cfg.launcher.name}: the search measures on "
                  f"this machine, not the job's; run `rapidformer tune ...` on a node of the "
@@ -33,6 +38,7 @@ def tuned_overrides(overrides: list[str], composed, plain: dict, cfg: RunConfig)
 
     from rapidformer.config.compose import check_overrides
     from rapidformer.tuning.search import search
+    from rapidformer.tuning.space import kept_overrides
 
     if problems := refusals(cfg, multirun=False):
         raise InputError(problems[0])
@@ -40,8 +46,10 @@ def tuned_overrides(overrides: list[str], composed, plain: dict, cfg: RunConfig)
     record = search(overrides, plain, cfg, memory_auto)
     _pending.clear()
     _pending.update(record)
-    # as the command line's own: keys no option's YAML holds become ++key=value
-    return [*overrides, *check_overrides(record["choice"]["overrides"])]
+    # as the command line's own: keys no option's YAML holds become ++key=value; the user's
+    # keys the choice sets again or whose group it switches go, as in its measurement
+    chosen = record["choice"]["overrides"]
+    return [*kept_overrides(overrides, chosen), *check_overrides(chosen)]
 
 
 def write_record(run_dir: str) -> None:

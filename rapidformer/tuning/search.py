@@ -15,15 +15,17 @@
 """
 from __future__ import annotations
 
+import contextlib
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import InputError
+from rapidformer.errors import EXIT_PREEMPTED, InputError, RapidformerError
 from rapidformer.tuning import cache, report
 from rapidformer.tuning.enumerate import candidates
 from rapidformer.tuning.measure import Measurement, measure
@@ -47,12 +49,10 @@ def user_overrides(run_overrides: list[str]) -> list[str]:
 
 def command(run_overrides: list[str], chosen: list[str]) -> str:
     """The command that trains with the choice: the user's overrides less those the choice
-    sets again (no `graph=compile graph=eager`), then the choice's."""
-    from rapidformer.config.compose import override_key
+    sets again (no `graph=compile graph=eager`) or whose group it switches, then the choice's."""
+    from rapidformer.tuning.space import kept_overrides
 
-    replaced = {override_key(o).lstrip("+~") for o in chosen}
-    kept = [o for o in user_overrides(run_overrides)
-            if override_key(o).lstrip("+~") not in replaced]
+    kept = kept_overrides(user_overrides(run_overrides), chosen)
     return shlex.join(["python", "-m", "rapidformer", *kept, *chosen])
 
 
@@ -75,22 +75,62 @@ def search(run_overrides: list[str], plain: dict, cfg: RunConfig, memory_auto: b
     fields = cache.key_fields(cfg, plain, device.type)
     key = cache.key_of(fields)
     where = cache.cache_dir(cfg)
-    if a.cache and (hit := cache.load(where, key)) is not None:
-        say(f"cached result {where / (key + '.json')}: {hit['choice']['label']} (no search; "
-            f"accelerate.cache=false searches again)")
-        return {**hit, "cached": True, "command": command(run_overrides,
-                                                          hit["choice"]["overrides"])}
+    if a.cache:
+        hit, unusable = cache.load(where, key)
+        if hit is not None:
+            say(f"cached result {where / (key + '.json')}: {hit['choice']['label']} (no search; "
+                f"accelerate.cache=false searches again)")
+            return {**hit, "cached": True, "command": command(run_overrides,
+                                                              hit["choice"]["overrides"])}
+        if unusable:
+            say(f"searching again: {unusable} (it is replaced)")
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="rapidformer-tuning-"))
     try:
-        record = _measure_all(run_overrides, cfg, device, memory_auto, work, started)
-    finally:
+        with _stopped_by_signals():
+            record = _measure_all(run_overrides, cfg, device, memory_auto, work, started)
+    finally:  # the measuring child's group is killed on the way out (measure.run_child)
         shutil.rmtree(work, ignore_errors=True)
     record.update(key=key, key_fields=fields, cached=False, format=FORMAT,
                   command=command(run_overrides, record["choice"]["overrides"]))
     if a.cache:
-        record["cache_file"] = str(cache.store(where, key, record))
+        stored, why_not = cache.store(where, key, record)
+        if stored is None:
+            say(f"the result is not cached: {why_not}; set accelerate.cache_dir to a writable "
+                f"folder, or accelerate.cache=false")
+        else:
+            record["cache_file"] = str(stored)
     return record
+
+
+class SearchStopped(RapidformerError):
+    exit_code = EXIT_PREEMPTED
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """SIGTERM, SIGINT or SIGHUP during the search raise, so that the measuring child (in its
+    own process group: a scheduler's `kill -TERM -PGID` does not reach it) is killed and the
+    work folder removed on the way out, with one message; by default SIGTERM would end this
+    process alone and leave them."""
+    def stop(signum, _frame):
+        raise SearchStopped(f"accelerate=auto: the search was stopped by "
+                            f"{signal.Signals(signum).name} before training; the candidate "
+                            f"being measured and the search's folder are removed, nothing "
+                            f"was trained or cached")
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
+        if signum is not None:
+            try:
+                previous[signum] = signal.signal(signum, stop)
+            except ValueError:  # not the main thread: the signals stay as they were
+                pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work: Path,

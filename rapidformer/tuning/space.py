@@ -153,6 +153,19 @@ def _parse(value: str):
     return parsed
 
 
+def kept_overrides(run_overrides: list[str], chosen: list[str]) -> list[str]:
+    """The run's overrides that stay under `chosen` (a candidate's): those it sets again go,
+    and so do the user's keys of a group it switches (`precision=fp16 precision.initial_scale=
+    1024` under a bf16 candidate), as `apply` checks it: the child runs what was checked."""
+    from rapidformer.config.compose import override_key
+
+    replaced = {override_key(o).lstrip("+~") for o in chosen}
+    switched = tuple(f"{key}." for key in replaced if "." not in key)
+    return [o for o in run_overrides
+            if (key := override_key(o).lstrip("+~")) not in replaced
+            and not key.startswith(switched)]
+
+
 def apply(cfg: RunConfig, candidate: Candidate) -> RunConfig:
     """The typed config `candidate` runs: groups switched to the option's keys, other keys set
     (dotted group.key); KeyError for a key the schema does not have."""
