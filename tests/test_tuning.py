@@ -342,6 +342,34 @@ def test_a_cache_that_cannot_be_read_or_written_costs_a_search_not_the_run(tmp_p
     assert blocked.read_text() == ""  # nothing written over it
 
 
+@pytest.mark.parametrize("text", ["precision", "=bf16", "", "precision=bf16 graph"])
+def test_a_malformed_hand_picked_candidate_is_refused_before_any_measurement(text):
+    with pytest.raises(ConfigError) as refused:
+        settled("accelerate=auto", f"accelerate.extra_candidates=['{text}']")
+    assert "accelerate.extra_candidates" in str(refused.value)
+
+
+@pytest.mark.parametrize("logged, words", [(2, "after 2 of 4 steps"),
+                                           (4, "its steps were trained; the evaluation")])
+def test_a_child_past_its_time_says_whether_it_was_training_or_evaluating(
+        monkeypatch, tmp_path, logged, words):
+    from rapidformer.tuning import measure as measuring
+
+    def hung(overrides, label, limit, log_path):
+        out = next(o for o in overrides if o.startswith("trainer.output_dir="))
+        out = tmp_path / out.split("=", 1)[1].strip("'")
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "loss": 1.0, "window_s": 0.1, "tokens_per_s": 10.0}) + "\n"
+            for i in range(logged)))
+        log_path.write_text("")
+        return None, limit, 0
+
+    monkeypatch.setattr(measuring, "run_child", hung)
+    m = measuring.measure(["+recipe=quickstart"], REFERENCE, 4, 1, 30.0, tmp_path)
+    assert m.status == "timeout" and words in m.reason and "still running after 30 s" in m.reason
+
+
 def test_a_search_is_refused_where_each_node_would_search_alone():
     from rapidformer.tuning.run import refusals
 

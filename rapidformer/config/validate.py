@@ -141,6 +141,13 @@ def _accelerate_problems(a) -> list[str]:
     if a.warmup_steps >= a.steps:
         p.append(f"accelerate.warmup_steps={a.warmup_steps} leaves no step of "
                  f"accelerate.steps={a.steps} to time; make steps larger than warmup_steps")
+    from rapidformer.tuning.space import hand_picked
+
+    for text in a.extra_candidates:  # before any measurement, whatever the run's length
+        try:
+            hand_picked(str(text))
+        except ConfigError as exc:
+            p.extend(exc.problems)
     return p
 
 

@@ -32,6 +32,7 @@ MEASUREMENT_KEYS = ("trainer.train_iters", "trainer.epochs", "trainer.log_interv
                     "trainer.eval_interval", "trainer.profile_steps", "trainer.dry_run",
                     "trainer.early_stopping_patience", "trainer.best_metric")
 NONFINITE = "the loss was NaN or infinite"  # templates/loop.py's stop
+TRAINED_ALL = "its steps were trained"
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
@@ -158,10 +159,14 @@ def measure(run_overrides: list[str], candidate: Candidate, steps: int, warmup: 
     code, wall, rss = run_child(overrides, candidate.label, limit, log_path)
     text = log_path.read_text(errors="replace")
     tail = _last_error(text)
-    if code is None:
-        return Measurement(candidate, "timeout", wall,
-                           reason=f"still running after {limit:.0f} s: stopped")
     got = read_steps(out_dir)
+    if code is None:
+        # where the time went: a child past its steps was evaluating (the whole validation and
+        # test sets, as the run does at its end)
+        where = f"{TRAINED_ALL}; the evaluation at its end ran past it" if len(got) >= steps \
+            else f"after {len(got)} of {steps} steps"
+        return Measurement(candidate, "timeout", wall,
+                           reason=f"still running after {limit:.0f} s ({where}): stopped")
     if code != 0:
         status = "out_of_memory" if OOM.search(text) else \
             "diverged" if NONFINITE in text else "crashed"

@@ -28,7 +28,7 @@ from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, InputError, RapidformerError
 from rapidformer.tuning import cache, report
 from rapidformer.tuning.enumerate import candidates
-from rapidformer.tuning.measure import Measurement, measure
+from rapidformer.tuning.measure import TRAINED_ALL, Measurement, measure
 from rapidformer.tuning.pick import choose, judge, time_to_result
 from rapidformer.tuning.space import REFERENCE
 
@@ -140,11 +140,13 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     ref = measure(run_overrides, REFERENCE, a.steps, a.warmup_steps,
                   min(a.candidate_timeout_s, a.budget_s), work)
     if ref.status == "timeout":
-        raise InputError(f"accelerate=auto: the config as given did not train {a.steps} steps "
-                         f"within {min(a.candidate_timeout_s, a.budget_s):g} s (the least of "
-                         f"accelerate.candidate_timeout_s={a.candidate_timeout_s:g} and "
-                         f"accelerate.budget_s={a.budget_s:g}); raise them, or lower "
-                         f"accelerate.steps")
+        evaluating = TRAINED_ALL in ref.reason
+        raise InputError(f"accelerate=auto: the config as given did not finish its measurement "
+                         f"of {a.steps} steps within {min(a.candidate_timeout_s, a.budget_s):g} s "
+                         f"({ref.reason}; the least of accelerate.candidate_timeout_s="
+                         f"{a.candidate_timeout_s:g} and accelerate.budget_s={a.budget_s:g}); "
+                         f"raise them, or " + ("evaluate on smaller validation and test sets"
+                                               if evaluating else "lower accelerate.steps"))
     if ref.status != "ok" or ref.reason:
         raise InputError(f"accelerate=auto: the config as given did not train "
                          f"{a.steps} steps ({ref.status}: {ref.reason}); the search checks every "
