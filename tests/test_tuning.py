@@ -163,6 +163,12 @@ def test_a_run_too_short_for_a_second_measurement_lists_hand_picked_candidates(m
     assert rows["trainer.unpad=true"]["why"].startswith("not measured: ")
     assert "left after the reference's measurement" in rows["trainer.unpad=true"]["why"]
     assert rows["every other candidate"]["why"].startswith("not enumerated: the run is estimated")
+    # a reference that took longer than the whole budget: said so, not as a negative time left
+    clock = iter([0.0] + [10_000.0] * 100)
+    monkeypatch.setattr(search_module.time, "monotonic", lambda: next(clock))
+    record = search_module.search(overrides, plain, cfg, memory_auto=False)
+    why = {r["label"]: r for r in record["rows"]}["trainer.unpad=true"]["why"]
+    assert "the reference's measurement alone took" in why and "-" not in why.split("took")[1]
 
 
 def test_a_packed_run_of_train_iters_is_its_steps_not_the_reference_s_tokens():

@@ -165,7 +165,10 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         admitted, priors = [], {}
         no_room = (f"{left:,.1f} s of the search's budget ({budget:,.1f} s) left after the "
                    f"reference's measurement, less than a measurement takes (about "
-                   f"{ref.wall_s:,.0f} s)")
+                   f"{ref.wall_s:,.0f} s)") if left > 0 else (
+            f"the reference's measurement alone took {ref.wall_s:,.1f} s, past the search's "
+            f"budget ({budget:,.1f} s: accelerate.budget_s, or accelerate.max_fraction of the "
+            f"run)")
         left_out = [{"label": text, "why": f"not measured: {no_room}"}
                     for text in a.extra_candidates]
         left_out.append({"label": "every other candidate",
