@@ -328,6 +328,7 @@ def test_new_data_or_weights_at_the_same_path_search_again(tmp_path):
     prefix.with_suffix(".bin").write_bytes(b"0" * 16)
     assert [cache.local_state(str(data)), cache.local_state(str(prefix))] != states
     assert cache.local_state("org/hub-model") == [] and cache.local_state(None) == []
+    assert isinstance(cache.local_state("."), list) and isinstance(cache.local_state("/"), list)
 
 
 def test_a_cache_that_cannot_be_read_or_written_costs_a_search_not_the_run(tmp_path):

@@ -88,7 +88,8 @@ def local_state(value) -> list:
         return []
     path = Path(value).expanduser()
     found = []
-    for p in (path, path.with_name(path.name + ".bin"), path.with_name(path.name + ".idx")):
+    prefix = [path.with_name(path.name + ext) for ext in (".bin", ".idx")] if path.name else []
+    for p in (path, *prefix):
         try:
             files = [p] if p.is_file() else sorted(p.iterdir())[:MOST_ENTRIES] if p.is_dir() \
                 else []
