@@ -387,6 +387,40 @@ def test_a_search_is_refused_where_each_node_would_search_alone():
     assert not refusals(one, multirun=False)
 
 
+def test_a_search_is_refused_under_an_outside_launcher(monkeypatch):
+    from rapidformer.tuning.run import refusals
+
+    _, _, cfg = settled("accelerate=auto")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    found = refusals(cfg, multirun=False)
+    assert len(found) == 1 and "outside launcher" in found[0] and "rapidformer tune" in found[0]
+
+
+def test_a_stop_signal_is_not_taken_for_a_candidate_s_failure_and_an_ignored_one_stays_so():
+    import os
+    import signal
+
+    from rapidformer.tuning.measure import Stopped, check_stop
+    from rapidformer.tuning.search import _stop_signals_recorded
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stopped):
+        with _stop_signals_recorded():
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded, not raised inside whatever runs
+            try:
+                check_stop()
+            except Exception:  # noqa: BLE001 - a candidate's broad except
+                pytest.fail("a stop signal was taken for a failure")
+    assert signal.getsignal(signal.SIGTERM) is before  # put back
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup ignores SIGHUP
+    try:
+        with _stop_signals_recorded():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+
+
 # a search on a CPU: the quickstart's tiny BERT on 800 pairs, 5 steps a candidate
 SEARCH = ["data.synthetic_train_size=800", "data.synthetic_eval_size=64", "trainer.epochs=1",
           "trainer.progress_bar=false", "accelerate.steps=5", "accelerate.warmup_steps=2",

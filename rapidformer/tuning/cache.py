@@ -60,6 +60,9 @@ IGNORED = {"trainer": ("output_dir", "resume", "overwrite", "progress_bar", "ten
                        "log_interval", "save_interval", "save_last", "keep_last", "export_hf",
                        "exit_interval", "dry_run", "profile_steps"),
            "accelerate": ("cache_dir", "cache", "budget_s"),
+           # the rendezvous address and port (a cluster's per-job MASTER_ADDR/PORT): the
+           # number of ranks is in the key apart
+           "launcher": None,
            "logger": None}  # None: the whole section
 LOCAL_KEYS = (("data", "path"), ("model", "name_or_path"), ("model", "tokenizer"),
               ("model", "merge_file"), ("model", "init_from_hf"))
@@ -128,7 +131,8 @@ def load(directory: Path, key: str) -> tuple[dict | None, str]:
         return None, f"{path} cannot be read ({exc})"
     choice = record.get("choice") if isinstance(record, dict) else None
     if not (isinstance(choice, dict) and isinstance(choice.get("label"), str)
-            and isinstance(choice.get("overrides"), list) and record.get("key") == key):
+            and isinstance(choice.get("overrides"), list)
+            and all(isinstance(o, str) for o in choice["overrides"]) and record.get("key") == key):
         return None, f"{path} is not a search's record"
     return record, ""
 

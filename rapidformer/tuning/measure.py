@@ -82,13 +82,36 @@ def child_overrides(run_overrides: list[str], candidate: Candidate, steps: int,
             "trainer.best_metric=null"]
 
 
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGINT) during the search, raised where it is safe: from the
+    wait on a child (whose group is then killed) or between measurements. A BaseException, so
+    that no `except Exception` on the search's path takes it for a candidate's failure."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# the stop signal received during the search (tuning/search.py's handler only records it:
+# raised from a signal handler, it could land inside Popen, with the child started and not
+# yet ours to kill)
+signalled: list[int] = []
+
+
+def check_stop() -> None:
+    if signalled:
+        raise Stopped(signalled[0])
+
+
 def _wait(pid: int, limit: float) -> tuple[int | None, int]:
-    """(exit status or None when past `limit` seconds, peak resident KiB of the child)."""
+    """(exit status or None when past `limit` seconds, peak resident KiB of the child);
+    Stopped when a stop signal came meanwhile."""
     deadline = time.monotonic() + limit
     while True:
         done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status), usage.ru_maxrss
+        check_stop()
         if time.monotonic() > deadline:
             return None, 0
         time.sleep(0.05)

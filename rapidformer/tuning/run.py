@@ -19,6 +19,13 @@ def refusals(cfg: RunConfig, multirun: bool) -> list[str]:
     if multirun:
         p.append("accelerate=auto in a sweep (-m): not yet; search once with `rapidformer tune "
                  "...` and sweep over the command it prints")
+    from rapidformer.runtime.launch import already_launched
+
+    if already_launched():
+        p.append("accelerate=auto under an outside launcher (torchrun or srun set RANK and "
+                 "WORLD_SIZE): each rank would search alone, its children waiting for ranks "
+                 "that never join; run `rapidformer tune ...` outside the launcher and launch "
+                 "the command it prints")
     if cfg.launcher.nnodes > 1:
         p.append(f"accelerate=auto with launcher.nnodes={cfg.launcher.nnodes}: each node would "
                  f"search alone (a child waits for a rendezvous the others never join, and the "

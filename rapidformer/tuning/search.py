@@ -28,7 +28,8 @@ from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, InputError, RapidformerError
 from rapidformer.tuning import cache, report
 from rapidformer.tuning.enumerate import candidates
-from rapidformer.tuning.measure import TRAINED_ALL, Measurement, measure
+from rapidformer.tuning.measure import (TRAINED_ALL, Measurement, Stopped, check_stop,
+                                       measure, signalled)
 from rapidformer.tuning.pick import choose, judge, time_to_result
 from rapidformer.tuning.space import REFERENCE
 
@@ -87,9 +88,14 @@ def search(run_overrides: list[str], plain: dict, cfg: RunConfig, memory_auto: b
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="rapidformer-tuning-"))
     try:
-        with _stopped_by_signals():
+        with _stop_signals_recorded():
             record = _measure_all(run_overrides, cfg, device, memory_auto, work, started)
-    finally:  # the measuring child's group is killed on the way out (measure.run_child)
+    except Stopped as stop:  # the measuring child's group was killed (measure.run_child)
+        raise SearchStopped(f"accelerate=auto: the search was stopped by "
+                            f"{signal.Signals(stop.signum).name} before training; the candidate "
+                            f"being measured and the search's folder are removed, nothing was "
+                            f"trained or cached") from None
+    finally:
         shutil.rmtree(work, ignore_errors=True)
     record.update(key=key, key_fields=fields, cached=False, format=FORMAT,
                   command=command(run_overrides, record["choice"]["overrides"]))
@@ -107,30 +113,35 @@ class SearchStopped(RapidformerError):
     exit_code = EXIT_PREEMPTED
 
 
-@contextlib.contextmanager
-def _stopped_by_signals():
-    """SIGTERM, SIGINT or SIGHUP during the search raise, so that the measuring child (in its
-    own process group: a scheduler's `kill -TERM -PGID` does not reach it) is killed and the
-    work folder removed on the way out, with one message; by default SIGTERM would end this
-    process alone and leave them."""
-    def stop(signum, _frame):
-        raise SearchStopped(f"accelerate=auto: the search was stopped by "
-                            f"{signal.Signals(signum).name} before training; the candidate "
-                            f"being measured and the search's folder are removed, nothing "
-                            f"was trained or cached")
+# what the training loop stops on too (runtime/preemption.py); a signal ignored here (nohup's
+# SIGHUP, a SIG_IGN the caller set) stays ignored
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+
+@contextlib.contextmanager
+def _stop_signals_recorded():
+    """SIGTERM or SIGINT during the search are recorded, and raised as measure.Stopped from the
+    wait on the measuring child (which kills its process group: in its own group, a
+    scheduler's `kill -TERM -PGID` does not reach it) or between measurements: by default
+    SIGTERM would end this process alone and leave the child and the work folder behind."""
+    def record(signum, _frame):
+        signalled.append(signum)
+
+    signalled.clear()
     previous = {}
-    for signum in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)):
-        if signum is not None:
-            try:
-                previous[signum] = signal.signal(signum, stop)
-            except ValueError:  # not the main thread: the signals stay as they were
-                pass
+    for signum in STOP_SIGNALS:
+        try:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, record)
+        except ValueError:  # not the main thread: the signals stay as they were
+            pass
     try:
         yield
+        check_stop()  # one that came after the last measurement
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        signalled.clear()
 
 
 def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work: Path,
@@ -178,6 +189,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     else:
         admitted, left_out, priors = candidates(cfg, device, memory_auto,
                                                 run_s=run_tokens / ref.tokens_per_s)
+        check_stop()
         say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
             f"{a.steps} steps each ({a.warmup_steps} warm-up)")
     measured: list[Measurement] = []
@@ -190,6 +202,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
                             "why": f"not measured: {left:,.0f} s of the search's budget left, "
                                    f"a measurement takes about {ref.wall_s:,.0f} s"})
             continue
+        check_stop()
         say(f"measuring {adm.candidate.label}")
         measured.append(measure(run_overrides, adm.candidate, a.steps, a.warmup_steps,
                                 min(a.candidate_timeout_s, left), work))

@@ -124,7 +124,8 @@ def hand_picked(text: str) -> Candidate:
         key, eq, value = word.partition("=")
         if not eq or not key:
             raise ConfigError([f"accelerate.extra_candidates: '{word}' in '{text}' is not an "
-                               f"override key=value"])
+                               f"override key=value (spaces separate a candidate's overrides: "
+                               f"a value cannot hold one)"])
         pairs.append((key, value))
     if not pairs:
         raise ConfigError(["accelerate.extra_candidates: an empty candidate; give overrides "

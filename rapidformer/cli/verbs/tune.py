@@ -2,8 +2,8 @@
 
 Measures the candidates as a run with accelerate=auto would (rapidformer/tuning/), prints the
 table and the command line that trains with the choice, and trains nothing. The result is
-cached as the run's search is, so the printed command's run with accelerate=auto, or this verb
-again, does not search again.
+cached as the run's search is, so this verb again, or the run of the same command with
+accelerate=auto, does not search again; the printed command trains with the choice without one.
 """
 from __future__ import annotations
 
