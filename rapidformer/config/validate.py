@@ -141,14 +141,28 @@ def _accelerate_problems(a) -> list[str]:
     if a.warmup_steps >= a.steps:
         p.append(f"accelerate.warmup_steps={a.warmup_steps} leaves no step of "
                  f"accelerate.steps={a.steps} to time; make steps larger than warmup_steps")
-    from rapidformer.tuning.space import hand_picked
-
     for text in a.extra_candidates:  # before any measurement, whatever the run's length
         try:
-            hand_picked(str(text))
+            extra_candidate_overrides(str(text))
         except ConfigError as exc:
             p.extend(exc.problems)
     return p
+
+
+def extra_candidate_overrides(text: str) -> tuple[tuple[str, str], ...]:
+    """One accelerate.extra_candidates string as its (key, value) overrides."""
+    pairs = []
+    for word in text.split():
+        key, eq, value = word.partition("=")
+        if not eq or not key:
+            raise ConfigError([f"accelerate.extra_candidates: '{word}' in '{text}' is not an "
+                               f"override key=value (spaces separate a candidate's overrides: "
+                               f"a value cannot hold one)"])
+        pairs.append((key, value))
+    if not pairs:
+        raise ConfigError(["accelerate.extra_candidates: an empty candidate; give overrides "
+                           "such as 'precision=bf16 graph=compile'"])
+    return tuple(pairs)
 
 
 def _pad_to_problems(cfg: RunConfig) -> list[str]:

@@ -117,20 +117,9 @@ def combine(settings: list[Setting]) -> Candidate:
 
 def hand_picked(text: str) -> Candidate:
     """A candidate of accelerate.extra_candidates: one string of space-separated overrides."""
-    from rapidformer.errors import ConfigError
+    from rapidformer.config.validate import extra_candidate_overrides
 
-    pairs = []
-    for word in text.split():
-        key, eq, value = word.partition("=")
-        if not eq or not key:
-            raise ConfigError([f"accelerate.extra_candidates: '{word}' in '{text}' is not an "
-                               f"override key=value (spaces separate a candidate's overrides: "
-                               f"a value cannot hold one)"])
-        pairs.append((key, value))
-    if not pairs:
-        raise ConfigError(["accelerate.extra_candidates: an empty candidate; give overrides "
-                           "such as 'precision=bf16 graph=compile'"])
-    return Candidate(text, tuple(pairs), hand_picked=True)
+    return Candidate(text, extra_candidate_overrides(text), hand_picked=True)
 
 
 def _option_section(group: str, option: str, current):
