@@ -156,8 +156,8 @@ def test_a_run_too_short_for_a_second_measurement_lists_hand_picked_candidates(m
     monkeypatch.setattr(search_module, "candidates", lambda *a, **k: pytest.fail("enumerated"))
     overrides = ["accelerate=auto", "accelerate.max_fraction=0.1", "accelerate.cache=false",
                  "accelerate.extra_candidates=['trainer.unpad=true']"]
-    _, plain, cfg = settled(*overrides)
-    record = search_module.search(overrides, plain, cfg, memory_auto=False)
+    _, _, cfg = settled(*overrides)
+    record = search_module.search(overrides, cfg, memory_auto=False)
     rows = {r["label"]: r for r in record["rows"]}
     assert record["choice"]["label"] == "reference"
     assert rows["trainer.unpad=true"]["why"].startswith("not measured: ")
@@ -166,7 +166,7 @@ def test_a_run_too_short_for_a_second_measurement_lists_hand_picked_candidates(m
     # a reference that took longer than the whole budget: said so, not as a negative time left
     clock = iter([0.0] + [10_000.0] * 100)
     monkeypatch.setattr(search_module.time, "monotonic", lambda: next(clock))
-    record = search_module.search(overrides, plain, cfg, memory_auto=False)
+    record = search_module.search(overrides, cfg, memory_auto=False)
     why = {r["label"]: r for r in record["rows"]}["trainer.unpad=true"]["why"]
     assert "the reference's measurement alone took" in why and "-" not in why.split("took")[1]
 
@@ -290,15 +290,15 @@ def test_the_loss_check_rejects_a_fast_candidate_that_trains_otherwise():
 
 def test_the_cache_key_follows_model_data_hardware_and_versions(monkeypatch):
     _, plain, cfg = settled("accelerate=auto")
-    key = cache.key_of(cache.key_fields(cfg, plain, "cpu"))
-    assert key == cache.key_of(cache.key_fields(cfg, plain, "cpu"))
+    key = cache.key_of(cache.key_fields(cfg, "cpu"))
+    assert key == cache.key_of(cache.key_fields(cfg, "cpu"))
     _, plain2, cfg2 = settled("accelerate=auto", "data.max_seq_length=32")
-    assert cache.key_of(cache.key_fields(cfg2, plain2, "cpu")) != key
+    assert cache.key_of(cache.key_fields(cfg2, "cpu")) != key
     _, plain3, cfg3 = settled("accelerate=auto", "accelerate.budget_s=20")  # not in the key
-    assert cache.key_of(cache.key_fields(cfg3, plain3, "cpu")) == key
+    assert cache.key_of(cache.key_fields(cfg3, "cpu")) == key
     for longer in ("trainer.epochs=200", "trainer.train_iters=5000"):  # another time to result
         _, plain4, cfg4 = settled("accelerate=auto", longer)
-        assert cache.key_of(cache.key_fields(cfg4, plain4, "cpu")) != key, longer
+        assert cache.key_of(cache.key_fields(cfg4, "cpu")) != key, longer
     # what trains otherwise is in the key (a cached fp16 choice is not reused at another
     # learning rate); where the run writes and what it logs are not
     for other in ("trainer.lr=50", "trainer.seed=7", "trainer.clip_grad=0",
@@ -306,13 +306,13 @@ def test_the_cache_key_follows_model_data_hardware_and_versions(monkeypatch):
                   "precision=fp16", "precision=fp16 precision.initial_scale=1024",
                   "trainer.eval_interval=7"):
         _, plain5, cfg5 = settled("accelerate=auto", *other.split())
-        assert cache.key_of(cache.key_fields(cfg5, plain5, "cpu")) != key, other
+        assert cache.key_of(cache.key_fields(cfg5, "cpu")) != key, other
     for same in ("trainer.output_dir=elsewhere", "trainer.log_interval=1",
                  "trainer.progress_bar=false", "accelerate.cache_dir=/elsewhere"):
         _, plain6, cfg6 = settled("accelerate=auto", same)
-        assert cache.key_of(cache.key_fields(cfg6, plain6, "cpu")) == key, same
+        assert cache.key_of(cache.key_fields(cfg6, "cpu")) == key, same
     monkeypatch.setattr(cache, "versions", lambda: {"torch": "0.0"})
-    assert cache.key_of(cache.key_fields(cfg, plain, "cpu")) != key
+    assert cache.key_of(cache.key_fields(cfg, "cpu")) != key
 
 
 def test_new_data_or_weights_at_the_same_path_search_again(tmp_path):

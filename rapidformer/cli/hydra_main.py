@@ -205,14 +205,14 @@ def main(argv: list[str] | None = None) -> None:
             # the one refusal pass (rapidformer/preflight.py): a run checks this machine too;
             # a dry run or --cfg only prints, perhaps for another machine
             dry_run = OmegaConf.select(composed, "trainer.dry_run") is True
-            plain, run_cfg = settle(composed, "(run directory)",
+            _, run_cfg = settle(composed, "(run directory)",
                                     environment=not (prints_only or dry_run), writes_to=output_dir)
             if run_cfg.accelerate.name == "auto" and not (prints_only or dry_run):
                 # the measured search (rapidformer/tuning/): its choice joins the overrides, so
                 # the run and its config.yaml are the chosen settings
                 from rapidformer.tuning.run import tuned_overrides
 
-                overrides = tuned_overrides(overrides, composed, plain, run_cfg)
+                overrides = tuned_overrides(overrides, composed, run_cfg)
                 composed = compose(overrides, default_recipe=False)
                 _, run_cfg = settle(composed, "(run directory)", environment=True,
                                     writes_to=output_dir)

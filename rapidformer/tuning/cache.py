@@ -103,14 +103,13 @@ def local_state(value) -> list:
     return found
 
 
-def key_fields(cfg: RunConfig, plain: dict, device_kind: str) -> dict:
-    """What the result depends on (plain: the settled config as a dict, for the sections the
-    typed config does not hold)."""
+def key_fields(cfg: RunConfig, device_kind: str) -> dict:
+    """What the result depends on."""
     from rapidformer.config.sizes import launched_world_size
 
     files = {f"{section}.{key}": local_state(getattr(getattr(cfg, section), key, None))
              for section, key in LOCAL_KEYS}
-    files["user_script"] = local_state(plain.get("user_script"))
+    files["user_script"] = local_state(cfg.user_script)
     return {"format": FORMAT, "settings": settings(cfg), "world": launched_world_size(cfg),
             "files": files, "hardware": hardware(device_kind), "versions": versions()}
 

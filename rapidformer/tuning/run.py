@@ -38,7 +38,7 @@ def refusals(cfg: RunConfig, multirun: bool) -> list[str]:
     return p
 
 
-def tuned_overrides(overrides: list[str], composed, plain: dict, cfg: RunConfig) -> list[str]:
+def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]:
     """The run's overrides with the search's choice added (the config then records what
     runs); the record is kept for `write_record`."""
     from omegaconf import OmegaConf
@@ -50,7 +50,7 @@ def tuned_overrides(overrides: list[str], composed, plain: dict, cfg: RunConfig)
     if problems := refusals(cfg, multirun=False):
         raise InputError(problems[0])
     memory_auto = OmegaConf.select(composed, "memory.name") == "auto"
-    record = search(overrides, plain, cfg, memory_auto)
+    record = search(overrides, cfg, memory_auto)
     _pending.clear()
     _pending.update(record)
     # as the command line's own: keys no option's YAML holds become ++key=value; the user's

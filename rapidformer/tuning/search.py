@@ -67,13 +67,13 @@ def run_length(cfg: RunConfig, reference: Measurement) -> int:
     return (t.epochs or 1) * reference.steps_per_epoch
 
 
-def search(run_overrides: list[str], plain: dict, cfg: RunConfig, memory_auto: bool) -> dict:
-    """The search's record for a settled config (`plain`, `cfg`) given by `run_overrides`."""
+def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
+    """The search's record for a settled config `cfg` given by `run_overrides`."""
     from rapidformer.preflight import run_device
 
     device, _ = run_device(cfg)
     a = cfg.accelerate
-    fields = cache.key_fields(cfg, plain, device.type)
+    fields = cache.key_fields(cfg, device.type)
     key = cache.key_of(fields)
     where = cache.cache_dir(cfg)
     if a.cache:

@@ -35,7 +35,7 @@ def tune_command(argv: list[str]) -> int:
             overrides.append("accelerate=auto")
         overrides = check_overrides(with_default_recipe(overrides))
         composed = compose(overrides, default_recipe=False)
-        plain, cfg = settle(composed, environment=True, claims=False)
+        _, cfg = settle(composed, environment=True, claims=False)
         if cfg.accelerate.name != "auto":
             print("rapidformer: error: rapidformer tune searches with accelerate=auto; drop "
                   "accelerate=none", file=sys.stderr)
@@ -45,7 +45,7 @@ def tune_command(argv: list[str]) -> int:
             return 2
         from omegaconf import OmegaConf
 
-        record = search(overrides, plain, cfg, OmegaConf.select(composed, "memory.name") == "auto")
+        record = search(overrides, cfg, OmegaConf.select(composed, "memory.name") == "auto")
     except RapidformerError as exc:
         print(f"rapidformer: error: {exc}", file=sys.stderr)
         return exc.exit_code
