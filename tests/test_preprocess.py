@@ -426,6 +426,16 @@ def _writing(tmp_path: Path) -> bool:
     return False
 
 
+def _bin_size(tmp_path: Path) -> int:
+    sizes = []
+    for path in tmp_path.glob(".tmp-*.bin"):
+        try:
+            sizes.append(path.stat().st_size)
+        except FileNotFoundError:
+            pass
+    return max(sizes, default=0)
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -479,8 +489,14 @@ def test_sigint_in_process_cleans_up_and_restores_the_handler(tmp_path, gpt2_fil
     args = _gpt2_args(_big_corpus(tmp_path), tmp_path / "out", vocab, merges)
 
     def interrupt():
+        # the .bin grows at each batch after the count of the one before was taken: a size
+        # past the first one seen means documents were counted (a loaded machine let the
+        # signal land between the first batch's write and its count)
         deadline = time.time() + 120
         while not _writing(tmp_path) and time.time() < deadline:
+            time.sleep(0.01)
+        first = _bin_size(tmp_path)
+        while _bin_size(tmp_path) <= first and time.time() < deadline:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGINT)
 
