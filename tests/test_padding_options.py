@@ -19,7 +19,7 @@ from rapidformer.data.lengths import PadTo, bucket_lengths, expected_recompiles,
 from rapidformer.data.lengths import token_multiple
 from rapidformer.errors import ConfigError
 from rapidformer.observability.compile_log import CompileLog
-from rapidformer.observability.step_profiler import kernel_summary
+from rapidformer.observability.step_profiler import kernel_summary, kind_of
 
 # the quickstart's BERT made tinier: 64 generated pairs, 4 steps of 16, no dropout (the packed
 # and padded runs then compute the same function), a log record per step
@@ -99,6 +99,26 @@ def test_a_gpu_profile_counts_each_kernel_once():
     assert summary["regions"] == [
         {"name": "CompiledFunctionBackward", "device_ms_per_step": 3.0},
         {"name": "Optimizer.step#AdamW.step", "device_ms_per_step": 0.5}]
+
+
+@pytest.mark.parametrize("name, kind", [
+    # inductor's kernels are named by every op they fuse: a norm ending in a cast is compute
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_3", "fused elementwise"),
+    ("triton_poi_fused__to_copy_clone_7", "fused elementwise"),
+    ("triton_poi_fused__unsafe_view_mul_silu_silu_backward_view_4", "fused elementwise"),
+    ("triton_red_fused__log_softmax_backward_data_nll_loss_9", "loss"),
+    ("void at::native::elementwise_kernel<128, 2, at::native::direct_copy_kernel_cuda", "copy"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("Memset (Device)", "copy"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy_contig", "copy"),
+    ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
+    ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata", "optimizer"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor", "other elementwise"),
+])
+def test_kernel_kinds(name, kind):
+    assert kind_of(name) == kind
 
 
 def test_bucket_lengths_and_the_padding_collate():

@@ -26,8 +26,11 @@ KINDS = [("attention", r"flash|fmha|attention|sdpa|efficient_attention|varlen"),
          ("optimizer", r"adam|multi_tensor|foreach|fused_.*optim"),
          ("loss", r"cross_entropy|log_softmax|nll_loss"),
          ("communication", r"nccl|allreduce|all_gather|reduce_scatter"),
+         # before "copy": inductor names a kernel by every op it fuses, so a layer norm that
+         # ends in a cast to bf16 is `triton_red_fused__to_copy_...`, compute and not a copy
+         ("fused elementwise", r"^triton_"),
          ("copy", r"memcpy|memset|copy_|cat_|Memcpy|Memset"),
-         ("fused elementwise", r"triton_|fused"),
+         ("fused elementwise", r"fused"),
          ("other elementwise", r".")]
 
 
@@ -70,7 +73,7 @@ def kernel_summary(prof, device_type: str, steps: int, wall_s: float | None = No
                         for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
     summary["top_kernels"] = [{"name": name[:120], "kind": kind_of(name),
                                "ms_per_step": per_step(us)}
-                              for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]]
+                              for name, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:40]]
     if regions:
         summary["regions"] = [{"name": name[:120], "device_ms_per_step": per_step(us)}
                               for name, us in sorted(regions.items(), key=lambda kv: -kv[1])[:12]]
