@@ -25,7 +25,8 @@ graph=compile: each TransformerLayer compiled in place) and `local_compile`. Eac
 over the timed steps (after --warmup steps, which hold torch.compile's compile), MFU (model FLOPs
 per token, 6 x parameters + attention, rapidformer/observability/flops.py, against the GPU's
 dense bf16 peak), peak GPU memory (GiB, torch.cuda.max_memory_allocated) and the losses of the
-first and last steps.
+first and last steps; with --profile N, N more steps under torch.profiler after the timed ones,
+their kernel time by kind (rapidformer/observability/step_profiler.py).
 
 `--model megatron_llama` measures the Llama-family decoder instead (RMSNorm, SwiGLU, rotary
 positions, --kv-heads key/value heads, an untied output layer, no dropout by default). Its MFU
@@ -130,6 +131,15 @@ def measure(args, name: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
 
+    def train_step(step: int) -> float:
+        batches = iter(pool[(step * accumulation + i) % len(pool)] for i in range(accumulation))
+        micro_losses = parallel.forward_backward(forward_step, batches, model, accumulation, seq,
+                                                 micro)
+        with torch.profiler.record_function("optimizer step"):
+            optimizer.step()
+            megatron_optimizer.zero_grad(model, optimizer)
+        return float(sum(m["loss"] for m in micro_losses) / accumulation)
+
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     losses, start, warmup_s = [], time.perf_counter(), None
@@ -138,14 +148,23 @@ def measure(args, name: str) -> dict:
             sync()
             warmup_s = time.perf_counter() - start
             start = time.perf_counter()
-        batches = iter(pool[(step * accumulation + i) % len(pool)] for i in range(accumulation))
-        micro_losses = parallel.forward_backward(forward_step, batches, model, accumulation, seq,
-                                                 micro)
-        optimizer.step()
-        megatron_optimizer.zero_grad(model, optimizer)
-        losses.append(float(sum(m["loss"] for m in micro_losses) / accumulation))
+        losses.append(train_step(step))
     sync()
     elapsed = time.perf_counter() - start
+    profile = None
+    if args.profile:  # after the timed steps: the profiler's overhead is not in the rate
+        from rapidformer.observability.step_profiler import kernel_summary
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            profiled = time.perf_counter()
+            for step in range(args.profile):
+                train_step(args.warmup + args.iters + step)
+            sync()
+            profiled = time.perf_counter() - profiled
+        profile = kernel_summary(prof, device.type, args.profile, profiled)
     tokens_per_s = args.iters * args.global_batch * seq / elapsed
     per_token = flops_per_token(matmul_params, args.layers, args.hidden, seq)
     peak = peak_flops(device)
@@ -157,7 +176,8 @@ def measure(args, name: str) -> dict:
             "peak_mem_gb": (round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
                             if cuda else None),
             "warmup_s": round(warmup_s, 1), "first_loss": round(losses[0], 4),
-            "last_loss": round(losses[-1], 4)}
+            "last_loss": round(losses[-1], 4),
+            **({"profile": profile} if profile else {})}
 
 
 def run_variant(name: str, args, work: Path) -> dict:
@@ -211,6 +231,10 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="where the JSON report goes")
     parser.add_argument("--logs", default=None, help="keep a failed variant's log here")
     parser.add_argument("--run-timeout", type=int, default=900, help="seconds per variant")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timed steps, this many more under torch.profiler: "
+                             "each row gets its kernel time per step by kind and the longest "
+                             "kernels (an `optimizer step` region: the step and zeroing)")
     parser.add_argument("--_variant", help=argparse.SUPPRESS)
     parser.add_argument("--_row", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -33,6 +33,18 @@ def test_suite_smoke_writes_results_and_table(tmp_path):
     assert "Framework overhead, bert_mlm: rapidformer-eager runs at" in text
 
 
+def test_megatron_benchmark_profiles_steps_after_the_timed_ones(tmp_path):
+    out = tmp_path / "megatron.json"
+    assert_ok(subprocess.run([sys.executable, str(REPO / "benchmarks" / "megatron_attention.py"),
+                              "--smoke", "--variants", "sdpa", "--profile", "2", "--out", str(out)],
+                             capture_output=True, text=True, timeout=300, cwd=REPO))
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["tokens_per_s"] > 0 and row["last_loss"] > 0
+    profile = row["profile"]
+    assert profile["steps"] == 2 and profile["kinds"]["matmul"]["ms_per_step"] > 0
+    assert any(k["name"] == "aten::mm" for k in profile["top_kernels"])
+
+
 def test_recorded_commands_name_no_machine_paths(monkeypatch):
     sys.path.insert(0, str(REPO / "benchmarks"))
     from _report import portable_command

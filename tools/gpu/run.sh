@@ -53,13 +53,13 @@ for what in "$@"; do
       echo "bert-long-fp8 rc=$?" >> $OUT/env.txt; grep '^{' $OUT/pretrain_padding_long_fp8.log | cut -c1-900 ;;
     megatron)  # megatron-core GPT 1.3B on one GPU (issue 37's 50 % MFU)
       timeout 540 python3 benchmarks/megatron_attention.py --variants sdpa sdpa_compile \
-        --warmup 5 --iters 15 --run-timeout 240 --out $OUT/megatron_attention.json \
+        --warmup 5 --iters 15 --profile 3 --run-timeout 240 --out $OUT/megatron_attention.json \
         > $OUT/megatron_attention.log 2>&1
       echo "megatron rc=$?" >> $OUT/env.txt; tail -8 $OUT/megatron_attention.log ;;
     megatron-gb64)  # the same at a pretraining run's global batch (64 sequences: 8 micro
       # batches a step), the optimizer step paid once per 131k tokens instead of once per 16k
       timeout 300 python3 benchmarks/megatron_attention.py --variants sdpa_compile \
-        --global-batch 64 --warmup 3 --iters 6 --run-timeout 280 \
+        --global-batch 64 --warmup 3 --iters 6 --profile 2 --run-timeout 280 \
         --out $OUT/megatron_attention_gb64.json > $OUT/megatron_attention_gb64.log 2>&1
       echo "megatron-gb64 rc=$?" >> $OUT/env.txt; tail -4 $OUT/megatron_attention_gb64.log ;;
     decoder-fused)  # the rows issue 37 still owes: fused projections with and without FP8
