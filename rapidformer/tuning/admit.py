@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rapidformer.config.schema import RunConfig
+from rapidformer.errors import ConfigError
 from rapidformer.tuning.space import Candidate, apply
 
 
@@ -43,7 +44,6 @@ def config_problems(cfg: RunConfig) -> list[str]:
 def admit(base: RunConfig, candidate: Candidate, device: torch.device,
           memory_auto: bool) -> Admission:
     """The candidate with its problems (none: it may run) and its memory estimate."""
-    from rapidformer.errors import ConfigError
     from rapidformer.planning.memory_plan import (GB, Mode, choose_mode, device_capacity,
                                                   estimate, usable_bytes)
     from rapidformer.planning.model_shape import model_shape
@@ -53,6 +53,8 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
     except KeyError as exc:  # a hand-picked key the typed check cannot apply: the child checks it
         return Admission(candidate, (), None) if candidate.hand_picked else \
             Admission(candidate, (f"no key {exc}",))
+    except ConfigError as exc:  # a value of the wrong type
+        return Admission(candidate, tuple(exc.problems))
     except Exception as exc:  # noqa: BLE001 - a hand-picked value of the wrong type, an option
         return Admission(candidate, (f"{type(exc).__name__}: {exc}",))
     problems = config_problems(cfg)

@@ -132,8 +132,12 @@ def _option_section(group: str, option: str, current):
     return replace(fresh, **values)
 
 
-def _parse(value: str):
-    """An override's value as Hydra reads it (1e-4 a float, which YAML 1.1 leaves a string)."""
+def _parse(value: str, annotation: str = ""):
+    """An override's value as Hydra reads it (1e-4 a float, which YAML 1.1 leaves a string); a
+    string field keeps the text (data.path=123 is the folder '123', not a number)."""
+    if annotation.replace(" ", "") in ("str", "Optional[str]", "str|None"):
+        return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" \
+            else value
     parsed = yaml.safe_load(value)
     if isinstance(parsed, str):
         try:
@@ -158,14 +162,18 @@ def kept_overrides(run_overrides: list[str], chosen: list[str]) -> list[str]:
 
 def apply(cfg: RunConfig, candidate: Candidate) -> RunConfig:
     """The typed config `candidate` runs: groups switched to the option's keys, other keys set
-    (dotted group.key); KeyError for a key the schema does not have."""
+    (dotted group.key); KeyError for a key the schema does not have, ConfigError for a value
+    of the wrong type (typed as the CLI types a run's config: its messages)."""
+    from rapidformer.config.typed import typed_config
+
     for key, value in candidate.overrides:
         group, _, name = key.partition(".")
         section = getattr(cfg, group)
         if not name:
             cfg = replace(cfg, **{group: _option_section(group, value, section)})
             continue
-        if name not in {f.name for f in dataclasses.fields(section)}:
+        field = next((f for f in dataclasses.fields(section) if f.name == name), None)
+        if field is None:
             raise KeyError(key)
-        cfg = replace(cfg, **{group: replace(section, **{name: _parse(value)})})
-    return cfg
+        cfg = replace(cfg, **{group: replace(section, **{name: _parse(value, str(field.type))})})
+    return typed_config(dataclasses.asdict(cfg)) if candidate.overrides else cfg
