@@ -115,7 +115,8 @@ def test_a_gpu_profile_counts_each_kernel_once():
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
     ("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata", "optimizer"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor", "other elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor",
+     "other elementwise"),
 ])
 def test_kernel_kinds(name, kind):
     assert kind_of(name) == kind

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
 from rapidformer.config.compose import check_overrides, compose, with_default_recipe
-from rapidformer.errors import ConfigError
+from rapidformer.errors import ConfigError, InputError
 from rapidformer.preflight import settle
 from rapidformer.tuning import cache
 from rapidformer.tuning.enumerate import candidates
@@ -171,6 +172,55 @@ def test_a_run_too_short_for_a_second_measurement_lists_hand_picked_candidates(m
     assert "the reference's measurement alone took" in why and "-" not in why.split("took")[1]
 
 
+def test_batches_that_count_no_tokens_stop_the_search_with_one_message(monkeypatch):
+    # a user_script whose collate returns tuples: the loop counts no tokens, the rate is 0
+    from rapidformer.tuning import search as search_module
+
+    def measure(run_overrides, candidate, steps, warmup, limit, work):
+        rows = [{"loss": 1.0, "window_s": 0.1, "tokens_per_s": 0.0}] * steps
+        return summarize(candidate, rows, warmup, 5.0, 0, "")
+
+    monkeypatch.setattr(search_module, "measure", measure)
+    overrides = ["accelerate=auto", "accelerate.cache=false"]
+    _, _, cfg = settled(*overrides)
+    with pytest.raises(InputError, match="counted no real tokens .* a dict with input_ids"):
+        search_module.search(overrides, cfg, memory_auto=False)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ("trainer.lr=1e-3,2e-3", "a comma (or a range) makes a list of values"),
+    ("trainer.lr=abc", "trainer.lr: expected a number, got 'abc'"),
+    ("trainer.micro_batch_size=2.5", "trainer.micro_batch_size: expected an integer, got 2.5"),
+    ("data.max_seq_length=sixteen", "data.max_seq_length: expected an integer"),
+    ("precision=bf17", "precision=bf17: no such option; did you mean 'precision=bf16'?"),
+    ("trainer.nokey=2", "trainer.nokey: unknown key"),
+])
+def test_an_extra_candidate_no_run_could_take_stops_before_any_measurement(monkeypatch, extra,
+                                                                          words):
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "measure", lambda *a, **k: pytest.fail("measured"))
+    overrides = ["accelerate=auto", "accelerate.cache=false",
+                 f"accelerate.extra_candidates=['precision=bf16','{extra}']"]
+    _, _, cfg = settled(*overrides)
+    with pytest.raises(ConfigError) as info:
+        search_module.search(overrides, cfg, memory_auto=False)
+    assert info.value.problems == [p for p in info.value.problems
+                                   if p.startswith(f"accelerate.extra_candidates '{extra}': ")]
+    assert words in str(info.value)
+
+
+def test_a_candidate_s_values_are_typed_as_the_cli_types_them():
+    from rapidformer.tuning.space import apply
+
+    _, _, cfg = settled()
+    got = apply(cfg, Candidate("x", (("data.path", "123"), ("trainer.lr", "1e-3"),
+                                     ("trainer.micro_batch_size", "16"))))
+    assert (got.data.path, got.trainer.lr, got.trainer.micro_batch_size) == ("123", 1e-3, 16)
+    with pytest.raises(ConfigError, match="trainer.lr: expected a number, got '1e-3,2e-3'"):
+        apply(cfg, Candidate("x", (("trainer.lr", "1e-3,2e-3"),)))
+
+
 def test_a_packed_run_of_train_iters_is_its_steps_not_the_reference_s_tokens():
     ref = measured("reference", rate=1000, warmup_s=2.0)  # 1000 real tokens a step
     packed = measured("packing", rate=1000, warmup_s=2.0)
@@ -233,6 +283,34 @@ def test_the_child_measures_the_run_as_given_with_the_candidate():
         "trainer.epochs=3 hydra.run.dir=x graph=compile graph.mode=max-autotune precision=bf16")
     unpad = child_overrides(run, Candidate("unpad", (("trainer.unpad", "true"),)), 5, "/tmp/c")
     assert "precision.initial_scale=1024" in unpad and "precision=fp16" in unpad
+    # a measurement is no run of the user's MLflow experiment or W&B project
+    logged = child_overrides([*run, "logger=mlflow", "logger.tracking_uri=sqlite:///m.db",
+                              "+logger.extra=1"], Candidate("bf16", (("precision", "bf16"),)),
+                             5, "/tmp/c")
+    assert not any(o.lstrip("+").startswith(("logger.", "logger=mlflow")) for o in logged)
+    assert logged.count("logger=tensorboard") == 1 and "trainer.tensorboard=false" in logged
+    composed = compose(check_overrides([o for o in logged if not o.startswith("hydra.")]),
+                       default_recipe=False)
+    assert composed.logger.name == "tensorboard"
+
+
+@pytest.mark.parametrize("where", ["cache_dir", "env"])
+def test_a_cache_inside_the_run_s_folder_is_refused_before_the_search(tmp_path, monkeypatch,
+                                                                       where):
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "measure", lambda *a, **k: pytest.fail("measured"))
+    run = tmp_path / "run"
+    overrides = ["accelerate=auto", f"trainer.output_dir={run}"]
+    if where == "env":
+        monkeypatch.setenv("RAPIDFORMER_TUNING_CACHE", str(run / "cache"))
+    else:
+        overrides.append(f"accelerate.cache_dir={run}/./tcache")
+    _, _, cfg = settled(*overrides)
+    with pytest.raises(ConfigError, match="is inside trainer.output_dir=.*choose a folder "
+                                          "outside it"):
+        search_module.search(overrides, cfg, memory_auto=False)
+    assert not run.exists()
 
 
 def measured(label: str, rate: float, warmup_s: float, losses=(1.0, 0.9, 0.8, 0.7),
@@ -329,6 +407,42 @@ def test_new_data_or_weights_at_the_same_path_search_again(tmp_path):
     assert [cache.local_state(str(data)), cache.local_state(str(prefix))] != states
     assert cache.local_state("org/hub-model") == [] and cache.local_state(None) == []
     assert isinstance(cache.local_state("."), list) and isinstance(cache.local_state("/"), list)
+
+
+def test_every_file_a_setting_names_is_in_the_key_and_what_runs_write_is_not(tmp_path):
+    data, elsewhere = tmp_path / "pairs", tmp_path / "elsewhere"
+    (data / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    train, valid = data / "sub" / "train.jsonl", elsewhere / "valid.jsonl"
+    template = tmp_path / "chat.jinja"
+    for path in (train, valid, template):
+        path.write_text('{"sentence1": "a", "sentence2": "b", "label": 1}\n')
+    run, store = data / "runs" / "one", data / "cache"
+    _, _, cfg = settled("accelerate=auto", "data=pairs_local", f"data.path={data}",
+                        "data.train_file=sub/train.jsonl", f"data.validation_file={valid}",
+                        f"data.chat_template={template}", f"trainer.output_dir={run}",
+                        f"accelerate.cache_dir={store}")
+    key = cache.key_of(cache.key_fields(cfg, "cpu"))
+    # the run's own output and the cache, inside the data folder, do not change the key
+    for folder in (run, store, data / ".hidden"):
+        folder.mkdir(parents=True)
+        (folder / "written.json").write_text("{}")
+    assert cache.key_of(cache.key_fields(cfg, "cpu")) == key
+    # a file in a subfolder, one outside data.path, a chat template file: each changes it
+    for path in (train, valid, template):
+        before = path.read_text()
+        path.write_text(before * 4)
+        assert cache.key_of(cache.key_fields(cfg, "cpu")) != key, path
+        path.write_text(before)
+        os.utime(path, ns=(0, 0))
+        key = cache.key_of(cache.key_fields(cfg, "cpu"))
+    # the user script is a named file too
+    script = tmp_path / "script.py"
+    script.write_text("x = 1\n")
+    _, _, with_script = settled("accelerate=auto", f"user_script={script}")
+    key = cache.key_of(cache.key_fields(with_script, "cpu"))
+    script.write_text("x = 2  # longer\n")
+    assert cache.key_of(cache.key_fields(with_script, "cpu")) != key
 
 
 def test_a_cache_that_cannot_be_read_or_written_costs_a_search_not_the_run(tmp_path):
@@ -466,8 +580,10 @@ def _processes_naming(text: str) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT", "SIGHUP", "SIGKILL"])
 def test_a_search_stopped_by_a_signal_kills_its_child_and_removes_its_folder(tmp_path, signum):
+    # SIGHUP: a closed terminal (the child, in a session of its own, does not get it); SIGKILL:
+    # nothing runs in the search, the child dies with it (its parent-death signal)
     import os
     import signal
     import subprocess
@@ -498,11 +614,14 @@ def test_a_search_stopped_by_a_signal_kills_its_child_and_removes_its_folder(tmp
     finally:  # a failing run leaves no hanging child behind
         for pid in _processes_naming(str(tmp_path / "rapidformer-tuning-")):
             os.kill(pid, signal.SIGKILL)
+    assert not left  # the child is gone
+    assert not (tmp_path / "cache").exists()  # nothing cached
+    if signum == "SIGKILL":
+        assert parent.returncode == -signal.SIGKILL
+        return
     assert parent.returncode == 75, err[-2000:]
     assert f"the search was stopped by {signum}" in err and "Traceback" not in err
-    assert not left  # the child is gone
     assert not list(tmp_path.glob("rapidformer-tuning-*"))  # and its folder
-    assert not (tmp_path / "cache").exists()  # nothing cached
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """Search results kept by what decides them, so that a second run skips the search.
 
 The key is a hash of: every setting of the run but those that change only where it writes and
-what it logs (IGNORED), the size and modification time of the files its data, model,
-tokenizer and user script name on this machine, the number of ranks, the hardware (device kind
+what it logs (IGNORED), the size and modification time of the files its settings name on
+this machine (data, model, tokenizer, chat template, user script: any setting that is a path
+here, a folder's subfolders included), the number of ranks, the hardware (device kind
 and name, how many) and the library versions (torch, transformers, rapidformer and the
 optional accelerator libraries). A change in any of them searches again. One JSON file per key
 under accelerate.cache_dir, else $RAPIDFORMER_TUNING_CACHE, else ~/.cache/rapidformer/tuning.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
 
-FORMAT = 2  # 2: every setting in the key, the files' state
+FORMAT = 3  # 2: every setting in the key, the files' state; 3: every path a setting names
 LIBRARIES = ("torch", "transformers", "rapidformer", "deepspeed", "liger_kernel", "torchao",
              "peft", "megatron-core", "flash_attn")
 
@@ -64,8 +65,6 @@ IGNORED = {"trainer": ("output_dir", "resume", "overwrite", "progress_bar", "ten
            # number of ranks is in the key apart
            "launcher": None,
            "logger": None}  # None: the whole section
-LOCAL_KEYS = (("data", "path"), ("model", "name_or_path"), ("model", "tokenizer"),
-              ("model", "merge_file"), ("model", "init_from_hf"))
 MOST_ENTRIES = 1000  # a folder's files looked at, at most
 
 
@@ -83,35 +82,82 @@ def settings(cfg: RunConfig) -> dict:
     return out
 
 
-def local_state(value) -> list:
-    """Size and modification time of the files a setting names on this machine (a file, a
-    folder's files, a Megatron prefix's .bin/.idx): new data or weights at the same path search
-    again. Empty for what is not here (a hub name)."""
-    if not isinstance(value, str) or not value:
+def local_state(value, skip: tuple[Path, ...] = ()) -> list:
+    """Size and modification time of the files a setting names on this machine (a file, the
+    files of a folder and its subfolders, a Megatron prefix's .bin/.idx): new data or weights
+    at the same path search again. Empty for what is not here (a hub name). Hidden folders and
+    `skip` (the run's own output and the cache: what a run writes) are not looked into."""
+    if not isinstance(value, (str, Path)) or not str(value) or "\n" in str(value):
         return []
     path = Path(value).expanduser()
     found = []
     prefix = [path.with_name(path.name + ext) for ext in (".bin", ".idx")] if path.name else []
     for p in (path, *prefix):
         try:
-            files = [p] if p.is_file() else sorted(p.iterdir())[:MOST_ENTRIES] if p.is_dir() \
-                else []
-            found += [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files
-                      if f.is_file()]
-        except OSError:
+            if p.is_file():
+                found.append((p.name, *_stat(p)))
+            elif p.is_dir():
+                found += _folder_state(p, skip)
+        except (OSError, ValueError):  # a name too long for a path, a null byte
             continue
     return found
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _folder_state(folder: Path, skip: tuple[Path, ...]) -> list:
+    skipped = {s.resolve() for s in skip}
+    found = []
+    for visited, (root, dirs, files) in enumerate(os.walk(folder)):
+        if visited >= MOST_ENTRIES:  # a tree of empty folders
+            break
+        here = Path(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                         and (here / d).resolve() not in skipped)
+        for name in sorted(files):
+            if len(found) >= MOST_ENTRIES:
+                return found
+            with contextlib.suppress(OSError):
+                found.append((str((here / name).relative_to(folder)), *_stat(here / name)))
+    return found
+
+
+def named_files(cfg: RunConfig) -> dict:
+    """The state of every file or folder a setting names (data, model, tokenizer, merges, chat
+    template, user script, adapters...: any string setting that is a path here; a data.*
+    file name also under data.path), less the run's own output and the cache."""
+    skip = tuple(Path(p).expanduser() for p in (cfg.trainer.output_dir, cache_dir(cfg)) if p)
+    data_root = Path(cfg.data.path).expanduser() if cfg.data.path else None
+    out = {}
+    for key, value in _strings(settings(cfg)):
+        if cfg.data.source == "synthetic" and key == "data.path":
+            continue  # generated from the settings (in the key), written there by a run
+        state = local_state(value, skip)
+        if not state and key.startswith("data.") and data_root and not Path(value).is_absolute():
+            state = local_state(data_root / value, skip)
+        if state:
+            out[key] = state
+    return out
+
+
+def _strings(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _strings(value, f"{prefix}{key}.")
+        elif isinstance(value, str) and value:
+            yield f"{prefix}{key}", value
 
 
 def key_fields(cfg: RunConfig, device_kind: str) -> dict:
     """What the result depends on."""
     from rapidformer.config.sizes import launched_world_size
 
-    files = {f"{section}.{key}": local_state(getattr(getattr(cfg, section), key, None))
-             for section, key in LOCAL_KEYS}
-    files["user_script"] = local_state(cfg.user_script)
     return {"format": FORMAT, "settings": settings(cfg), "world": launched_world_size(cfg),
-            "files": files, "hardware": hardware(device_kind), "versions": versions()}
+            "files": named_files(cfg), "hardware": hardware(device_kind),
+            "versions": versions()}
 
 
 def key_of(fields: dict) -> str:

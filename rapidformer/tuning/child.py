@@ -23,7 +23,15 @@ def injected_fault() -> str | None:
     return json.loads(faults).get(os.environ.get("RAPIDFORMER_TUNING_CANDIDATE", ""))
 
 
+PARENT = "RAPIDFORMER_TUNING_PARENT"  # the search's pid, set by tuning/measure.py
+
+
 def main() -> None:
+    from rapidformer.runtime.launch import die_with
+
+    # in a session of its own (killed as a group by the search): a search killed with SIGKILL
+    # would leave it measuring on, with its temporary folder
+    die_with(int(os.environ.get(PARENT) or os.getppid()))
     fault = injected_fault()
     if fault == "crash":
         raise RuntimeError("injected crash (RAPIDFORMER_TUNING_FAULTS)")

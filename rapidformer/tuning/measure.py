@@ -68,12 +68,14 @@ def child_overrides(run_overrides: list[str], candidate: Candidate, steps: int,
     from rapidformer.config.compose import override_key
     from rapidformer.tuning.space import kept_overrides
 
-    dropped = (*MEASUREMENT_KEYS, "accelerate", "hydra.run.dir", "hydra.job.name")
+    # the run's logger goes too: a measurement is no run of the user's MLflow experiment or
+    # W&B project (the default logger writes into the child's own folder only)
+    dropped = (*MEASUREMENT_KEYS, "accelerate", "logger", "hydra.run.dir", "hydra.job.name")
     kept = [o for o in kept_overrides(run_overrides, candidate.override_list())
             if not (override_key(o).lstrip("+~") in dropped
-                    or override_key(o).lstrip("+~").startswith("accelerate."))]
+                    or override_key(o).lstrip("+~").startswith(("accelerate.", "logger.")))]
     quoted = output_dir.replace("\\", "\\\\").replace("'", "\\'")
-    return [*kept, *candidate.override_list(), "accelerate=none",
+    return [*kept, *candidate.override_list(), "accelerate=none", "logger=tensorboard",
             f"trainer.train_iters={steps}", "trainer.log_interval=1",
             f"trainer.output_dir='{quoted}'", "trainer.save_last=false",
             "trainer.export_hf=false", "trainer.progress_bar=false", "trainer.tensorboard=false",
@@ -122,7 +124,8 @@ def run_child(overrides: list[str], label: str, limit: float, log_path: Path
     """(exit code or None on timeout, wall seconds, peak resident KiB) of one child."""
     import subprocess
 
-    env = {**os.environ, "RAPIDFORMER_TUNING_CANDIDATE": label}
+    env = {**os.environ, "RAPIDFORMER_TUNING_CANDIDATE": label,
+           "RAPIDFORMER_TUNING_PARENT": str(os.getpid())}
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rapidformer.tuning.child", *overrides],

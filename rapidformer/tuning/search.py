@@ -73,9 +73,11 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
 
     device, _ = run_device(cfg)
     a = cfg.accelerate
+    check_extra_candidates(cfg)
+    where = cache.cache_dir(cfg)
+    check_cache_outside_the_run(cfg, where)
     fields = cache.key_fields(cfg, device.type)
     key = cache.key_of(fields)
-    where = cache.cache_dir(cfg)
     if a.cache:
         hit, unusable = cache.load(where, key)
         if hit is not None:
@@ -109,19 +111,61 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
     return record
 
 
+def check_extra_candidates(cfg: RunConfig) -> None:
+    """accelerate.extra_candidates that no run could take (an unknown key or option, a value
+    of the wrong type) stop the search before it measures anything, all named at once; one that
+    this run's settings refuse (a micro batch the global batch is no multiple of) is a row of
+    the table, as the search's own candidates are."""
+    from rapidformer.config.compose import check_overrides
+    from rapidformer.errors import ConfigError
+    from rapidformer.tuning.space import apply, hand_picked
+
+    problems = []
+    for text in cfg.accelerate.extra_candidates:
+        candidate = hand_picked(text)
+        try:
+            check_overrides(candidate.override_list())
+            apply(cfg, candidate)
+        except ConfigError as exc:
+            problems += [f"accelerate.extra_candidates '{text}': {p}" for p in exc.problems]
+        except KeyError:  # a key the typed check cannot apply (a free mapping's): the child's
+            pass
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_cache_outside_the_run(cfg: RunConfig, where: Path) -> None:
+    """A cache in the run's folder would be a file no run wrote there (the run refuses such a
+    folder), and the cache is for other runs: refused before the search."""
+    from rapidformer.errors import ConfigError
+
+    run = cfg.trainer.output_dir
+    if not (cfg.accelerate.cache and run):
+        return
+    run_dir, cache_folder = Path(run).expanduser().resolve(), where.resolve()
+    if cache_folder == run_dir or run_dir in cache_folder.parents:
+        given = f"accelerate.cache_dir={cfg.accelerate.cache_dir}" if cfg.accelerate.cache_dir \
+            else f"RAPIDFORMER_TUNING_CACHE={where}"
+        raise ConfigError([f"{given} is inside trainer.output_dir={run}: a run's folder holds "
+                           f"what the run writes, and the cache serves other runs; choose a "
+                           f"folder outside it (unset, ~/.cache/rapidformer/tuning), or "
+                           f"accelerate.cache=false"])
+
+
 class SearchStopped(RapidformerError):
     exit_code = EXIT_PREEMPTED
 
 
-# what the training loop stops on too (runtime/preemption.py); a signal ignored here (nohup's
-# SIGHUP, a SIG_IGN the caller set) stays ignored
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# what the training loop stops on (runtime/preemption.py), and a closed terminal's or dropped
+# ssh session's SIGHUP (the measuring child, in a session of its own, does not get it); a
+# signal ignored here (nohup's SIGHUP, a SIG_IGN the caller set) stays ignored
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def _stop_signals_recorded():
-    """SIGTERM or SIGINT during the search are recorded, and raised as measure.Stopped from the
-    wait on the measuring child (which kills its process group: in its own group, a
+    """SIGTERM, SIGINT or SIGHUP during the search are recorded, and raised as measure.Stopped
+    from the wait on the measuring child (which kills its process group: in its own group, a
     scheduler's `kill -TERM -PGID` does not reach it) or between measurements: by default
     SIGTERM would end this process alone and leave the child and the work folder behind."""
     def record(signum, _frame):
@@ -162,6 +206,14 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         raise InputError(f"accelerate=auto: the config as given did not train "
                          f"{a.steps} steps ({ref.status}: {ref.reason}); the search checks every "
                          f"candidate against it. Run it without accelerate=auto to see why")
+    if not ref.tokens_per_s:
+        raise InputError(
+            "accelerate=auto: the config as given trained its measured steps, but its batches "
+            "counted no real tokens (the loop counts a batch that is a dict with input_ids, and "
+            "attention_mask where there is padding, or one whose collate attaches its counts "
+            "with rapidformer.data.counts.with_counts), so no rate could be compared; make the "
+            "collate return such a dict, or choose the settings by hand (without "
+            "accelerate=auto)")
     steps = run_length(cfg, ref)
     run_tokens = steps * ref.tokens_per_step
     # a run of trainer.train_iters steps is its steps whatever a step holds (packing)
