@@ -194,6 +194,7 @@ def test_batches_that_count_no_tokens_stop_the_search_with_one_message(monkeypat
     ("data.max_seq_length=sixteen", "data.max_seq_length: expected an integer"),
     ("precision=bf17", "precision=bf17: no such option; did you mean 'precision=bf16'?"),
     ("trainer.nokey=2", "trainer.nokey: unknown key"),
+    ("graph.options={a:1}x", "cannot parse override"),
 ])
 def test_an_extra_candidate_no_run_could_take_stops_before_any_measurement(monkeypatch, extra,
                                                                           words):
@@ -210,6 +211,23 @@ def test_an_extra_candidate_no_run_could_take_stops_before_any_measurement(monke
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize("extra", [
+    "optim.fused=off",  # Hydra reads off as a string (YAML 1.1 would read False)
+    "trainer.best_metric=null trainer.early_stopping_patience=null",
+    "graph=compile +graph.options.max_autotune=true", "graph.options={max_autotune:true}",
+    "data.pad_to=[16,32]", "trainer.lr=1e-4", "kernels=none", "precision=bf16",
+])
+def test_a_candidate_the_cli_takes_is_admitted(extra):
+    from rapidformer.tuning.search import check_extra_candidates
+
+    _, _, cfg = settled("accelerate=auto", "trainer.best_metric=validation/accuracy",
+                        "trainer.early_stopping_patience=2", "data.max_seq_length=64",
+                        f"accelerate.extra_candidates=[\"{extra}\"]")
+    check_extra_candidates(cfg)  # nothing refused up front
+    admitted, left_out, _ = candidates(cfg, CPU, memory_auto=False)
+    assert extra in [a.candidate.label for a in admitted], left_out
+
+
 def test_a_candidate_s_values_are_typed_as_the_cli_types_them():
     from rapidformer.tuning.space import apply
 
@@ -217,8 +235,16 @@ def test_a_candidate_s_values_are_typed_as_the_cli_types_them():
     got = apply(cfg, Candidate("x", (("data.path", "123"), ("trainer.lr", "1e-3"),
                                      ("trainer.micro_batch_size", "16"))))
     assert (got.data.path, got.trainer.lr, got.trainer.micro_batch_size) == ("123", 1e-3, 16)
-    with pytest.raises(ConfigError, match="trainer.lr: expected a number, got '1e-3,2e-3'"):
+    with pytest.raises(ConfigError, match="trainer.lr: expected a number, got 'abc'"):
+        apply(cfg, Candidate("x", (("trainer.lr", "abc"),)))
+    with pytest.raises(ConfigError, match="a candidate sets one value"):
         apply(cfg, Candidate("x", (("trainer.lr", "1e-3,2e-3"),)))
+    # what Hydra reads: off a string, null None, a list, a mapping
+    got = apply(cfg, Candidate("x", (("optim.fused", "off"), ("graph.mode", "null"),
+                                     ("data.pad_to", "[16,32]"),
+                                     ("graph.options", "{max_autotune:true}"))))
+    assert (got.optim.fused, got.graph.mode, got.data.pad_to, got.graph.options) == \
+        ("off", None, [16, 32], {"max_autotune": True})
 
 
 def test_a_packed_run_of_train_iters_is_its_steps_not_the_reference_s_tokens():
@@ -307,8 +333,8 @@ def test_a_cache_inside_the_run_s_folder_is_refused_before_the_search(tmp_path, 
     else:
         overrides.append(f"accelerate.cache_dir={run}/./tcache")
     _, _, cfg = settled(*overrides)
-    with pytest.raises(ConfigError, match="is inside trainer.output_dir=.*choose a folder "
-                                          "outside it"):
+    with pytest.raises(ConfigError, match="is inside trainer.output_dir=.*accelerate.cache_dir "
+                                          "to a folder outside it"):
         search_module.search(overrides, cfg, memory_auto=False)
     assert not run.exists()
 
@@ -443,6 +469,54 @@ def test_every_file_a_setting_names_is_in_the_key_and_what_runs_write_is_not(tmp
     key = cache.key_of(cache.key_fields(with_script, "cpu"))
     script.write_text("x = 2  # longer\n")
     assert cache.key_of(cache.key_fields(with_script, "cpu")) != key
+
+
+def test_the_key_stays_when_runs_write_beside_the_data_or_a_folder_shares_a_setting_s_name(
+        tmp_path, monkeypatch):
+    from rapidformer.checkpoint.run_dir import RUN_MARKER
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("train", "validation"):
+        (tmp_path / f"{name}.jsonl").write_text('{"sentence1": "a", "sentence2": "b", '
+                                                 '"label": 1}\n')
+    _, _, cfg = settled("accelerate=auto", "data=pairs_local", "data.path=.",
+                        "trainer.output_dir=outputs/one")
+    key = cache.key_of(cache.key_fields(cfg, "cpu"))
+    # earlier runs' folders (their marker), MLflow's and W&B's stores, a folder named as a
+    # setting's value (recipe=quickstart, model.arch=bert): none is data
+    for folder in ("outputs/old", "mlruns/0", "wandb/run-1", "quickstart", "bert"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "metrics.jsonl").write_text("{}\n")
+    for run in ("outputs/old", "quickstart", "bert"):
+        (tmp_path / run / RUN_MARKER).write_text("")
+    assert cache.key_of(cache.key_fields(cfg, "cpu")) == key
+    # a linked folder of shards is data: a changed shard searches again
+    shards = tmp_path.parent / f"{tmp_path.name}-shards"
+    shards.mkdir()
+    (shards / "part-0.jsonl").write_text("{}\n")
+    (tmp_path / "more").symlink_to(shards)
+    (tmp_path / "loop").symlink_to(tmp_path)  # a link to a parent is walked once
+    key = cache.key_of(cache.key_fields(cfg, "cpu"))
+    (shards / "part-0.jsonl").write_text("{}\n{}\n")
+    assert cache.key_of(cache.key_fields(cfg, "cpu")) != key
+
+
+def test_every_path_setting_of_the_schema_is_in_the_key():
+    import dataclasses
+
+    from rapidformer.config.schema import RunConfig
+
+    not_read = {"trainer.output_dir", "trainer.resume", "accelerate.cache_dir",
+                "logger.tracking_uri"}  # where the run writes, what it resumes, its logging
+    found = []
+    for section in dataclasses.fields(RunConfig):
+        kind = section.default_factory if section.default_factory is not dataclasses.MISSING \
+            else None
+        names = [f"{section.name}.{f.name}" for f in dataclasses.fields(kind)] \
+            if kind and dataclasses.is_dataclass(kind) else [section.name]
+        found += [n for n in names if n.endswith(("path", "_file", "template", "tokenizer",
+                                                  "script", "_dir", "init_from_hf"))]
+    assert set(found) - not_read == set(cache.PATH_KEYS)
 
 
 def test_a_cache_that_cannot_be_read_or_written_costs_a_search_not_the_run(tmp_path):

@@ -145,7 +145,7 @@ def quoting_advice(text: str, special: str = "") -> str:
     inner = value.replace("\\", "\\\\").replace("'", "\\'")
     quoted = f"'{inner}'"
     field = _schema_at(key.lstrip("+~").split("."))[0]
-    if list in (typing.get_origin(field), *map(typing.get_origin, typing.get_args(field))):
+    if list[str] in (field, *typing.get_args(field)):
         quoted = f"[{quoted}]"  # a list's one item (a bare quoted string is no list)
     return (f"; its value holds characters the override syntax reads itself ({shown}): quote "
             f"the value, e.g. \"{key}={quoted}\" in a shell")

@@ -65,7 +65,15 @@ IGNORED = {"trainer": ("output_dir", "resume", "overwrite", "progress_bar", "ten
            # number of ranks is in the key apart
            "launcher": None,
            "logger": None}  # None: the whole section
+# the settings that name files on this machine (a hub name is not here: nothing to read);
+# tests/test_tuning.py checks that every path-like key of the schema is listed
+PATH_KEYS = ("data.path", "data.train_file", "data.validation_file", "data.test_file",
+             "data.chat_template", "model.name_or_path", "model.tokenizer", "model.merge_file",
+             "model.init_from_hf", "user_script")
 MOST_ENTRIES = 1000  # a folder's files looked at, at most
+# folders that runs and their loggers write (a run's own, MLflow's and W&B's stores), never
+# data: a data folder that holds earlier runs (data.path=.) keeps its key
+NOT_DATA = ("mlruns", "wandb", "__pycache__")
 
 
 def settings(cfg: RunConfig) -> dict:
@@ -109,14 +117,25 @@ def _stat(path: Path) -> tuple[int, int]:
 
 
 def _folder_state(folder: Path, skip: tuple[Path, ...]) -> list:
+    from rapidformer.checkpoint.run_dir import RUN_MARKER
+
     skipped = {s.resolve() for s in skip}
+    seen = {folder.resolve()}  # followed links: each folder once (a link to a parent loops)
     found = []
-    for visited, (root, dirs, files) in enumerate(os.walk(folder)):
+    # links followed: a data folder of linked shards changes when they do
+    for visited, (root, dirs, files) in enumerate(os.walk(folder, followlinks=True)):
         if visited >= MOST_ENTRIES:  # a tree of empty folders
             break
         here = Path(root)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__"
-                         and (here / d).resolve() not in skipped)
+        kept = []
+        for d in sorted(dirs):
+            real = (here / d).resolve()
+            if d.startswith(".") or d in NOT_DATA or real in skipped or real in seen or \
+                    (here / d / RUN_MARKER).exists():  # a run's folder: what runs write
+                continue
+            seen.add(real)
+            kept.append(d)
+        dirs[:] = kept
         for name in sorted(files):
             if len(found) >= MOST_ENTRIES:
                 return found
@@ -126,29 +145,22 @@ def _folder_state(folder: Path, skip: tuple[Path, ...]) -> list:
 
 
 def named_files(cfg: RunConfig) -> dict:
-    """The state of every file or folder a setting names (data, model, tokenizer, merges, chat
-    template, user script, adapters...: any string setting that is a path here; a data.*
-    file name also under data.path), less the run's own output and the cache."""
+    """The state of the files each of PATH_KEYS names (a data.* file name also under
+    data.path), less the run's own output and the cache."""
     skip = tuple(Path(p).expanduser() for p in (cfg.trainer.output_dir, cache_dir(cfg)) if p)
     data_root = Path(cfg.data.path).expanduser() if cfg.data.path else None
     out = {}
-    for key, value in _strings(settings(cfg)):
-        if cfg.data.source == "synthetic" and key == "data.path":
-            continue  # generated from the settings (in the key), written there by a run
+    for key in PATH_KEYS:
+        section, _, name = key.rpartition(".")
+        value = getattr(getattr(cfg, section) if section else cfg, name)
+        if not value or (cfg.data.source == "synthetic" and key == "data.path"):
+            continue  # synthetic data: generated from the settings (in the key) by a run
         state = local_state(value, skip)
-        if not state and key.startswith("data.") and data_root and not Path(value).is_absolute():
+        if not state and section == "data" and data_root and not Path(value).is_absolute():
             state = local_state(data_root / value, skip)
         if state:
             out[key] = state
     return out
-
-
-def _strings(tree: dict, prefix: str = ""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _strings(value, f"{prefix}{key}.")
-        elif isinstance(value, str) and value:
-            yield f"{prefix}{key}", value
 
 
 def key_fields(cfg: RunConfig, device_kind: str) -> dict:

@@ -144,11 +144,14 @@ def check_cache_outside_the_run(cfg: RunConfig, where: Path) -> None:
         return
     run_dir, cache_folder = Path(run).expanduser().resolve(), where.resolve()
     if cache_folder == run_dir or run_dir in cache_folder.parents:
+        import os
+
         given = f"accelerate.cache_dir={cfg.accelerate.cache_dir}" if cfg.accelerate.cache_dir \
-            else f"RAPIDFORMER_TUNING_CACHE={where}"
+            else f"RAPIDFORMER_TUNING_CACHE={where}" if os.environ.get(
+                "RAPIDFORMER_TUNING_CACHE") else f"the default tuning cache {where}"
         raise ConfigError([f"{given} is inside trainer.output_dir={run}: a run's folder holds "
-                           f"what the run writes, and the cache serves other runs; choose a "
-                           f"folder outside it (unset, ~/.cache/rapidformer/tuning), or "
+                           f"what the run writes, and the cache serves other runs; set "
+                           f"accelerate.cache_dir to a folder outside it, or "
                            f"accelerate.cache=false"])
 
 

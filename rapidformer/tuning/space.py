@@ -132,19 +132,23 @@ def _option_section(group: str, option: str, current):
     return replace(fresh, **values)
 
 
-def _parse(value: str, annotation: str = ""):
-    """An override's value as Hydra reads it (1e-4 a float, which YAML 1.1 leaves a string); a
-    string field keeps the text (data.path=123 is the folder '123', not a number)."""
-    if annotation.replace(" ", "") in ("str", "Optional[str]", "str|None"):
-        return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" \
-            else value
-    parsed = yaml.safe_load(value)
-    if isinstance(parsed, str):
-        try:
-            return float(parsed)
-        except ValueError:
-            return parsed
-    return parsed
+def _parse(key: str, value: str):
+    """An override's value as the CLI reads it: Hydra's override grammar (off a string, null
+    None, [64,128] a list, {a:1} a mapping), then typed as the CLI types it (apply)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    from rapidformer.errors import ConfigError
+
+    try:
+        (parsed,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
+    except OverrideParseException as exc:
+        raise ConfigError([f"cannot parse override '{key}={value}': "
+                           f"{str(exc).splitlines()[0]}"]) from None
+    if parsed.is_sweep_override():
+        raise ConfigError([f"{key}={value}: a comma (or a range) makes a list of values; a "
+                           f"candidate sets one value"])
+    return parsed.value()
 
 
 def kept_overrides(run_overrides: list[str], chosen: list[str]) -> list[str]:
@@ -167,13 +171,22 @@ def apply(cfg: RunConfig, candidate: Candidate) -> RunConfig:
     from rapidformer.config.typed import typed_config
 
     for key, value in candidate.overrides:
-        group, _, name = key.partition(".")
+        if key.startswith("~"):  # a deletion: the child's composition judges it
+            raise KeyError(key)
+        group, _, name = key.lstrip("+").partition(".")
+        if not hasattr(cfg, group):
+            raise KeyError(key)
         section = getattr(cfg, group)
+        if not dataclasses.is_dataclass(section):  # a top-level value (user_script)
+            if name:
+                raise KeyError(key)
+            cfg = replace(cfg, **{group: _parse(key, value)})
+            continue
         if not name:
             cfg = replace(cfg, **{group: _option_section(group, value, section)})
             continue
         field = next((f for f in dataclasses.fields(section) if f.name == name), None)
         if field is None:
             raise KeyError(key)
-        cfg = replace(cfg, **{group: replace(section, **{name: _parse(value, str(field.type))})})
+        cfg = replace(cfg, **{group: replace(section, **{name: _parse(key, value)})})
     return typed_config(dataclasses.asdict(cfg)) if candidate.overrides else cfg
