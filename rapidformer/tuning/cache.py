@@ -2,8 +2,8 @@
 
 The key is a hash of: every setting of the run but those that change only where it writes and
 what it logs (IGNORED), the size and modification time of the files its settings name on
-this machine (data, model, tokenizer, chat template, user script: any setting that is a path
-here, a folder's subfolders included), the number of ranks, the hardware (device kind
+this machine (PATH_KEYS: data, model, tokenizer, chat template, user script; a folder's
+subfolders included, not what runs write there), the number of ranks, the hardware (device kind
 and name, how many) and the library versions (torch, transformers, rapidformer and the
 optional accelerator libraries). A change in any of them searches again. One JSON file per key
 under accelerate.cache_dir, else $RAPIDFORMER_TUNING_CACHE, else ~/.cache/rapidformer/tuning.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
 
-FORMAT = 3  # 2: every setting in the key, the files' state; 3: every path a setting names
+FORMAT = 3  # 2: every setting in the key, the files' state; 3: PATH_KEYS, subfolders
 LIBRARIES = ("torch", "transformers", "rapidformer", "deepspeed", "liger_kernel", "torchao",
              "peft", "megatron-core", "flash_attn")
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import shutil
 import signal
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import EXIT_PREEMPTED, InputError, RapidformerError
+from rapidformer.errors import EXIT_PREEMPTED, ConfigError, InputError, RapidformerError
 from rapidformer.tuning import cache, report
 from rapidformer.tuning.enumerate import candidates
 from rapidformer.tuning.measure import (TRAINED_ALL, Measurement, Stopped, check_stop,
@@ -117,7 +118,6 @@ def check_extra_candidates(cfg: RunConfig) -> None:
     this run's settings refuse (a micro batch the global batch is no multiple of) is a row of
     the table, as the search's own candidates are."""
     from rapidformer.config.compose import check_overrides
-    from rapidformer.errors import ConfigError
     from rapidformer.tuning.space import apply, hand_picked
 
     problems = []
@@ -137,15 +137,11 @@ def check_extra_candidates(cfg: RunConfig) -> None:
 def check_cache_outside_the_run(cfg: RunConfig, where: Path) -> None:
     """A cache in the run's folder would be a file no run wrote there (the run refuses such a
     folder), and the cache is for other runs: refused before the search."""
-    from rapidformer.errors import ConfigError
-
     run = cfg.trainer.output_dir
     if not (cfg.accelerate.cache and run):
         return
     run_dir, cache_folder = Path(run).expanduser().resolve(), where.resolve()
     if cache_folder == run_dir or run_dir in cache_folder.parents:
-        import os
-
         given = f"accelerate.cache_dir={cfg.accelerate.cache_dir}" if cfg.accelerate.cache_dir \
             else f"RAPIDFORMER_TUNING_CACHE={where}" if os.environ.get(
                 "RAPIDFORMER_TUNING_CACHE") else f"the default tuning cache {where}"

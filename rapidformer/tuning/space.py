@@ -185,8 +185,7 @@ def apply(cfg: RunConfig, candidate: Candidate) -> RunConfig:
         if not name:
             cfg = replace(cfg, **{group: _option_section(group, value, section)})
             continue
-        field = next((f for f in dataclasses.fields(section) if f.name == name), None)
-        if field is None:
+        if name not in {f.name for f in dataclasses.fields(section)}:
             raise KeyError(key)
         cfg = replace(cfg, **{group: replace(section, **{name: _parse(key, value)})})
     return typed_config(dataclasses.asdict(cfg)) if candidate.overrides else cfg
