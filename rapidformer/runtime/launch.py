@@ -487,17 +487,6 @@ def die_with_launcher() -> None:
     directory, and its checkpoints, with them."""
     # the launcher's pid from the launcher itself: read here, os.getppid() would already be
     # the reaper's pid when the launcher died while this worker was starting
+    from rapidformer.runtime.parent_death import die_with
+
     die_with(int(os.environ.get(LAUNCHER_PID) or os.getppid()))
-
-
-def die_with(parent: int) -> None:
-    """Linux: this process gets SIGKILL when its parent, `parent`, dies (a process in a session
-    of its own is out of reach of the signals its parent's group or terminal gets)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the request was in place
-        os._exit(128 + signal.SIGKILL)

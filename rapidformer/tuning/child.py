@@ -27,7 +27,7 @@ PARENT = "RAPIDFORMER_TUNING_PARENT"  # the search's pid, set by tuning/measure.
 
 
 def main() -> None:
-    from rapidformer.runtime.launch import die_with
+    from rapidformer.runtime.parent_death import die_with
 
     # in a session of its own (killed as a group by the search): a search killed with SIGKILL
     # would leave it measuring on, with its temporary folder
