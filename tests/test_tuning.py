@@ -216,6 +216,7 @@ def test_an_extra_candidate_no_run_could_take_stops_before_any_measurement(monke
     "trainer.best_metric=null trainer.early_stopping_patience=null",
     "graph=compile +graph.options.max_autotune=true", "graph.options={max_autotune:true}",
     "data.pad_to=[16,32]", "trainer.lr=1e-4", "kernels=none", "precision=bf16",
+    "data.split=98,1,1",  # a Megatron split, quoted by the CLI (not a sweep)
 ])
 def test_a_candidate_the_cli_takes_is_admitted(extra):
     from rapidformer.tuning.search import check_extra_candidates

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             # a dry run or --cfg only prints, perhaps for another machine
             dry_run = OmegaConf.select(composed, "trainer.dry_run") is True
             _, run_cfg = settle(composed, "(run directory)",
-                                    environment=not (prints_only or dry_run), writes_to=output_dir)
+                                environment=not (prints_only or dry_run), writes_to=output_dir)
             if run_cfg.accelerate.name == "auto" and not (prints_only or dry_run):
                 # the measured search (rapidformer/tuning/): its choice joins the overrides, so
                 # the run and its config.yaml are the chosen settings

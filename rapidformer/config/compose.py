@@ -253,10 +253,11 @@ def _quote_split(text: str) -> str:
     return text
 
 
-def _parse(override: str):
+def parse_override(override: str):
+    """One override as Hydra reads it from the command line (a Megatron split quoted first)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return OverridesParser.create().parse_overrides([override])[0]
+    return OverridesParser.create().parse_overrides([_quote_split(override)])[0]
 
 
 # what _plain gives for a value it cannot resolve, and a select for a key that is not there
@@ -350,7 +351,7 @@ def _existing_key_problems(overrides: list[str], compose_without) -> list[str]:
     from hydra.errors import HydraException
 
     adds = [o for o in overrides if not o.startswith("++") and o.startswith("+")
-            and override_key(o) not in OPTION_GROUPS and _parse(o).type == OverrideType.ADD]
+            and override_key(o) not in OPTION_GROUPS and parse_override(o).type == OverrideType.ADD]
     if not adds:
         return []
     try:

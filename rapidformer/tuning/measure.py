@@ -85,7 +85,7 @@ def child_overrides(run_overrides: list[str], candidate: Candidate, steps: int,
 
 
 class Stopped(BaseException):
-    """A stop signal (SIGTERM, SIGINT) during the search, raised where it is safe: from the
+    """A stop signal (search.STOP_SIGNALS) during the search, raised where it is safe: from the
     wait on a child (whose group is then killed) or between measurements. A BaseException, so
     that no `except Exception` on the search's path takes it for a candidate's failure."""
 

@@ -135,13 +135,13 @@ def _option_section(group: str, option: str, current):
 def _parse(key: str, value: str):
     """An override's value as the CLI reads it: Hydra's override grammar (off a string, null
     None, [64,128] a list, {a:1} a mapping), then typed as the CLI types it (apply)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
+    from rapidformer.config.compose import parse_override
     from rapidformer.errors import ConfigError
 
     try:
-        (parsed,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
+        parsed = parse_override(f"{key}={value}")
     except OverrideParseException as exc:
         raise ConfigError([f"cannot parse override '{key}={value}': "
                            f"{str(exc).splitlines()[0]}"]) from None
