@@ -175,6 +175,11 @@ class Encoder:
             self._input = f
         return self._input
 
+    def close_input(self):
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+
     def _changed(self, what: str) -> PreprocessError:
         return PreprocessError(f"--input {self.args.input} {what} while the run read it; "
                                f"nothing was written under {self.args.output_prefix}_*; run "

@@ -204,6 +204,7 @@ def _preprocess(args, stop: _SignalStop) -> list[Path]:
         with stop.deferred():
             if pool is not None:
                 pool.terminate()
+            encoder.close_input()  # the one-worker run read the input here
             for writer in writers.values():
                 writer.close()
             for temp in temps.values():
