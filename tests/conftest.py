@@ -43,6 +43,22 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 600, module: str = "rapid
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_here(argv: list[str], capsys, monkeypatch, tmp_path) -> tuple[int, str]:
+    """`python -m rapidformer argv` in this process, from tmp_path: (exit code, what it printed:
+    stdout, then stderr). For tests whose subject is not the CLI's process (a subprocess pays
+    the imports again)."""
+    from rapidformer import __main__ as module_main
+
+    monkeypatch.chdir(tmp_path)
+    try:
+        module_main.main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    printed = capsys.readouterr()
+    return code, printed.out + printed.err
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rapidformer.accelerators.ort import TORCH_RANGE, torch_version
-from tests.conftest import FAST, assert_ok, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, run_cli, run_here, train_losses
 
 ORT_TORCH = TORCH_RANGE[0] <= torch_version() <= TORCH_RANGE[1]
 REQUIRED = os.environ.get("RAPIDFORMER_REQUIRE_ORT") == "1"
@@ -26,19 +26,6 @@ needs_ort = pytest.mark.skipif(not REQUIRED and not (ORT_TORCH and have_ort()),
                                reason="graph=ort runs in its own environment (README)")
 ARGS = [*FAST, "trainer.device=cpu", "trainer.export_hf=true", "trainer.epochs=1",
         "data.synthetic_train_size=128"]
-
-
-def run_here(argv: list[str], capsys, monkeypatch, tmp_path) -> tuple[int, str]:
-    """`python -m rapidformer argv` in this process, from tmp_path: (exit code, stderr)."""
-    from rapidformer import __main__ as module_main
-
-    monkeypatch.chdir(tmp_path)
-    try:
-        module_main.main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.skipif(ORT_TORCH, reason="torch is in onnxruntime-training's range here")

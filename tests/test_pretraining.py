@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_ok, read_metrics, run_cli, train_losses
+from tests.conftest import assert_ok, read_metrics, run_cli, run_here, train_losses
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
@@ -54,16 +54,20 @@ def test_bert_pretraining_black_box(tmp_path, pretraining_data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "bert"])
-def test_pretraining_resumes_with_the_same_next_samples(tmp_path, pretraining_data, kind):
+def test_pretraining_resumes_with_the_same_next_samples(tmp_path, pretraining_data, kind,
+                                                        capsys, monkeypatch):
+    """In this process (the CLI's resume across processes: tests/test_preemption.py)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     build = gpt_args if kind == "gpt" else bert_args
     args = [*build(pretraining_data), "trainer.train_iters=16", "trainer.log_interval=1",
             "data.num_workers=1"]
-    assert_ok(run_cli([*args, f"trainer.output_dir={straight}"], cwd=tmp_path))
-    assert_ok(run_cli([*args, "trainer.exit_interval=8", f"trainer.output_dir={split}"],
-                      cwd=tmp_path))
-    assert sorted(train_losses(split)) == list(range(1, 9))
-    assert_ok(run_cli([*args, "trainer.resume=auto", f"trainer.output_dir={split}"], cwd=tmp_path))
+    for extra in ([f"trainer.output_dir={straight}"],
+                  ["trainer.exit_interval=8", f"trainer.output_dir={split}"],
+                  ["trainer.resume=auto", f"trainer.output_dir={split}"]):
+        code, printed = run_here([*args, *extra], capsys, monkeypatch, tmp_path)
+        assert code == 0, printed[-3000:]
+        if "trainer.exit_interval=8" in extra:
+            assert sorted(train_losses(split)) == list(range(1, 9))
     first, second = train_losses(straight), train_losses(split)
     assert first[16] < first[1] - 0.5, first  # it learns
     for step in range(9, 17):

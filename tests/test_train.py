@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, assert_ok, read_metrics, run_cli, train_losses
+from tests.conftest import FAST, assert_ok, read_metrics, run_cli, run_here, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -46,14 +46,16 @@ def test_quickstart_default_command(tmp_path):
     assert model(**batch).logits.shape == (1, 2)
 
 
-def test_loss_falls_in_every_precision(tmp_path):
+def test_loss_falls_in_every_precision(tmp_path, capsys, monkeypatch):
     """fp32, bf16 and fp16 (dynamic loss scaling) each memorize a small set."""
     small = [*FAST, "data.synthetic_train_size=32", "trainer.epochs=25", "trainer.lr=1e-3",
              "scheduler=constant", "trainer.save_interval=1000", "trainer.export_hf=false"]
     finals = {}
     for precision in ("fp32", "bf16", "fp16"):
         run = tmp_path / precision
-        assert_ok(run_cli([*small, f"precision={precision}", f"trainer.output_dir={run}"], cwd=tmp_path))
+        code, printed = run_here([*small, f"precision={precision}", f"trainer.output_dir={run}"],
+                                capsys, monkeypatch, tmp_path)
+        assert code == 0, printed[-3000:]
         losses = train_losses(run)
         assert losses[25] < 0.5 * losses[1], (precision, losses)
         finals[precision] = losses
@@ -64,18 +66,21 @@ def test_loss_falls_in_every_precision(tmp_path):
         assert abs(finals[precision][1] - finals["fp32"][1]) < 2e-2
 
 
-def test_resume_continues_with_the_same_losses(tmp_path):
-    """A run stopped at step 5 and resumed gives the uninterrupted run's per-step losses."""
+def test_resume_continues_with_the_same_losses(tmp_path, capsys, monkeypatch):
+    """A run stopped at step 5 and resumed gives the uninterrupted run's per-step losses (in
+    this process: the CLI's resume across processes is tests/test_preemption.py's)."""
     args = [*FAST, "trainer.epochs=2", "trainer.export_hf=false", "model.hidden_dropout=0.1"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert_ok(run_cli([*args, f"trainer.output_dir={whole}"], cwd=tmp_path))
-    first = assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.exit_interval=5"],
-                        cwd=tmp_path))
-    assert "trainer.exit_interval=5 reached at step 5" in first.stdout + first.stderr
-    assert max(train_losses(parts)) == 5
-    second = assert_ok(run_cli([*args, f"trainer.output_dir={parts}", "trainer.resume=auto"],
-                         cwd=tmp_path))
-    assert "resumed from" in second.stdout + second.stderr
+    outputs = {}
+    for name, extra in {"whole": [f"trainer.output_dir={whole}"],
+                        "first": [f"trainer.output_dir={parts}", "trainer.exit_interval=5"],
+                        "second": [f"trainer.output_dir={parts}", "trainer.resume=auto"]}.items():
+        code, outputs[name] = run_here([*args, *extra], capsys, monkeypatch, tmp_path)
+        assert code == 0, outputs[name][-3000:]
+        if name == "first":
+            assert max(train_losses(parts)) == 5
+    assert "trainer.exit_interval=5 reached at step 5" in outputs["first"]
+    assert "resumed from" in outputs["second"]
     expected, got = train_losses(whole), train_losses(parts)
     assert sorted(got) == sorted(expected) == list(range(1, 17))
     for step, loss in expected.items():
@@ -224,13 +229,14 @@ def test_multirun_runs_every_job_and_summarizes(tmp_path):
     assert (sweep / "summary.md").read_text().startswith("| job | overrides | status")
 
 
-def test_length_grouping_cuts_the_padding_that_is_computed(tmp_path):
+def test_length_grouping_cuts_the_padding_that_is_computed(tmp_path, capsys, monkeypatch):
     args = [*FAST, "trainer.export_hf=false", "data.synthetic_train_size=512"]
     padding = {}
     for grouped in ("false", "true"):
         out = tmp_path / grouped
-        assert_ok(run_cli([*args, f"data.group_by_length={grouped}",
-                           f"trainer.output_dir={out}"], cwd=tmp_path))
+        code, printed = run_here([*args, f"data.group_by_length={grouped}",
+                                  f"trainer.output_dir={out}"], capsys, monkeypatch, tmp_path)
+        assert code == 0, printed[-3000:]
         records = [r for r in read_metrics(out) if "padding_frac" in r]
         padding[grouped] = sum(r["padding_frac"] for r in records) / len(records)
     assert padding["true"] < padding["false"] / 3, padding
