@@ -100,7 +100,8 @@ def environment_problems(cfg: RunConfig, output_dir: str | None = None,
     # the hub, asked once: offline from here when it cannot be reached, and every hub model
     # the run loads then in the cache
     problems += caught(hub.prepare, cfg)
-    problems += caught(check_local_shape, cfg.model)
+    problems += caught(check_local_shape, cfg.model,
+                       None if cfg.task.is_pretraining else cfg.data.max_seq_length)
     if cfg.task.is_pretraining and not cfg.user_script:
         from rapidformer.data.megatron import require_megatron_core
 

@@ -130,7 +130,10 @@ def column_problems(cfg: RunConfig, files: dict) -> list[Problem]:
 
                 row_form(names, d)
             else:
-                require_columns({split: SimpleNamespace(column_names=names)}, wanted, files)
+                # a test split without labels loads unscored (data/text_classification.py)
+                needed = {k: v for k, v in wanted.items()
+                          if not (split == "test" and k == "data.label_column")}
+                require_columns({split: SimpleNamespace(column_names=names)}, needed, files)
         except RapidformerError as exc:
             return [Problem(str(exc), exc.exit_code)]
     return []

@@ -92,7 +92,7 @@ def tiny_pretrained(tmp_path_factory, pairs_dir):
     tokenizer = train_wordpiece(texts, out, vocab_size=300, lowercase=True, max_length=64)
     BertForSequenceClassification(BertConfig(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64)).save_pretrained(out)
+        intermediate_size=64, max_position_embeddings=128)).save_pretrained(out)
     return out
 
 

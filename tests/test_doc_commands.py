@@ -743,7 +743,7 @@ class Stage:
             BertForSequenceClassification(BertConfig(
                 vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
                 num_attention_heads=2, intermediate_size=64,
-                max_position_embeddings=64)).save_pretrained(out)
+                max_position_embeddings=128)).save_pretrained(out)
             return out
         raise AssertionError(f"no stand-in named {name}")
 

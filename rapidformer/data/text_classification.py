@@ -15,16 +15,20 @@ the rule looks at each value, not at the column's type:
 - a whole number is a class id: an int, a float such as 1.0, or text such as "2"; a bool is 0 or 1;
 - when every training label is a class id, labels are ids, 0..task.num_labels-1; task.num_labels
   defaults to the largest training id + 1 (at least 2);
-- else labels are names: each label's text ("1", "neg"), sorted as text and numbered from 0,
-  the training split's numbering applied to every split (`label_names` keeps the names);
+- else labels are names: each label's text ("1", "neg"), sorted as text and numbered from 0 —
+  or, fine-tuning a pretrained classifier whose head names them all, numbered as its head does
+  (models/head_labels.py) — the training split's numbering applied to every split
+  (`label_names` keeps the names);
 - empty (or -1) means "no label": every training and validation row needs a label (the
   validation split is scored at every evaluation); a test split whose every label is empty or -1
-  (GLUE's test) is loaded unscored, a test split with only some labels is refused;
+  (GLUE's test on the hub), or that has no label column (GLUE's test.tsv), is loaded unscored,
+  a test split with only some labels is refused;
 - a fraction (1.5), a list, a negative id, a name among ids, an id at or above task.num_labels, or
   a validation or test label that no training row has is refused at loading, not after training.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -42,6 +46,8 @@ from rapidformer.errors import InputError
 # a label written as a whole number: "2", "-1", "2.0" (a csv column read as text keeps them so)
 WHOLE_NUMBER = re.compile(r"[+-]?\d+(\.0*)?")
 NO_LABEL = -1  # GLUE's test labels; also what an unlabelled test split gets
+
+log = logging.getLogger("rapidformer")
 
 
 @dataclass
@@ -149,30 +155,66 @@ def require_columns(splits: dict, wanted: dict[str, str], files: dict | None = N
         for key, column in wanted.items():
             if column not in ds.column_names:
                 where = f"{files[split]}: " if files and split in files else ""
+                if {"version", "data"} <= set(ds.column_names):
+                    raise InputError(
+                        f"{where}the {split} split is SQuAD's nested file (data -> paragraphs "
+                        f"-> qas): flatten it to one row per question with the columns id, "
+                        f"question, context and answers ({{\"text\": [...], \"answer_start\": "
+                        f"[...]}}), as the hub's squad has them, in a .jsonl file")
                 raise InputError(
                     f"{where}the {split} split has no column '{column}' ({key}); its columns "
                     f"are: {', '.join(ds.column_names)}. Set {key} to one of them")
 
 
-def load_classification_data(d: DataConfig, run_dir: Path, num_labels: int | None) -> ClassificationData:
+def load_classification_data(d: DataConfig, run_dir: Path, num_labels: int | None,
+                             head: dict[str, int] | None = None) -> ClassificationData:
+    """`head`: the label2id of the pretrained head the run fine-tunes, whose names number the
+    data's (models/head_labels.py)."""
     splits, files = _load_splits_and_files(d, run_dir)
     _check_columns(d, splits, files)
     if len(splits["train"]) == 0:
         raise InputError(f"the training split is empty ({files.get('train', d.path)}, "
                          f"data.path={d.path}); add examples")
-    return _encode_labels(d, splits, files, num_labels)
+    _check_texts(d, splits, files)
+    return _encode_labels(d, splits, files, num_labels, head)
+
+
+def _check_texts(d: DataConfig, splits: dict, files: dict) -> None:
+    """Every row has its text: a row whose text is missing (a JSON row without the key, or
+    null; an empty csv cell) would train on an empty string under its label."""
+    for split, ds in splits.items():
+        for key, column in (("data.text_a_column", d.text_a_column),
+                            ("data.text_b_column", d.text_b_column)):
+            if not column:
+                continue
+            values = ds[column]
+            missing = [i for i, v in enumerate(values) if v is None]
+            if missing:
+                place = _place(split, files.get(split), d)
+                raise InputError(
+                    f"{place(missing[0])} has no text in column '{column}' ({key}): the field "
+                    f"is missing, null or empty ({len(missing)} of the {split} split's "
+                    f"{len(values)} rows); fill it in, drop the row, or set {key} to the column "
+                    f"that holds the text")
 
 
 def _check_columns(d: DataConfig, splits: dict, files: dict) -> None:
-    wanted = {"data.text_a_column": d.text_a_column, "data.label_column": d.label_column}
+    """The text and label columns in every split; a test split without the label column (GLUE's
+    test.tsv) gets one of empty labels: it loads unscored."""
+    wanted = {"data.text_a_column": d.text_a_column}
     if d.text_b_column:
         wanted["data.text_b_column"] = d.text_b_column
     require_columns(splits, wanted, files)
+    test = splits.get("test")
+    if test is not None and d.label_column not in test.column_names:
+        splits["test"] = test.add_column(d.label_column, [None] * len(test))
+        remember(splits["test"], source_of(test))
+    require_columns(splits, {"data.label_column": d.label_column}, files)
 
 
 # --- labels: the rule in the module docstring -----------------------------------------------------
-def _encode_labels(d: DataConfig, splits: dict, files: dict, num_labels: int | None
-                   ) -> ClassificationData:
+def _encode_labels(d: DataConfig, splits: dict, files: dict, num_labels: int | None,
+                   head: dict[str, int] | None = None) -> ClassificationData:
     column = d.label_column
     places = {split: _place(split, files.get(split), d) for split in splits}
     values = {split: _label_values(ds[column], places[split], column)
@@ -180,7 +222,7 @@ def _encode_labels(d: DataConfig, splits: dict, files: dict, num_labels: int | N
     if all(isinstance(v, int) for v in values["train"]):
         label_names, n, to_id = _id_labels(values["train"], column, num_labels)
     else:
-        label_names, n, to_id = _named_labels(values["train"], column, num_labels)
+        label_names, n, to_id = _named_labels(values["train"], column, num_labels, head)
     ids = {split: _split_ids(split, labels, to_id, places[split], column)
            for split, labels in values.items()}
     splits = {split: _with_label_column(ds, column, ids[split]) for split, ds in splits.items()}
@@ -250,9 +292,13 @@ def _id_labels(train: list, column: str, num_labels: int | None):
     return [], n, to_id
 
 
-def _named_labels(train: list, column: str, num_labels: int | None):
-    """(label_names, num_labels, to_id) when the training labels are names: sorted as text."""
+def _named_labels(train: list, column: str, num_labels: int | None,
+                  head: dict[str, int] | None = None):
+    """(label_names, num_labels, to_id) when the training labels are names: sorted as text, or
+    in the order of the pretrained head's names where each is one of them."""
     names = sorted({str(v) for v in train if v is not None})
+    if head and num_labels in (None, len(head)):
+        names = names_in_head_order(names, head, "labels") or names
     index = {name: i for i, name in enumerate(names)}
     if num_labels is not None and num_labels < len(names):
         raise InputError(
@@ -296,6 +342,20 @@ def _with_label_column(ds, column: str, ids: list[int] | None):
     drop = [column] + (["label"] if column != "label" and "label" in ds.column_names else [])
     return ds.remove_columns(drop).add_column("label", ids if ids is not None
                                               else [NO_LABEL] * len(ds))
+
+
+def names_in_head_order(found: list[str], head: dict[str, int], what: str) -> list[str] | None:
+    """Every class name in the pretrained head's order when each of `found` (the training
+    data's names) is one of the head's; None where the data's own order applies (names the head
+    was not trained for: said once, since the head's rows then change meaning)."""
+    unknown = sorted(set(found) - set(head))
+    if unknown:
+        log.warning("the pretrained model's head was trained for the %s %s; the training "
+                    "data's %s are not among them, so the data's own numbering applies and the "
+                    "head learns them anew", what, _listing(sorted(head, key=head.get)),
+                    _listing(unknown))
+        return None
+    return sorted(head, key=head.get)
 
 
 def _listing(names: list[str], most: int = 10) -> str:

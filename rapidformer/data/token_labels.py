@@ -13,8 +13,9 @@ applied to each word's tag.
 - when every training tag is an id, tags are ids, 0..n-1. Their names are the dataset's
   ClassLabel names where it has them (CoNLL-2003 on the hub), and n their number; else n is
   task.num_labels, or the largest training id + 1, and the names are the ids as text;
-- else tags are names: each tag's text ("B-PER", "1"), "O" first and the others sorted as text,
-  the training split's numbering applied to every split;
+- else tags are names: each tag's text ("B-PER", "1"), "O" first and the others sorted as text
+  — or, fine-tuning a pretrained token classifier whose head names them all, numbered as its
+  head does (models/head_labels.py) — the training split's numbering applied to every split;
 - task.num_labels, when set, is n: at least the number of names (classes beyond them are named
   LABEL_<i>, as Hugging Face does, and no row has them);
 - a row whose words or tags are no list, an empty row, a row with fewer or more tags than words,
@@ -40,7 +41,7 @@ from pathlib import Path
 from rapidformer.config.schema import DataConfig
 from rapidformer.data.synthetic_tasks import writer_for
 from rapidformer.data.text_classification import (
-    _label_value, _listing, _load_splits_and_files, _place, require_columns)
+    _label_value, _listing, _load_splits_and_files, _place, names_in_head_order, require_columns)
 from rapidformer.errors import InputError
 
 TOKENS_KEY, TAGS_KEY = "data.tokens_column", "data.tags_column"
@@ -54,16 +55,19 @@ class TagData:
 
 
 def load_token_data(d: DataConfig, run_dir: Path, num_labels: int | None,
-                    write_synthetic=None) -> TagData:
+                    write_synthetic=None, head: dict[str, int] | None = None) -> TagData:
     """The splits of a token-classification dataset with their tags checked and made ids (the
-    rule in the module docstring); `write_synthetic` writes `data=synthetic`'s sentences."""
+    rule in the module docstring); `write_synthetic` writes `data=synthetic`'s sentences;
+    `head`: the label2id of the pretrained head the run fine-tunes, whose tag names number the
+    data's."""
     splits, files = _load_splits_and_files(d, run_dir,
                                            write_synthetic or writer_for("token_classification"))
     require_columns(splits, {TOKENS_KEY: d.tokens_column, TAGS_KEY: d.tags_column}, files)
-    return prepare_tags(splits, files, d, num_labels)
+    return prepare_tags(splits, files, d, num_labels, head)
 
 
-def prepare_tags(splits: dict, files: dict, d: DataConfig, num_labels: int | None) -> TagData:
+def prepare_tags(splits: dict, files: dict, d: DataConfig, num_labels: int | None,
+                 head: dict[str, int] | None = None) -> TagData:
     """Every split's tags as ids, train's vocabulary for all (`files`: {split: the file it was
     read from}, which the errors name; none for the hub)."""
     if len(splits["train"]) == 0:
@@ -75,7 +79,7 @@ def prepare_tags(splits: dict, files: dict, d: DataConfig, num_labels: int | Non
     if all(isinstance(tag, int) for tag in train):
         names, to_id = _id_tags(splits["train"], train, d.tags_column, num_labels, files)
     else:
-        names, to_id = _named_tags(train, d.tags_column, num_labels, files)
+        names, to_id = _named_tags(train, d.tags_column, num_labels, files, head)
     out = {}
     for split, ds in splits.items():
         place = places[split]
@@ -179,9 +183,13 @@ def _id_tags(train_ds, train: list[int], column: str, num_labels: int | None, fi
     return names, to_id
 
 
-def _named_tags(train: list, column: str, num_labels: int | None, files: dict):
-    """(names, to_id) when the training tags are names: "O" first, then sorted as text."""
+def _named_tags(train: list, column: str, num_labels: int | None, files: dict,
+                head: dict[str, int] | None = None):
+    """(names, to_id) when the training tags are names: "O" first, then sorted as text; or in
+    the order of the pretrained head's names where each is one of them."""
     found = sorted({str(tag) for tag in train}, key=lambda t: (t != "O", t))
+    if head and num_labels in (None, len(head)):
+        found = names_in_head_order(found, head, "tags") or found
     if num_labels is not None and num_labels < len(found):
         raise InputError(
             f"the training split{_file(files)} has {len(found)} tags ({_listing(found)}) in "
@@ -247,6 +255,25 @@ def align_labels(word_ids: list[int | None], word_labels: list[int], label_all_t
             aligned.append(-100)
         previous = word
     return aligned
+
+
+def unseen_entities(word_ids: list[int | None], word_labels: list[int], labels: list[int],
+                    names: list[str]) -> int:
+    """The gold entities of one row that reach past the words its encoding kept (a sentence
+    longer than data.max_seq_length tokens): scored as missed, since the model never reads
+    them. `labels` (the row's aligned labels) loses the kept part of an entity the cut splits,
+    which would otherwise count as a whole, shorter entity."""
+    kept = [w for w in word_ids if w is not None]
+    last = max(kept) if kept else -1
+    if last + 1 >= len(word_labels):
+        return 0
+    past = [(first, end) for _, first, end in entities([names[i] for i in word_labels])
+            if end > last]
+    for first, _ in past:
+        for position, word in enumerate(word_ids):
+            if word is not None and word >= first:
+                labels[position] = -100
+    return len(past)
 
 
 def _inside(label: int, names: list[str] | None) -> int:

@@ -130,6 +130,20 @@ def build_tokenizer(m: ModelConfig, train_texts: Callable[[], Iterable[str]], sa
     return train_wordpiece(train_texts(), save_dir, m.vocab_size, m.lowercase, max_length)
 
 
+def ready_to_pad(tokenizer):
+    """The tokenizer, with a padding token: a decoder's (GPT-2, Llama) has none, and a batch of
+    sentences of other lengths is padded with its end-of-sequence token (what their classifiers
+    take as the padding id, config.pad_token_id, to find each sentence's last token)."""
+    if tokenizer.pad_token is None:
+        stand_in = tokenizer.eos_token or tokenizer.sep_token
+        if stand_in is None:
+            raise InputError(f"the tokenizer ({type(tokenizer).__name__}) has no padding token "
+                             f"and no end-of-sequence token to pad with; add a pad_token to its "
+                             f"tokenizer_config.json (or special_tokens_map.json)")
+        tokenizer.pad_token = stand_in
+    return tokenizer
+
+
 def unreachable_model_message(name: str, what: str = "model") -> str:
     return (f"cannot load the {what} '{name}' (model.name_or_path): it is not a local directory "
             f"and not in the Hugging Face cache, and the hub cannot be reached. Fix: download it "

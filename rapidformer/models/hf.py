@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 
 import torch
 
@@ -9,6 +11,8 @@ from rapidformer.config.schema import ENCODER_DECODER_ARCHS, ModelConfig
 from rapidformer.data.tokenizers import unreachable_model_message
 from rapidformer.errors import InputError
 from rapidformer.models.pretrained_shape import check_shape
+
+log = logging.getLogger("rapidformer")
 
 
 def _labels(num_labels: int, label_names: list[str]) -> dict:
@@ -33,6 +37,25 @@ AUTO_CLASSES = {"sequence_classification": "AutoModelForSequenceClassification",
 TRAINING_DTYPE = torch.float32
 
 
+def _new_head(m: ModelConfig, task: str, num_labels: int | None) -> dict:
+    """A classifier checkpoint whose head has another number of classes than the data (an NLI
+    model's 3 for a binary task): its head is made anew, and the run says so; the rest of its
+    weights load as trained."""
+    suffix = {"sequence_classification": "ForSequenceClassification",
+              "token_classification": "ForTokenClassification"}.get(task)
+    if suffix is None or num_labels is None:
+        return {}
+    from rapidformer.models.head_labels import head_size
+
+    size = head_size(m, suffix)
+    if size is None or size == num_labels:
+        return {}
+    log.warning("%s has a head of %d classes and this run's data %d: the head starts anew from "
+                "random weights (the rest of the model loads as trained)", m.name_or_path, size,
+                num_labels)
+    return {"ignore_mismatched_sizes": True}
+
+
 def build_sequence_classifier(m: ModelConfig, num_labels: int, tokenizer, label_names=()):
     return build_task_model(m, "sequence_classification", tokenizer,
                             **_labels(num_labels, list(label_names)))
@@ -45,9 +68,19 @@ def build_task_model(m: ModelConfig, task: str, tokenizer, **extra):
 
     auto = getattr(transformers, AUTO_CLASSES[task])
     if m.source == "pretrained":
+        extra = {**extra, **_new_head(m, task, extra.get("num_labels"))}
+        load = functools.partial(auto.from_pretrained, m.name_or_path, dtype=TRAINING_DTYPE,
+                                 attn_implementation=m.attn_implementation)
         try:
-            model = auto.from_pretrained(m.name_or_path, attn_implementation=m.attn_implementation,
-                                         dtype=TRAINING_DTYPE, **extra)
+            try:
+                model = load(**extra)
+            except RuntimeError as exc:  # a head of another size, its config not read before
+                if "ignore_mismatched_sizes" not in str(exc) or "num_labels" not in extra:
+                    raise
+                log.warning("%s has a head of another size than this run's %d classes: the "
+                            "head starts anew from random weights", m.name_or_path,
+                            extra["num_labels"])
+                model = load(**extra, ignore_mismatched_sizes=True)
         except OSError as exc:
             raise InputError(unreachable_model_message(m.name_or_path)) from exc
         check_shape(m, model.config)

@@ -62,14 +62,41 @@ def local_config(m: ModelConfig):
         return None
 
 
-def check_local_shape(m: ModelConfig) -> None:
-    """Before the run starts: the check, where the model's config.json is on this machine.
-    Elsewhere the check runs when the model loads."""
-    if all(getattr(m, key) is None for key in CONFIG_NAMES):
+# model types whose positions are learned embeddings, a table of a fixed length: a longer
+# sequence has no position to read (models with rotary or relative positions have no such
+# limit). The number: positions the table keeps for itself (RoBERTa's start after its padding id)
+LEARNED_POSITIONS = {"bert": 0, "distilbert": 0, "electra": 0, "albert": 0, "megatron-bert": 0,
+                     "ernie": 0, "mobilebert": 0, "gpt2": 0, "gpt_neo": 0, "opt": 0, "bart": 0,
+                     "mbart": 0, "roberta": 2, "xlm-roberta": 2, "camembert": 2,
+                     "longformer": 2}
+
+
+def position_problem(m: ModelConfig, config, max_seq_length: int) -> str | None:
+    """data.max_seq_length beyond the positions a pretrained model has learned."""
+    reserved = LEARNED_POSITIONS.get(getattr(config, "model_type", None))
+    table = _value(config, CONFIG_NAMES["max_position_embeddings"])
+    if reserved is None or table is None or max_seq_length <= table - reserved:
+        return None
+    return (f"data.max_seq_length={max_seq_length} is longer than the {table - reserved} "
+            f"positions the pretrained model {m.name_or_path} ({config.model_type}) has learned "
+            f"(max_position_embeddings in its config.json); set data.max_seq_length="
+            f"{table - reserved} or less")
+
+
+def check_local_shape(m: ModelConfig, max_seq_length: int | None = None) -> None:
+    """Before the run starts: the check (and the sequence length against the model's learned
+    positions), where the model's config.json is on this machine. Elsewhere the shape check
+    runs when the model loads."""
+    if all(getattr(m, key) is None for key in CONFIG_NAMES) and max_seq_length is None:
         return
     config = local_config(m)
-    if config is not None:
-        check_shape(m, config)
+    if config is None:
+        return
+    problems = shape_problems(m, config)
+    if max_seq_length is not None and (problem := position_problem(m, config, max_seq_length)):
+        problems.append(problem)
+    if problems:
+        raise ConfigError(problems)
 
 
 def known_model_type(m: ModelConfig) -> str | None:

@@ -9,6 +9,7 @@ import math
 import torch
 
 from rapidformer.data.qa import best_answers, eval_features, exact_match, f1_score, train_features
+from rapidformer.data.qa_rows import checked_splits
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.models.hf import build_task_model
 from rapidformer.tasks.base import TaskFinetuner
@@ -21,7 +22,7 @@ class QuestionAnsweringFinetuner(TaskFinetuner):
         from transformers import default_data_collator
 
         d, t = self.cfg.data, self.cfg.task
-        splits = self.load_splits()
+        splits = checked_splits(self.load_splits(), d)
         tokenizer = self.make_tokenizer(
             lambda: training_texts("question_answering", d, splits["train"]))
         train = splits["train"].map(lambda b: train_features(b, tokenizer, d, t), batched=True,

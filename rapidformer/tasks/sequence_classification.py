@@ -12,8 +12,9 @@ from torchmetrics.functional.classification import (binary_f1_score, multiclass_
                                                     multiclass_f1_score)
 
 from rapidformer.data.text_classification import load_classification_data, tokenize_splits
-from rapidformer.data.tokenizers import build_tokenizer, training_texts
+from rapidformer.data.tokenizers import build_tokenizer, ready_to_pad, training_texts
 from rapidformer.models.hf import build_sequence_classifier
+from rapidformer.models.head_labels import head_labels
 from rapidformer.tasks.base import TaskFinetuner, mean
 
 
@@ -33,14 +34,15 @@ class SequenceClassificationFinetuner(TaskFinetuner):
         from transformers import DataCollatorWithPadding
 
         d, m = self.cfg.data, self.cfg.model
-        data = load_classification_data(d, self.engine.run_dir, self.cfg.task.num_labels)
+        data = load_classification_data(d, self.engine.run_dir, self.cfg.task.num_labels,
+                                        head_labels(m))
         self.num_labels, self.label_names = data.num_labels, data.label_names
         self.scored_splits = data.scored_splits
         tokenizer_dir = self._resumed_tokenizer_dir() or self.engine.run_dir / "tokenizer"
 
-        self.tokenizer = build_tokenizer(
+        self.tokenizer = ready_to_pad(build_tokenizer(
             m, lambda: training_texts("sequence_classification", d, data.splits["train"]),
-            tokenizer_dir, d.max_seq_length)
+            tokenizer_dir, d.max_seq_length))
         encoded = tokenize_splits(data, d, self.tokenizer)
         self.require_examples(encoded, {k: len(v) for k, v in data.splits.items()})
         collate_fn = self.shape_batches(DataCollatorWithPadding(self.tokenizer, return_tensors="pt"))
@@ -49,6 +51,8 @@ class SequenceClassificationFinetuner(TaskFinetuner):
     def model_optimizer_lr_scheduler_provider(self):
         model = build_sequence_classifier(self.cfg.model, self.num_labels, self.tokenizer,
                                           self.label_names)
+        if model.config.pad_token_id is None:  # a decoder's: its classifier finds the last token
+            model.config.pad_token_id = self.tokenizer.pad_token_id
         return self.batching.drive(model), None, None
 
     def run_forward_step(self, batch, model):

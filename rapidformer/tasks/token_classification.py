@@ -5,13 +5,17 @@ rapidformer/data/token_labels.py; entity precision, recall and F1 (seqeval's rul
 accuracy at every evaluation."""
 from __future__ import annotations
 
+import logging
 import math
 
 from rapidformer.data.token_labels import (align_labels, entity_counts, load_token_data,
-                                           precision_recall_f1)
-from rapidformer.data.tokenizers import training_texts
+                                           precision_recall_f1, unseen_entities)
+from rapidformer.data.tokenizers import ready_to_pad, training_texts
 from rapidformer.models.hf import build_task_model
+from rapidformer.models.head_labels import head_labels
 from rapidformer.tasks.base import TaskFinetuner, mean
+
+log = logging.getLogger("rapidformer")
 
 
 class TokenClassificationFinetuner(TaskFinetuner):
@@ -22,20 +26,36 @@ class TokenClassificationFinetuner(TaskFinetuner):
 
         d, t = self.cfg.data, self.cfg.task
         # every tag checked and made an id here, before training (the rule: data/token_labels)
-        data = load_token_data(d, self.engine.run_dir, t.num_labels)
+        data = load_token_data(d, self.engine.run_dir, t.num_labels,
+                               head=head_labels(self.cfg.model))
         splits, self.names, self.scored_splits = data.splits, data.names, data.scored_splits
-        tokenizer = self.make_tokenizer(
-            lambda: training_texts("token_classification", d, splits["train"]))
+        tokenizer = ready_to_pad(self.make_tokenizer(
+            lambda: training_texts("token_classification", d, splits["train"])))
 
-        def encode(batch):
+        def encode(batch, split):
             enc = tokenizer(batch[d.tokens_column], is_split_into_words=True, truncation=True,
                             max_length=d.max_seq_length)
             enc["labels"] = [align_labels(enc.word_ids(i), ids, t.label_all_tokens, self.names)
                              for i, ids in enumerate(batch[d.tags_column])]
+            if split != "train":  # the scores count every gold entity, those cut off too
+                enc["unseen"] = [unseen_entities(enc.word_ids(i), ids, enc["labels"][i],
+                                                 self.names)
+                                 for i, ids in enumerate(batch[d.tags_column])]
             return enc
 
-        encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names)
+        encoded = {name: ds.map(encode, batched=True, remove_columns=ds.column_names,
+                                fn_kwargs={"split": name})
                    for name, ds in splits.items()}
+        self.unseen = {}  # an evaluated split's dataset -> its gold entities past the cut
+        for name in [n for n in encoded if n != "train"]:
+            unseen = sum(encoded[name]["unseen"])
+            encoded[name] = encoded[name].remove_columns("unseen")
+            self.unseen[id(encoded[name])] = unseen
+            if unseen:
+                log.warning("%s: %d gold entities lie past data.max_seq_length=%d tokens of "
+                            "their sentences; the model never reads them and the scores count "
+                            "them as missed: raise data.max_seq_length to score them",
+                            name, unseen, d.max_seq_length)
         self.require_examples(encoded, {k: len(v) for k, v in splits.items()})
         collate = self.shape_batches(DataCollatorForTokenClassification(tokenizer,
                                                                         return_tensors="pt"))
@@ -70,6 +90,7 @@ class TokenClassificationFinetuner(TaskFinetuner):
             loss_sum += float(outputs.loss) * int(keep.sum()) if keep.any() else 0.0
         correct, n_pred, n_gold, right_tokens, tokens, loss_sum = self.sum_over_ranks(
             correct, n_pred, n_gold, right_tokens, tokens, loss_sum)
+        n_gold += self._unseen_in(eval_dataloader)  # the split's, on every rank
         if not tokens:  # no labelled token to score
             return {"precision": math.nan, "recall": math.nan, "f1": math.nan,
                     "accuracy": math.nan, "loss": math.nan}
@@ -77,3 +98,9 @@ class TokenClassificationFinetuner(TaskFinetuner):
         metrics["accuracy"] = mean(right_tokens, tokens)
         metrics["loss"] = mean(loss_sum, tokens)
         return metrics
+
+    def _unseen_in(self, loader) -> int:
+        """The gold entities past the cut of the split `loader` reads (0 for a loader of other
+        data: a white-box subclass's own)."""
+        dataset = getattr(getattr(loader, "loader", loader), "dataset", None)
+        return getattr(self, "unseen", {}).get(id(dataset), 0)

@@ -92,6 +92,7 @@ class LoopControl:
         self.write, self.unit = write, unit
         self.t = engine.cfg.trainer
         self.window = _Window(self.t.grad_norm_spike_factor)
+        self._unlogged = None  # (step, optimizer, fields) of a step not yet in a record
         self.evaluated_at = -1  # the step of the last evaluation
         self.saved_at = -1  # the step of this run's last checkpoint
         self.best = BestTracker(self.t, engine.checkpoint_root, engine.is_main_process)
@@ -147,8 +148,20 @@ class LoopControl:
         self.compiling.step_done()
         self.profiler.step_done(step)
         self.progress.update(1)
+        self._unlogged = (step, optimizer, fields)
         if not (step % self.t.log_interval == 0 or step == self.total_iters):
             return
+        self._log(step, optimizer, fields)
+
+    def log_unlogged(self) -> None:
+        """Before a stop between log steps (a signal, trainer.exit_interval): the steps since
+        the last record become one, so that no step's loss goes unlogged (the resumed run's
+        first record holds only its own steps). A collective, as every record is."""
+        if self.window.steps and self._unlogged is not None:
+            self._log(*self._unlogged)
+
+    def _log(self, step: int, optimizer, fields: dict) -> None:
+        self._unlogged = None
         record = self.window.flush(optimizer, self.engine, step)
         self.sink.write(step, {**fields, **record})
         self.progress.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")

@@ -93,6 +93,8 @@ class TemplateLoop:
                     loop.evaluated(state, metrics)  # the best's checkpoint; early stopping
                 preempted = loop.stop_requested()  # a collective: every rank, every step
                 exiting = loop.exit_due(state.step)
+                if preempted or exiting:
+                    loop.log_unlogged()  # the steps since the last log line
                 if preempted or exiting or loop.save_due(state.step, advanced.epoch_done):
                     loop.save(state)  # not twice: a best evaluation may have saved this step
                 if preempted:

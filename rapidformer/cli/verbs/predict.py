@@ -88,13 +88,17 @@ def _tokenizer(ckpt: Path, cfg, run_dir: Path):
 
 def _training_label_names(cfg, run_dir: Path) -> list:
     """The label (tag) names as training numbered them, from the run's training data."""
+    from rapidformer.models.head_labels import head_labels
+
     if cfg.task.name == "sequence_classification":
         from rapidformer.data.text_classification import load_classification_data
 
-        return load_classification_data(cfg.data, run_dir, cfg.task.num_labels).label_names
+        return load_classification_data(cfg.data, run_dir, cfg.task.num_labels,
+                                        head_labels(cfg.model)).label_names
     from rapidformer.data.token_labels import load_token_data
 
-    return load_token_data(cfg.data, run_dir, cfg.task.num_labels).names
+    return load_token_data(cfg.data, run_dir, cfg.task.num_labels,
+                           head=head_labels(cfg.model)).names
 
 
 def from_checkpoint(ckpt: Path, cfg, run_dir: Path):
