@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import NamedTuple
 
@@ -90,6 +91,22 @@ class CheckpointWriteError(RapidformerError):
     the partial checkpoint is removed, the earlier ones are untouched."""
 
     exit_code = EXIT_WRITE_FAILED
+
+
+# a write the file system refused for want of room or permission, wherever it happens (a
+# metrics line, the export, generated data): one message and exit code 74, not a traceback
+WRITE_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def refused_write(exc: BaseException) -> CheckpointWriteError | None:
+    """The error to report for an OSError of a refused write; None for any other error."""
+    if not isinstance(exc, OSError) or exc.errno not in WRITE_REFUSED:
+        return None
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return CheckpointWriteError(
+        f"{exc.strerror or exc}{where}; free space (or choose a writable directory) and run "
+        f"again: a run's complete checkpoints are untouched, and trainer.resume=auto continues "
+        f"from the newest")
 
 
 class NonFiniteLoss(RapidformerError):

@@ -357,3 +357,37 @@ def test_verbs_run_through_python_m_rapidformer(tmp_path, capsys, monkeypatch, v
     code, printed = run_here([verb], capsys, monkeypatch, tmp_path)
     assert code == 0, printed
     assert ("ok: recipe=quickstart" if verb == "validate" else "recipe:") in printed
+
+
+# --- generated data and a trained vocabulary, complete or written again ---------------------------
+def test_generated_data_is_written_again_when_cut_short_or_made_otherwise(tmp_path):
+    from rapidformer.data.synthetic import write_dataset
+    from rapidformer.data.text_classification import GENERATED, generate_once
+
+    root = tmp_path / "data"
+    generate_once(root, write_dataset, 32, 8, 1)
+    made = (root / "train.jsonl").stat().st_mtime_ns
+    generate_once(root, write_dataset, 32, 8, 1)  # the same settings, complete: kept
+    assert (root / "train.jsonl").stat().st_mtime_ns == made
+    (root / "validation.jsonl").unlink()  # a set cut short
+    generate_once(root, write_dataset, 32, 8, 1)
+    assert len((root / "validation.jsonl").read_text().splitlines()) == 8
+    generate_once(root, write_dataset, 64, 8, 1)  # another size: what config.yaml says
+    assert len((root / "train.jsonl").read_text().splitlines()) == 64
+    (root / GENERATED).unlink()  # a kill before the record: the whole set again
+    generate_once(root, write_dataset, 64, 8, 1)
+    assert json.loads((root / GENERATED).read_text())["files"] == ["test.jsonl", "train.jsonl",
+                                                                   "validation.jsonl"]
+
+
+def test_a_half_written_vocabulary_is_trained_again(tmp_path):
+    from rapidformer.data.tokenizers import build_tokenizer
+
+    save = tmp_path / "tokenizer"
+    save.mkdir()
+    (save / "vocab.txt").write_text("")  # a stopped run's, before its config was written
+    m = ModelConfig(name="bert_tiny", source="config", vocab_size=200)
+    tokenizer = build_tokenizer(m, lambda: [" ".join(WORDS)] * 8, save, 32)
+    assert (save / "tokenizer_config.json").is_file() and len(tokenizer) > 5
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert build_tokenizer(m, lambda: [], save, 32).get_vocab() == tokenizer.get_vocab()

@@ -30,7 +30,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from rapidformer.checkpoint.run_start import STASH, stash
+from rapidformer.checkpoint.run_start import STASH, stash, unstash
 from rapidformer.errors import InputError
 
 log = logging.getLogger("rapidformer")
@@ -203,6 +203,12 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
                          f"wait for it to end, stop it, or choose another "
                          f"trainer.output_dir") from None
     try:
+        if (path / STASH).is_dir() and not overwrite:
+            # a trainer.overwrite=true run stopped before it trained (a kill, Ctrl-C) left the
+            # earlier run aside: a resume would find no checkpoint, start fresh, and drop it
+            unstash(path)
+            log.warning("put back in %s the earlier run's outputs that a trainer.overwrite=true "
+                        "run had moved aside (%s) and was stopped before it trained", path, STASH)
         # checked again under the lock: another run may have written here meanwhile
         if problems := claim_problems(run_dir, resume, overwrite, expected, setting):
             raise InputError(problems[0])

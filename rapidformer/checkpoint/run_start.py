@@ -9,7 +9,9 @@ its first metrics record or checkpoint (exit code 2 or 3) gets every byte put ba
 changed restored, entries it added removed, the log cut back to its length, directories it
 made removed. `trainer.overwrite=true` moves the earlier run's outputs aside (`STASH`) instead
 of deleting them at once: they come back with the rest if the run is refused, and are deleted
-once it has trained (or by the next overwrite, after a kill).
+once it has trained (or by the next overwrite, after a kill). A run without overwrite that finds
+them aside (an overwrite stopped by a kill or Ctrl-C before it trained) puts them back first
+(run_dir.claimed), so that a resume continues the earlier run.
 """
 from __future__ import annotations
 
@@ -75,22 +77,27 @@ class RunStart:
                 f.truncate(size)
 
     def _unstash(self) -> None:
-        stash = self.path / STASH
-        if not stash.is_dir():
-            return
-        for entry in stash.iterdir():
-            # checkpoints/ was emptied of rapidformer's entries only: they go back into it
-            moved = list(entry.iterdir()) if entry.name == "checkpoints" else [entry]
-            for item in moved:
-                target = self.path / item.relative_to(stash)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                _remove(target)
-                os.rename(item, target)
-        shutil.rmtree(stash, ignore_errors=True)
+        unstash(self.path)
 
     def drop_stash(self) -> None:
         """The run trained: the earlier run's outputs it moved aside go."""
         shutil.rmtree(self.path / STASH, ignore_errors=True)
+
+
+def unstash(run_dir: Path) -> None:
+    """What an overwrite moved aside, back where it was (over what a start wrote since)."""
+    stash_dir = Path(run_dir) / STASH
+    if not stash_dir.is_dir():
+        return
+    for entry in stash_dir.iterdir():
+        # checkpoints/ was emptied of rapidformer's entries only: they go back into it
+        moved = list(entry.iterdir()) if entry.name == "checkpoints" else [entry]
+        for item in moved:
+            target = Path(run_dir) / item.relative_to(stash_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _remove(target)
+            os.rename(item, target)
+    shutil.rmtree(stash_dir, ignore_errors=True)
 
 
 def stash(run_dir: Path, entry: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from omegaconf import DictConfig
 
 from rapidformer.cli.hydra_args import split_argv
 from rapidformer.errors import (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, Preempted, RapidformerError,
-                                debug_enabled)
+                                debug_enabled, refused_write)
+from rapidformer.runtime.outside_loop import StoppedOutsideLoop, signal_number, stops_outside_loop
 
 log = logging.getLogger("rapidformer")
 
@@ -130,6 +132,12 @@ def hydra_entry(cfg: DictConfig):
         # a stop signal ends a sweep too: its SystemExit passes Hydra's job runner
         sys.exit(exc.exit_code)
     except Exception as exc:
+        refused = refused_write(exc)  # a full disk outside a checkpoint's write
+        if refused is not None and hydra_cfg.mode != RunMode.MULTIRUN and not debug_enabled():
+            report(refused)
+            if held:
+                record_status(run_dir, "failed", str(refused))
+            sys.exit(refused.exit_code)
         if hydra_cfg.mode != RunMode.MULTIRUN or debug_enabled():
             raise
         # a sweep outlives a crashing job: the traceback goes to the job's log, the row says so
@@ -162,6 +170,34 @@ def _given(overrides: list[str], key: str, composed=None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """A run from the command line (its stops outside the training loop: one line, the run
+    directory put back when nothing was trained; runtime/outside_loop.py)."""
+    held: dict = {}  # "start" (a RunStart) and "dir" once the run directory is held
+    with stops_outside_loop():
+        try:
+            _main(argv, held)
+        except (KeyboardInterrupt, StoppedOutsideLoop) as exc:
+            _stopped(signal_number(exc), held.get("start"), held.get("dir"))
+
+
+def _stopped(signum: int, start, held_dir) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the put-back is not to be cut short
+        signal.signal(sig, signal.SIG_IGN)
+    if start is not None and not start.trained():
+        start.put_back()
+        where = (f"before training: nothing was run; {held_dir} "
+                 f"{'was removed' if start.created else 'is as it was'}")
+    elif start is not None:
+        where = (f"outside the training loop: no checkpoint was written for the stop; "
+                 f"rapidformer verify {held_dir} names the newest one")
+    else:
+        where = "before a run directory was held: nothing was written"
+    print(f"rapidformer: stopped by {signal.Signals(signum).name} {where} (exit code "
+          f"{128 + signum})", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+def _main(argv: list[str] | None, held: dict) -> None:
     from omegaconf import OmegaConf
 
     from rapidformer.config.compose import (check_overrides, compose, recipe_line,
@@ -240,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                 overrides = [*overrides, *NOT_HOLDING]
             # a later node's process never puts the directory back: the holder's run is in it
             start = RunStart(held_dir) if holder else None
+            held.update(start=start, dir=held_dir)
             stack.enter_context(claimed(held_dir, run_cfg.trainer.resume,
                                         run_cfg.trainer.overwrite,
                                         held=holder,

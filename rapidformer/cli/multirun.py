@@ -13,6 +13,7 @@ succeeded exits 0.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +29,14 @@ EXIT_SWEEP_FAILED = 1
 
 
 def write_status(run_dir: str | Path, status: str, error: str | None = None) -> None:
-    Path(run_dir, STATUS_FILE).write_text(json.dumps({"status": status, "error": error}))
+    """status.json, replaced whole (a full disk leaves the old one, never an empty file)."""
+    target = Path(run_dir, STATUS_FILE)
+    tmp = target.with_name(f".tmp-{STATUS_FILE}")
+    try:
+        tmp.write_text(json.dumps({"status": status, "error": error}))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def job_row(job_dir: Path) -> dict:

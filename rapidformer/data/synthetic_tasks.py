@@ -178,8 +178,12 @@ INSTRUCTION_LENGTH_KINDS = {"sft": "instruction_chat"}
 def writer_for(task: str, lengths: str = "short"):
     """`write(root, train_size, eval_size, seed)` for a task's generated data."""
     kind = INSTRUCTION_LENGTH_KINDS[task] if lengths == "instruction" else TASK_KINDS[task]
-    return lambda root, train, evaluation, seed: write_task_dataset(
-        kind, root, train, evaluation, seed)
+
+    def write(root, train, evaluation, seed):
+        return write_task_dataset(kind, root, train, evaluation, seed)
+
+    write.kind = kind  # which data a folder holds (data/text_classification.generate_once)
+    return write
 
 
 def main(argv: list[str] | None = None) -> None:

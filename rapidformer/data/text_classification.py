@@ -28,9 +28,12 @@ the rule looks at each value, not at the column's type:
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import re
+import time
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,8 +139,8 @@ def _load_splits_and_files(d: DataConfig, run_dir: Path, write_synthetic=write_d
     files: dict = {}
     if d.source == "synthetic":
         root = Path(d.path) if d.path else run_dir / "data"
-        if not (root / "train.jsonl").is_file():
-            write_synthetic(root, d.synthetic_train_size, d.synthetic_eval_size, d.synthetic_seed)
+        generate_once(root, write_synthetic, d.synthetic_train_size, d.synthetic_eval_size,
+                      d.synthetic_seed)
         splits, files = _local_splits(d, root)
     elif d.source == "local":
         splits, files = _local_splits(d, Path(d.path))
@@ -146,6 +149,34 @@ def _load_splits_and_files(d: DataConfig, run_dir: Path, write_synthetic=write_d
     if "train" not in splits:
         raise InputError(f"the dataset has no 'train' split (it has: {', '.join(splits)})")
     return splits, files
+
+
+GENERATED = ".generated.json"  # what wrote a folder's generated data, written after it
+
+
+def generate_once(root: Path, write, train_size: int, eval_size: int, seed: int) -> None:
+    """The generated data in `root`, written unless the data there was made with these
+    settings and finished: a set cut short (a kill, a full disk: a train.jsonl without its
+    validation split) or made with other sizes or seed (a rerun with trainer.overwrite=true or
+    a resume after the settings changed) is written again."""
+    made = {"writer": getattr(write, "kind", getattr(write, "__name__", "")),
+            "train_size": train_size, "eval_size": eval_size, "seed": seed}
+    record = root / GENERATED
+    try:
+        found = json.loads(record.read_text())
+        if {k: found.get(k) for k in made} == made and \
+                all((root / name).is_file() for name in found["files"]):
+            return
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    record.unlink(missing_ok=True)  # absent while the set is being written
+    began = time.time()
+    write(root, train_size, eval_size, seed)
+    made["files"] = sorted(p.name for p in Path(root).iterdir()
+                           if p.is_file() and p.stat().st_mtime >= began - 1)
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps(made))
+    os.replace(tmp, record)
 
 
 def require_columns(splits: dict, wanted: dict[str, str], files: dict | None = None) -> None:

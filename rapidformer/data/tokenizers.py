@@ -127,7 +127,16 @@ def build_tokenizer(m: ModelConfig, train_texts: Callable[[], Iterable[str]], sa
             raise InputError(unreachable_model_message(m.name_or_path, "tokenizer")) from exc
     if (save_dir / "tokenizer_config.json").exists():
         return load_tokenizer(save_dir, m.lowercase, max_length)
-    return train_wordpiece(train_texts(), save_dir, m.vocab_size, m.lowercase, max_length)
+    # trained aside and moved into place whole: a run stopped while it saved (a kill, a full
+    # disk) leaves no half-written tokenizer/ that every later run would trust and fail on
+    import shutil
+
+    partial = save_dir.with_name(f".tmp-{save_dir.name}-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer = train_wordpiece(train_texts(), partial, m.vocab_size, m.lowercase, max_length)
+    shutil.rmtree(save_dir, ignore_errors=True)  # a stopped run's, without its config
+    os.replace(partial, save_dir)
+    return load_tokenizer(save_dir, m.lowercase, max_length)
 
 
 def ready_to_pad(tokenizer):

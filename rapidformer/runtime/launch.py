@@ -324,7 +324,10 @@ def _after_signal(run_dir: Path, sigval: int, forwarder: StopForwarder | None,
     WorkerFailed for a worker that failed while stopping, None when they had all finished."""
     name = signal.Signals(sigval).name
     if forwarder is None or forwarder.signum is None:  # torch elastic's own handling
-        return _preempted(run_dir, name)
+        # SIGHUP, SIGQUIT: the workers end at once, without a checkpoint of this step
+        return _preempted(run_dir, name, EXIT_PREEMPTED if sigval in (signal.SIGTERM,
+                                                                      signal.SIGINT)
+                          else 128 + sigval)
     if forwarder.second is not None:
         return _preempted(run_dir, f"a second {signal.Signals(forwarder.second).name}",
                           128 + forwarder.second)

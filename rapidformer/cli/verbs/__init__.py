@@ -57,7 +57,7 @@ def run_verb(name: str, argv: list[str]) -> int:
     traceback (RAPIDFORMER_DEBUG=1 shows the traceback)."""
     import sys
 
-    from rapidformer.errors import RapidformerError, debug_enabled
+    from rapidformer.errors import RapidformerError, debug_enabled, refused_write
 
     if name in OWN_ARGS and ("-h" in argv or "--help" in argv):
         print(verb_usage(name))
@@ -65,8 +65,9 @@ def run_verb(name: str, argv: list[str]) -> int:
     module = importlib.import_module(VERBS[name][0])
     try:
         return getattr(module, f"{name}_command")(argv)
-    except RapidformerError as exc:
-        if debug_enabled():
+    except (RapidformerError, OSError) as exc:
+        error = exc if isinstance(exc, RapidformerError) else refused_write(exc)
+        if error is None or debug_enabled():
             raise
-        print(f"rapidformer: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        print(f"rapidformer: error: {error}", file=sys.stderr)
+        return error.exit_code

@@ -1,0 +1,56 @@
+"""A write the file system refuses outside a checkpoint's (a metrics line, the export, a verb's
+output): one message and exit code 74, not a traceback; status.json is replaced whole."""
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from rapidformer.errors import EXIT_WRITE_FAILED, refused_write
+from tests.conftest import FAST, run_here
+
+
+@pytest.mark.parametrize("code,refused", [(errno.ENOSPC, True), (errno.EDQUOT, True),
+                                          (errno.EROFS, True), (errno.ENOENT, False),
+                                          (errno.EACCES, False)])
+def test_which_os_errors_are_a_refused_write(code, refused):
+    error = refused_write(OSError(code, "the reason", "/the/file"))
+    assert (error is not None) == refused
+    if refused:
+        assert error.exit_code == EXIT_WRITE_FAILED
+        assert str(error).startswith("the reason writing /the/file; free space")
+    assert refused_write(ValueError("no")) is None
+
+
+def test_a_full_disk_at_a_metrics_line_is_one_message(tmp_path, capsys, monkeypatch):
+    from rapidformer.observability.metrics import MetricsSink
+
+    written = MetricsSink.write
+
+    def full_at_step_3(self, step, record):
+        if step == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return written(self, step, record)
+
+    monkeypatch.setattr(MetricsSink, "write", full_at_step_3)
+    run = tmp_path / "run"
+    code, printed = run_here([*FAST, "trainer.export_hf=false", f"trainer.output_dir={run}"],
+                             capsys, monkeypatch, tmp_path)
+    assert code == EXIT_WRITE_FAILED, printed[-3000:]
+    assert "rapidformer: error: No space left on device writing" in printed
+    assert "Traceback" not in printed
+    assert json.loads((run / "status.json").read_text())["status"] == "failed"
+    assert not list(run.glob(".tmp-*"))
+
+
+def test_a_verb_whose_output_the_disk_refuses_is_one_message(monkeypatch, capsys):
+    from rapidformer.cli import verbs
+
+    def full(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "/out/model.safetensors")
+
+    module = __import__(verbs.VERBS["export"][0], fromlist=["export_command"])
+    monkeypatch.setattr(module, "export_command", full)
+    assert verbs.run_verb("export", ["RUN", "--to", "/out"]) == EXIT_WRITE_FAILED
+    assert "No space left on device writing /out/model.safetensors" in capsys.readouterr().err
