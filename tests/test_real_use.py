@@ -391,3 +391,22 @@ def test_a_half_written_vocabulary_is_trained_again(tmp_path):
     assert (save / "tokenizer_config.json").is_file() and len(tokenizer) > 5
     assert not list(tmp_path.glob(".tmp-*"))
     assert build_tokenizer(m, lambda: [], save, 32).get_vocab() == tokenizer.get_vocab()
+
+
+def test_an_output_dir_that_is_a_dangling_link_is_named_as_such(tmp_path, capsys, monkeypatch):
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "gone")
+    code, printed = run_here([*FAST, f"trainer.output_dir={link}"], capsys, monkeypatch, tmp_path)
+    assert code == 2, printed[-2000:]
+    assert f"trainer.output_dir={link} is a symbolic link that leads nowhere" in printed
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
+def test_a_resume_whose_model_differs_with_no_model_setting_names_the_task():
+    from types import SimpleNamespace
+
+    from rapidformer.checkpoint.resume import model_change
+
+    saved = SimpleNamespace(model=SimpleNamespace(num_parameters=10, settings={"name": "x"}))
+    got = model_change(saved, ModelConfig(name="x"), 12)
+    assert "no model setting changed: the task, whose head is part of the model" in got

@@ -78,7 +78,8 @@ def model_change(saved: CheckpointState, model_cfg, num_parameters: int | None) 
     changed = [f"model.{k}={v} (was {before[k]})" for k, v in asdict(model_cfg).items()
                if k in before and before[k] != v]
     what = ("; changed: " + ", ".join(changed)) if changed else \
-        " (no model setting changed: the vocabulary trained on the data may have)"
+        " (no model setting changed: the task, whose head is part of the model, or the " \
+        "vocabulary trained on the data may have)"
     return (f"holds a model of {saved.model.num_parameters:,} parameters, this run builds "
             f"{num_parameters:,}{what}; resume with the model settings it was written with, or "
             f"{FRESH_RUN}")

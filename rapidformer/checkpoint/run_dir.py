@@ -183,6 +183,10 @@ def _claim(path: Path, run_dir, resume: str | None, overwrite: bool,
            expected: frozenset[str], setting: str = "trainer.output_dir") -> int:
     if problems := claim_problems(run_dir, resume, overwrite, expected, setting):
         raise InputError(problems[0])
+    if path.is_symlink() and not path.exists():
+        raise InputError(f"{setting}={run_dir} is a symbolic link that leads nowhere "
+                         f"({os.readlink(path)}); make the folder it names, remove the link, or "
+                         f"choose another {setting}")
     if (path / LOCK).is_symlink():
         raise InputError(f"{path / LOCK} is a symbolic link, not the lock file a run holds: "
                          f"a run would write into what it points to; remove the link, or "
