@@ -410,3 +410,82 @@ def test_a_resume_whose_model_differs_with_no_model_setting_names_the_task():
     saved = SimpleNamespace(model=SimpleNamespace(num_parameters=10, settings={"name": "x"}))
     got = model_change(saved, ModelConfig(name="x"), 12)
     assert "no model setting changed: the task, whose head is part of the model" in got
+
+
+def test_a_head_named_in_id2label_alone_numbers_the_data(tmp_path):
+    """transformers saves label2id as null for a config given id2label alone."""
+    from rapidformer.data.text_classification import load_classification_data
+
+    model = _saved_bert(tmp_path / "model", "sequence", ["positive", "negative"])
+    config = json.loads((model / "config.json").read_text())
+    config["label2id"] = None
+    (model / "config.json").write_text(json.dumps(config))
+    _jsonl(tmp_path / "data" / "train.jsonl", SENTIMENT)
+    d = DataConfig(source="local", path=str(tmp_path / "data"), text_a_column="text",
+                   text_b_column=None, label_column="label")
+    data = load_classification_data(d, tmp_path, None, head_labels(_model(model)))
+    assert data.label_names == ["positive", "negative"]
+
+
+def test_ids_that_a_classlabel_names_follow_the_heads_order(tmp_path):
+    """A hub dataset's (or a parquet file written by `datasets`) ids with ClassLabel names: a
+    head trained as {positive: 0, negative: 1} on data whose ClassLabel is [negative, positive]
+    gets each row's id of its name (CoNLL-2003 from the hub with a NER model: the same)."""
+    import datasets
+
+    from rapidformer.data.text_classification import load_classification_data
+    from rapidformer.data.token_labels import load_token_data
+
+    model = _saved_bert(tmp_path / "model", "sequence", ["positive", "negative"])
+    rows = {"text": [r["text"] for r in SENTIMENT],
+            "label": [int(r["label"] == "positive") for r in SENTIMENT]}
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["negative", "positive"])})
+    (tmp_path / "cls").mkdir()
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "cls" /
+                                                                    "train.parquet")
+    d = DataConfig(source="local", path=str(tmp_path / "cls"), text_a_column="text",
+                   text_b_column=None, label_column="label")
+    data = load_classification_data(d, tmp_path, None, head_labels(_model(model)))
+    assert data.label_names == ["positive", "negative"]
+    assert [data.label_names[i] for i in data.splits["train"]["label"]] == \
+        [r["label"] for r in SENTIMENT]
+
+    tags = ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]
+    ner = _saved_bert(tmp_path / "ner", "token", tags)
+    given = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
+                                  "ner_tags": datasets.Sequence(datasets.ClassLabel(names=given))})
+    (tmp_path / "tok").mkdir()
+    datasets.Dataset.from_dict({"tokens": [["anna", "ben", "paris"]] * 4,
+                                "ner_tags": [[1, 2, 3]] * 4}, features=features
+                               ).to_parquet(tmp_path / "tok" / "train.parquet")
+    data = load_token_data(DataConfig(source="local", path=str(tmp_path / "tok")), tmp_path,
+                           None, head=head_labels(_model(ner)))
+    assert data.names == tags
+    assert [data.names[i] for i in data.splits["train"]["ner_tags"][0]] == \
+        ["B-PER", "I-PER", "B-LOC"]
+
+
+def test_csv_texts_that_read_like_missing_values_are_texts(tmp_path):
+    from rapidformer.data.text_classification import load_classification_data
+
+    (tmp_path / "train.csv").write_text("text,label\nNone,negative\nNA,positive\nnull,negative\n"
+                                        "nan,positive\n")
+    d = DataConfig(source="local", path=str(tmp_path), text_a_column="text", text_b_column=None,
+                   label_column="label")
+    data = load_classification_data(d, tmp_path, None)
+    assert data.splits["train"]["text"] == ["None", "NA", "null", "nan"]
+
+
+def test_an_early_stop_between_log_steps_logs_the_steps_before_it(tmp_path, capsys,
+                                                                   monkeypatch):
+    run = tmp_path / "run"
+    code, printed = run_here([
+        *FAST, "trainer.epochs=null", "trainer.train_iters=40", "trainer.log_interval=10",
+        "trainer.eval_interval=3", "trainer.best_metric=validation/loss",
+        "trainer.early_stopping_patience=1", "trainer.early_stopping_min_delta=100",
+        "trainer.export_hf=false", f"trainer.output_dir={run}"], capsys, monkeypatch, tmp_path)
+    assert code == 0, printed[-3000:]
+    losses = [r["step"] for r in read_metrics(run) if "loss" in r]
+    assert losses == [6], losses  # stopped at step 6, its steps logged there

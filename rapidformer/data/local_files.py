@@ -159,7 +159,10 @@ def read_file(path: Path, fmt: str, quoting: str = "auto"):
         rows = _checked_rows(path, fmt, quoting)
         if fmt in ("csv", "tsv"):
             dialect = file_rows.dialect_of(fmt, quoting)
-            kwargs = {"delimiter": dialect.delimiter}
+            # only an empty cell is missing: pandas would read the texts "None", "NA", "null"
+            # or "nan" as missing values too
+            kwargs = {"delimiter": dialect.delimiter, "keep_default_na": False,
+                      "na_values": [""]}
             if not dialect.quoted:
                 kwargs["quoting"] = 3  # csv.QUOTE_NONE: `"` is text
     except OSError as exc:

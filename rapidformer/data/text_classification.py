@@ -252,6 +252,10 @@ def _encode_labels(d: DataConfig, splits: dict, files: dict, num_labels: int | N
               for split, ds in splits.items()}
     if all(isinstance(v, int) for v in values["train"]):
         label_names, n, to_id = _id_labels(values["train"], column, num_labels)
+        given = list(getattr(splits["train"].features.get(column), "names", None) or [])
+        if given and head and num_labels in (None, len(head)):  # ids a ClassLabel names
+            label_names, to_id = ids_in_head_order(given, head, to_id, "labels")
+            n = len(label_names)
     else:
         label_names, n, to_id = _named_labels(values["train"], column, num_labels, head)
     ids = {split: _split_ids(split, labels, to_id, places[split], column)
@@ -387,6 +391,16 @@ def names_in_head_order(found: list[str], head: dict[str, int], what: str) -> li
                     _listing(unknown))
         return None
     return sorted(head, key=head.get)
+
+
+def ids_in_head_order(given: list[str], head: dict[str, int], to_id, what: str):
+    """(names, to_id) for ids that a dataset's ClassLabel names (`given`, as a hub dataset or
+    a parquet file written by `datasets` has them), renumbered as the pretrained head numbers
+    those names; the data's own ids where the head does not name them all."""
+    order = names_in_head_order(given, head, what)
+    if order is None:
+        return given, to_id
+    return order, lambda value, where: head[given[to_id(value, where)]]
 
 
 def _listing(names: list[str], most: int = 10) -> str:

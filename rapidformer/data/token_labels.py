@@ -41,7 +41,8 @@ from pathlib import Path
 from rapidformer.config.schema import DataConfig
 from rapidformer.data.synthetic_tasks import writer_for
 from rapidformer.data.text_classification import (
-    _label_value, _listing, _load_splits_and_files, _place, names_in_head_order, require_columns)
+    _label_value, _listing, _load_splits_and_files, _place, ids_in_head_order, names_in_head_order,
+    require_columns)
 from rapidformer.errors import InputError
 
 TOKENS_KEY, TAGS_KEY = "data.tokens_column", "data.tags_column"
@@ -78,6 +79,11 @@ def prepare_tags(splits: dict, files: dict, d: DataConfig, num_labels: int | Non
     train = [tag for _, tags in rows["train"] for tag in tags]
     if all(isinstance(tag, int) for tag in train):
         names, to_id = _id_tags(splits["train"], train, d.tags_column, num_labels, files)
+        feature = getattr(splits["train"].features[d.tags_column], "feature", None)
+        given = list(getattr(feature, "names", None) or [])
+        if given and head and num_labels in (None, len(head)):  # ids a ClassLabel names
+            found, to_id = ids_in_head_order(given, head, to_id, "tags")
+            names = found if found is not given else names
     else:
         names, to_id = _named_tags(train, d.tags_column, num_labels, files, head)
     out = {}

@@ -19,16 +19,18 @@ PLACEHOLDER = re.compile(r"LABEL_\d+")
 
 
 def head_labels(m: ModelConfig) -> dict[str, int] | None:
-    """The pretrained model's label2id when its names mean something and its ids are
-    0..n-1; None for a model built from the config, placeholder names, or a config out of
-    reach (the run fails where it loads the model, with its own message)."""
+    """name -> row of the pretrained model's head, from its config's id2label (what transformers
+    keeps: it saves label2id as null when a config was given id2label alone), else its
+    label2id; None for a model built from the config, placeholder names (LABEL_0, ...), ids
+    that are not 0..n-1, or a config out of reach (the run fails where it loads the model)."""
     config = pretrained_config(m)
-    label2id = getattr(config, "label2id", None) or {}
-    if not label2id or all(PLACEHOLDER.fullmatch(str(name)) for name in label2id):
+    id2label = getattr(config, "id2label", None) or {}
+    mapping = {str(name): int(i) for i, name in id2label.items()} if id2label else \
+        {str(name): int(i) for name, i in (getattr(config, "label2id", None) or {}).items()}
+    if not mapping or all(PLACEHOLDER.fullmatch(name) for name in mapping):
         return None
-    mapping = {str(name): int(i) for name, i in label2id.items()}
     if sorted(mapping.values()) != list(range(len(mapping))):
-        return None
+        return None  # repeated names or gaps: no one numbering
     return mapping
 
 

@@ -102,6 +102,7 @@ class TemplateLoop:
                 if exiting:
                     loop.exiting(state.step)
                     return state  # no final evaluation, save or export
+            loop.log_unlogged()  # an early stop between log steps
             loop.end_steps()
             loop.save_last(state)  # written before the final scores, which may fail
             if loop.final_evaluation_due(state.step):  # an early stop evaluated this step

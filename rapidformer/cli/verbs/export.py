@@ -57,6 +57,27 @@ def _rows(state: dict, *suffixes: str) -> int | None:
     return next((v.shape[0] for k, v in state.items() if k.endswith(suffixes)), None)
 
 
+def _as_trained(config, cfg, state: dict, tokenizer, run_dir: Path) -> None:
+    """A pretrained config as the run's classifier had it: its head's rows and label names, and
+    a decoder's padding id (data/tokenizers.ready_to_pad)."""
+    if cfg.task.name not in ("sequence_classification", "token_classification"):
+        return
+    rows = _rows(state, "classifier.weight", "score.weight")
+    if rows is not None and rows != config.num_labels:
+        config.num_labels = rows
+    from rapidformer.cli.verbs.predict import _training_label_names
+
+    try:
+        names = _training_label_names(cfg, run_dir)
+    except RapidformerError:  # the training data is gone: the names stay the config's
+        names = []
+    if len(names) == config.num_labels:
+        config.id2label = dict(enumerate(names))
+        config.label2id = {name: i for i, name in enumerate(names)}
+    if getattr(config, "pad_token_id", None) is None and tokenizer is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+
+
 def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
     """The run's Hugging Face model class and shape, on the CPU, to load the weights into."""
     from rapidformer.planning.model_shape import _VocabOnly
@@ -68,6 +89,11 @@ def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
 
         config = transformers.AutoConfig.from_pretrained(
             str(exported.parent) if exported.is_file() else cfg.model.name_or_path)
+        if not exported.is_file() and cfg.task.name in hf.AUTO_CLASSES:
+            # the task's class on the checkpoint of a base model (a GPT-2 LM fine-tuned as a
+            # classifier), its head as the run made it (a head of another size starts anew)
+            _as_trained(config, cfg, state, tokenizer, run_dir)
+            return getattr(transformers, hf.AUTO_CLASSES[cfg.task.name]).from_config(config)
         architecture = (config.architectures or [None])[0]
         if architecture is None or not hasattr(transformers, architecture):
             raise InputError(f"{exported}: no model class in its 'architectures'")

@@ -117,7 +117,8 @@ def from_checkpoint(ckpt: Path, cfg, run_dir: Path):
     labels = {}
     if task in CLASSIFIERS and not exported.is_file():
         names = _training_label_names(cfg, run_dir)
-        heads = [v.shape[0] for k, v in state.items() if k.endswith("classifier.weight")]
+        heads = [v.shape[0] for k, v in state.items()
+                 if k.endswith(("classifier.weight", "score.weight"))]
         labels = {"num_labels": heads[0] if heads else len(names)}
         if names:
             labels.update(id2label=dict(enumerate(names)),
@@ -134,6 +135,12 @@ def from_checkpoint(ckpt: Path, cfg, run_dir: Path):
     else:
         model = build_task_model(cfg.model, task, tokenizer, **labels)
     restore.load_weights(model, state, ckpt)
+    if task in CLASSIFIERS:  # as training made them: a decoder pads with its EOS (data/tokenizers)
+        from rapidformer.data.tokenizers import ready_to_pad
+
+        ready_to_pad(tokenizer)
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, f"{ckpt} (step {saved.step})"
 
 
