@@ -289,11 +289,15 @@ class RapidformerEngine:
         final = self.run_dir / "hf_model"
         tmp = self.run_dir / ".tmp-hf_model"
         shutil.rmtree(tmp, ignore_errors=True)
-        with kv_cache_as_configured(model, self._kv_cache_was_on):
-            model.save_pretrained(str(tmp), state_dict=state_dict)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        honour_umask(tmp)  # safetensors writes model.safetensors 0600
+        try:
+            with kv_cache_as_configured(model, self._kv_cache_was_on):
+                model.save_pretrained(str(tmp), state_dict=state_dict)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            honour_umask(tmp)  # safetensors writes model.safetensors 0600
+        except BaseException:  # a full disk, a stop: no half export left (the checkpoint is)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         log.info("exported Hugging Face model to %s", final)

@@ -99,12 +99,18 @@ WRITE_REFUSED = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def refused_write(exc: BaseException) -> CheckpointWriteError | None:
-    """The error to report for an OSError of a refused write; None for any other error."""
-    if not isinstance(exc, OSError) or exc.errno not in WRITE_REFUSED:
+    """The error to report for a refused write: an OSError of one, or a library's own error
+    that carries the system's words (safetensors' "No space left on device"); None for any
+    other error."""
+    if isinstance(exc, OSError) and exc.errno in WRITE_REFUSED:
+        said = f"{exc.strerror or exc}" + (f" writing {exc.filename}" if exc.filename else "")
+    elif not isinstance(exc, OSError) and \
+            any(os.strerror(code) in str(exc) for code in WRITE_REFUSED):
+        said = str(exc).splitlines()[0]
+    else:
         return None
-    where = f" writing {exc.filename}" if exc.filename else ""
     return CheckpointWriteError(
-        f"{exc.strerror or exc}{where}; free space (or choose a writable directory) and run "
+        f"{said}; free space (or choose a writable directory) and run "
         f"again: a run's complete checkpoints are untouched, and trainer.resume=auto continues "
         f"from the newest")
 

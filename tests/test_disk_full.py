@@ -21,6 +21,26 @@ def test_which_os_errors_are_a_refused_write(code, refused):
         assert error.exit_code == EXIT_WRITE_FAILED
         assert str(error).startswith("the reason writing /the/file; free space")
     assert refused_write(ValueError("no")) is None
+    # safetensors' own error type, with the system's words
+    said = refused_write(RuntimeError("Error while serializing: No space left on device (os "
+                                      "error 28)"))
+    assert said is not None and said.exit_code == EXIT_WRITE_FAILED
+
+
+def test_a_failed_export_leaves_no_half_written_folder(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    def full(self, *args, **kwargs):
+        raise RuntimeError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
+    run = tmp_path / "run"
+    code, printed = run_here([*FAST, f"trainer.output_dir={run}"], capsys, monkeypatch,
+                             tmp_path)
+    assert code == EXIT_WRITE_FAILED, printed[-3000:]
+    assert "No space left on device" in printed and "Traceback" not in printed
+    assert not (run / ".tmp-hf_model").exists() and not (run / "hf_model").exists()
+    assert (run / "checkpoints").is_dir()  # the trained steps are kept
 
 
 def test_a_full_disk_at_a_metrics_line_is_one_message(tmp_path, capsys, monkeypatch):
