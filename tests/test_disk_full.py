@@ -74,3 +74,36 @@ def test_a_verb_whose_output_the_disk_refuses_is_one_message(monkeypatch, capsys
     monkeypatch.setattr(module, "export_command", full)
     assert verbs.run_verb("export", ["RUN", "--to", "/out"]) == EXIT_WRITE_FAILED
     assert "No space left on device writing /out/model.safetensors" in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("writes_that_fit", [0, 3])  # the first event, or at a log line
+# the thread's own traceback is what pytest reports as an unhandled thread exception
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_full_disk_under_tensorboard_is_one_message_without_its_threads_traceback(
+        writes_that_fit, tmp_path, capsys, monkeypatch):
+    import time
+
+    from tensorboard.summary.writer import record_writer
+
+    from rapidformer.errors import CheckpointWriteError
+    from rapidformer.observability.metrics import MetricsSink
+
+    written = record_writer.RecordWriter.write
+    fitted = []
+
+    def full(self, data):
+        if len(fitted) == writes_that_fit:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        fitted.append(data)
+        return written(self, data)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    with pytest.raises(CheckpointWriteError, match=r"tensorboard: No space left on device"):
+        sink = MetricsSink(tmp_path, tensorboard=True)
+        for step in range(1, 200):  # the writing thread fails on its own time
+            sink.write(step, {"loss": 1.0})
+            time.sleep(0.01)
+    if writes_that_fit:
+        sink.close()  # returns: the failed writer is not waited on
+    assert "Traceback" not in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -88,7 +89,11 @@ class MetricsSink:
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                _quiet_writer_thread_errors()
+                try:
+                    self._writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+                except OSError as exc:  # its first event is written at once
+                    raise self._refused(run_dir / "tensorboard", exc) from exc
             self._trackers = make_loggers(logger, run_dir, config or {})
 
     def write(self, step: int, record: dict) -> None:
@@ -101,15 +106,23 @@ class MetricsSink:
             self._csv.writerows([step, key, value] for key, value in numbers.items())
             self._csv_file.flush()
         except OSError as exc:  # a full or read-only disk: one message, not a traceback
-            raise CheckpointWriteError(
-                f"could not write {self.path}: {exc.strerror or exc}; the checkpoints written "
-                f"so far are untouched (trainer.resume=auto resumes from the newest). Free disk "
-                f"space, or choose another trainer.output_dir") from exc
+            raise self._refused(self.path, exc) from exc
         if self._writer is not None:
-            for key, value in numbers.items():
-                self._writer.add_scalar(key, value, step)
+            try:
+                for key, value in numbers.items():
+                    self._writer.add_scalar(key, value, step)
+            except OSError as exc:  # raised again here from TensorBoard's writing thread
+                self._writer = None  # that thread is gone: closing would wait on its queue
+                raise self._refused(self.path.parent / "tensorboard", exc) from exc
         for tracker in self._trackers:
             tracker.log(step, record)
+
+    @staticmethod
+    def _refused(path: Path, exc: OSError) -> CheckpointWriteError:
+        return CheckpointWriteError(
+            f"could not write {path}: {exc.strerror or exc}; the checkpoints written so far "
+            f"are untouched (trainer.resume=auto resumes from the newest). Free disk space, "
+            f"or choose another trainer.output_dir")
 
     def close(self) -> None:
         if self.enabled:
@@ -119,3 +132,20 @@ class MetricsSink:
                 self._writer.close()
             for tracker in self._trackers:
                 tracker.close()
+
+
+def _quiet_writer_thread_errors() -> None:
+    """TensorBoard writes its events in a thread that, when the disk refuses a write, prints the
+    error's traceback and dies; the next `add_scalar` raises the same error in the training
+    thread, where it becomes the run's one message. The thread's traceback is left out."""
+    hook = threading.excepthook
+    if getattr(hook, "_rapidformer", False):
+        return
+
+    def excepthook(args) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread"
+                and isinstance(args.exc_value, OSError)):
+            hook(args)
+
+    excepthook._rapidformer = True
+    threading.excepthook = excepthook
