@@ -222,6 +222,57 @@ def test_a_damaged_checkpoint_is_refused(cls_run, tmp_path, capsys):
     assert code == 0, err
 
 
+@pytest.mark.parametrize("verb", ["eval", "export"])
+def test_a_checkpoint_pruned_while_it_is_read_is_taken_again_or_named(verb, cls_run, tmp_path,
+                                                                       capsys, monkeypatch):
+    """A run still training prunes (trainer.keep_last) the checkpoint a verb is verifying: the
+    verb takes the newest again; a checkpoint named by the user is said to be removed (it read
+    as damaged, "a file is missing")."""
+    from rapidformer.checkpoint import store
+
+    run = tmp_path / "run"
+    shutil.copytree(cls_run, run)
+    root = run / "checkpoints"
+    verify = store.verify
+
+    def a_save_and_a_prune_meanwhile(path, *args, **kwargs):
+        if path.name == "step_00000006" and path.is_dir():
+            if not (root / "step_00000009").exists():
+                shutil.copytree(path, root / "step_00000009")  # the next save
+            path.rename(root / ".tmp-pruned-step_00000006")
+            shutil.rmtree(root / ".tmp-pruned-step_00000006")
+        return verify(path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "verify", a_save_and_a_prune_meanwhile)
+    out = ["--to", str(tmp_path / "exported")] if verb == "export" else []
+    code, _, err = cli([verb, str(run), *out], capsys)
+    assert code == 0, err
+    assert verb == "export" or (run / "eval" / "step_00000009.json").is_file()
+    shutil.copytree(root / "step_00000003", root / "step_00000006")
+    named = (["--checkpoint", str(root / "step_00000006")] if verb == "eval"
+             else ["--to", str(tmp_path / "again")])
+    code, _, err = cli([verb, str(root / "step_00000006" if verb == "export" else run), *named],
+                       capsys)
+    assert code == 2 and "step_00000006 was removed while it was read" in one_error(err)
+    assert "is damaged" not in err and not (tmp_path / "again").exists()
+
+
+def test_a_failure_while_a_checkpoint_is_read_names_its_removal_only_when_it_is_gone(tmp_path):
+    from rapidformer.checkpoint import store
+    from rapidformer.errors import InputError
+
+    ckpt = tmp_path / "step_00000004"
+    ckpt.mkdir()
+    with pytest.raises(FileNotFoundError):  # still there: the library's own error stands
+        with store.reading(ckpt, "rapidformer eval"):
+            raise FileNotFoundError(ckpt / "model.pt")
+    with pytest.raises(InputError, match="rapidformer eval: checkpoint .*step_00000004 was "
+                                         "removed while it was read"):
+        with store.reading(ckpt, "rapidformer eval"):
+            ckpt.rename(tmp_path / ".tmp-pruned-step_00000004")
+            raise FileNotFoundError(ckpt / "model.pt")
+
+
 def test_predict_says_which_tasks_it_does_not_cover(cls_run, tmp_path, capsys):
     from rapidformer.config.compose import compose
     from rapidformer.preflight import settle

@@ -123,13 +123,14 @@ def choose_checkpoint(run_dir: Path, choice: str | None) -> Path:
     checkpoints/best.json names; or a step_NNNNNNNN directory), every byte verified."""
     root = run_dir / "checkpoints"
     if choice in (None, LAST):
-        path = store.newest_complete(root)
+        path, problems = store.newest_verified(root)
         if path is None:
             raise InputError(f"{run_dir}: no complete checkpoint under {root} (interrupted saves "
                              f"are ignored); train the run further, or give --checkpoint "
                              f"PATH to a step_NNNNNNNN directory")
     elif choice == BEST:
         path = best_checkpoint(root)
+        problems = store.verify(path)
     else:
         path = Path(choice)
         if not path.is_dir():
@@ -139,11 +140,10 @@ def choose_checkpoint(run_dir: Path, choice: str | None) -> Path:
             raise InputError(f"--checkpoint {choice} is not a checkpoint (a directory named "
                              f"step_NNNNNNNN under the run's checkpoints/); give one, or last or "
                              f"best")
-    problems = store.verify(path)
-    if problems:
-        raise InputError(f"checkpoint {path} is damaged: {'; '.join(problems)}; choose another "
-                         f"with --checkpoint PATH (`rapidformer verify {run_dir}` lists the "
-                         f"intact ones)")
+        problems = store.verify(path)
+    store.require_intact(path, problems, f"--checkpoint {choice or LAST}", advice=(
+        f"choose another with --checkpoint PATH (`rapidformer verify {run_dir}` lists the "
+        f"intact ones)"))
     return path
 
 
@@ -180,8 +180,9 @@ def checkpoint_weights(ckpt: Path) -> tuple[dict, dict]:
     """(the fp32 model weights, what the checkpoint records)."""
     from rapidformer.accelerators.table import checkpoint_weights as weights
 
-    saved = read_state(ckpt)
-    return weights(ckpt, saved), saved
+    with store.reading(ckpt, "rapidformer"):
+        saved = read_state(ckpt)
+        return weights(ckpt, saved), saved
 
 
 def load_weights(model, state: dict, ckpt: Path) -> None:

@@ -35,18 +35,20 @@ def locate(path: Path, step: int | None) -> tuple[Path, Path]:
     """(checkpoint directory, run directory)."""
     if store.NAME.match(path.name):
         ckpt, run_dir = path, path.parent.parent
+        problems = store.verify(ckpt)
     else:
         run_dir = path
-        complete, _ = store.scan(path / "checkpoints")
-        if step is not None:
-            complete = [c for c in complete if c.name == f"step_{step:08d}"]
-        if not complete:
+        if step is None:
+            ckpt, problems = store.newest_verified(path / "checkpoints")
+        else:
+            ckpt = path / "checkpoints" / f"step_{step:08d}"
+            ckpt, problems = (ckpt, store.verify(ckpt)) if store.is_complete(ckpt) else (None, [])
+        if ckpt is None:
             which = f"step {step}" if step is not None else "any step"
             raise InputError(f"{path}: no complete checkpoint of {which} under {path}/checkpoints; "
                              f"give a run directory (trainer.output_dir) or a step_NNNNNNNN "
                              f"directory")
-        ckpt = complete[-1]
-    store.require_intact(ckpt, store.verify(ckpt), "rapidformer export")
+    store.require_intact(ckpt, problems, "rapidformer export")
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"{run_dir}/config.yaml is missing: export needs the run's resolved "
                          f"config next to its checkpoints")
@@ -66,6 +68,7 @@ def _as_trained(config, cfg, state: dict, tokenizer, run_dir: Path) -> None:
     if rows is not None and rows != config.num_labels:
         config.num_labels = rows
     from rapidformer.cli.verbs.predict import _training_label_names
+    from rapidformer.data.tokenizers import pad_id_into
 
     try:
         names = _training_label_names(cfg, run_dir)
@@ -74,8 +77,7 @@ def _as_trained(config, cfg, state: dict, tokenizer, run_dir: Path) -> None:
     if len(names) == config.num_labels:
         config.id2label = dict(enumerate(names))
         config.label2id = {name: i for i, name in enumerate(names)}
-    if getattr(config, "pad_token_id", None) is None and tokenizer is not None:
-        config.pad_token_id = tokenizer.pad_token_id
+    pad_id_into(config, tokenizer)
 
 
 def skeleton(cfg, state: dict, tokenizer, run_dir: Path):
@@ -133,13 +135,14 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
     # its relative paths (a local model=hf folder) are the folder's the run started in
     cfg = build_run_config(with_anchored_paths(
         yaml.safe_load((run_dir / "config.yaml").read_text()), run_dir))
-    saved = read_state(ckpt)
-    tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
-        if (ckpt / "tokenizer").is_dir() else None
-    if adapter_only:
-        return _write(out, ckpt, saved, tokenizer,
-                      _adapter_writer(ckpt, saved, adapter_base(cfg, run_dir)))
-    state = weights(ckpt, saved)
+    with store.reading(ckpt, "rapidformer export"):
+        saved = read_state(ckpt)
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
+            if (ckpt / "tokenizer").is_dir() else None
+        if adapter_only:
+            return _write(out, ckpt, saved, tokenizer,
+                          _adapter_writer(ckpt, saved, adapter_base(cfg, run_dir)))
+        state = weights(ckpt, saved)
     model = skeleton(cfg, state, tokenizer, run_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or {})
