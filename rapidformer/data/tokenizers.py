@@ -153,6 +153,13 @@ def ready_to_pad(tokenizer):
     return tokenizer
 
 
+def pad_id_into(config, tokenizer) -> None:
+    """A classifier's config without a padding id (a decoder's) takes the tokenizer's, which
+    ready_to_pad gave it: its classifier finds each sentence's last token by that id."""
+    if tokenizer is not None and getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+
+
 def unreachable_model_message(name: str, what: str = "model") -> str:
     return (f"cannot load the {what} '{name}' (model.name_or_path): it is not a local directory "
             f"and not in the Hugging Face cache, and the hub cannot be reached. Fix: download it "

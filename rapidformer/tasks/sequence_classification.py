@@ -12,7 +12,7 @@ from torchmetrics.functional.classification import (binary_f1_score, multiclass_
                                                     multiclass_f1_score)
 
 from rapidformer.data.text_classification import load_classification_data, tokenize_splits
-from rapidformer.data.tokenizers import build_tokenizer, ready_to_pad, training_texts
+from rapidformer.data.tokenizers import build_tokenizer, pad_id_into, ready_to_pad, training_texts
 from rapidformer.models.hf import build_sequence_classifier
 from rapidformer.models.head_labels import head_labels
 from rapidformer.tasks.base import TaskFinetuner, mean
@@ -51,8 +51,7 @@ class SequenceClassificationFinetuner(TaskFinetuner):
     def model_optimizer_lr_scheduler_provider(self):
         model = build_sequence_classifier(self.cfg.model, self.num_labels, self.tokenizer,
                                           self.label_names)
-        if model.config.pad_token_id is None:  # a decoder's: its classifier finds the last token
-            model.config.pad_token_id = self.tokenizer.pad_token_id
+        pad_id_into(model.config, self.tokenizer)
         return self.batching.drive(model), None, None
 
     def run_forward_step(self, batch, model):

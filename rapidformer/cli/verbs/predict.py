@@ -136,11 +136,9 @@ def from_checkpoint(ckpt: Path, cfg, run_dir: Path):
         model = build_task_model(cfg.model, task, tokenizer, **labels)
     restore.load_weights(model, state, ckpt)
     if task in CLASSIFIERS:  # as training made them: a decoder pads with its EOS (data/tokenizers)
-        from rapidformer.data.tokenizers import ready_to_pad
+        from rapidformer.data.tokenizers import pad_id_into, ready_to_pad
 
-        ready_to_pad(tokenizer)
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
+        pad_id_into(model.config, ready_to_pad(tokenizer))
     return model, tokenizer, f"{ckpt} (step {saved.step})"
 
 
