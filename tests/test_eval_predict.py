@@ -258,17 +258,17 @@ def test_a_checkpoint_pruned_while_it_is_read_is_taken_again_or_named(verb, cls_
 
 
 def test_a_failure_while_a_checkpoint_is_read_names_its_removal_only_when_it_is_gone(tmp_path):
-    from rapidformer.checkpoint import store
+    from rapidformer.checkpoint import reading
     from rapidformer.errors import InputError
 
     ckpt = tmp_path / "step_00000004"
     ckpt.mkdir()
     with pytest.raises(FileNotFoundError):  # still there: the library's own error stands
-        with store.reading(ckpt, "rapidformer eval"):
+        with reading.named_if_pruned(ckpt, "rapidformer eval"):
             raise FileNotFoundError(ckpt / "model.pt")
     with pytest.raises(InputError, match="rapidformer eval: checkpoint .*step_00000004 was "
                                          "removed while it was read"):
-        with store.reading(ckpt, "rapidformer eval"):
+        with reading.named_if_pruned(ckpt, "rapidformer eval"):
             ckpt.rename(tmp_path / ".tmp-pruned-step_00000004")
             raise FileNotFoundError(ckpt / "model.pt")
 

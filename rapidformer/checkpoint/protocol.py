@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from rapidformer.checkpoint import reading
 from rapidformer.checkpoint import store as checkpoint
 from rapidformer.errors import CheckpointWriteError, InputError
 
@@ -120,7 +121,7 @@ class CheckpointProtocol:
             raise InputError(problem)
         if checkpoint.NAME.match(path.name) or (path / checkpoint.MANIFEST).is_file():
             run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
-            checkpoint.require_intact(
+            reading.require_intact(
                 path, self.verified(path), given,
                 f"resume from an intact one (`rapidformer verify {run_dir}` lists them) with "
                 f"trainer.resume=PATH or trainer.resume=auto, or start fresh (a new "

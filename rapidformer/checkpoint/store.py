@@ -18,7 +18,6 @@ deleting it.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -31,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from rapidformer.errors import CheckpointWriteError, InputError
+from rapidformer.errors import CheckpointWriteError
 from rapidformer.file_modes import honour_umask
 
 log = logging.getLogger("rapidformer")
@@ -417,53 +416,6 @@ def latest(root: Path, verify_files: Callable[[Path], list[str]] = verify) -> Pa
             return path
         log.warning("ignoring damaged checkpoint %s: %s", path, "; ".join(problems))
     return None
-
-
-def newest_verified(root: Path, attempts: int = 3) -> tuple[Path | None, list[str]]:
-    """(the newest complete checkpoint under `root`, what is wrong with it); taken again when a
-    run still training pruned it while its bytes were read (trainer.keep_last)."""
-    path, problems = None, []
-    for _ in range(attempts):
-        path = newest_complete(root)
-        if path is None:
-            return None, []
-        problems = verify(path)
-        if not problems or not gone(path):
-            break
-    return path, problems
-
-
-def require_intact(path: Path, problems: list[str], given: str, advice: str | None = None
-                   ) -> None:
-    if problems and gone(path):  # renamed away by pruning, then deleted
-        raise removed_while_read(path, given)
-    if problems:
-        raise InputError(f"{given}: checkpoint {path} is damaged: {'; '.join(problems)}; "
-                         + (advice or f"choose another checkpoint (`rapidformer verify "
-                                      f"{path.parent.parent}` lists the intact ones)"))
-
-
-def removed_while_read(path: Path, given: str) -> InputError:
-    return InputError(f"{given}: checkpoint {path} was removed while it was read: the run that "
-                      f"wrote it is still training and keeps only its newest trainer.keep_last "
-                      f"checkpoints; run the command again (it takes the newest then), or once "
-                      f"the run has finished")
-
-
-@contextlib.contextmanager
-def reading(path: Path, given: str):
-    """A failure while checkpoint `path` is read, because pruning removed it meanwhile, is said
-    as such (not as the library's missing file)."""
-    try:
-        yield
-    except Exception as exc:
-        if gone(path):
-            raise removed_while_read(path, given) from exc
-        raise
-
-
-def gone(path: Path) -> bool:
-    return not (path.exists() or path.is_symlink())
 
 
 def prune(root: Path, keep_last: int) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from rapidformer.checkpoint import store
+from rapidformer.checkpoint import reading, store
 from rapidformer.checkpoint.state import read_state
 from rapidformer.config.run_paths import with_anchored_paths
 from rapidformer.errors import ConfigError, InputError
@@ -123,7 +123,7 @@ def choose_checkpoint(run_dir: Path, choice: str | None) -> Path:
     checkpoints/best.json names; or a step_NNNNNNNN directory), every byte verified."""
     root = run_dir / "checkpoints"
     if choice in (None, LAST):
-        path, problems = store.newest_verified(root)
+        path, problems = reading.newest_verified(root)
         if path is None:
             raise InputError(f"{run_dir}: no complete checkpoint under {root} (interrupted saves "
                              f"are ignored); train the run further, or give --checkpoint "
@@ -141,7 +141,7 @@ def choose_checkpoint(run_dir: Path, choice: str | None) -> Path:
                              f"step_NNNNNNNN under the run's checkpoints/); give one, or last or "
                              f"best")
         problems = store.verify(path)
-    store.require_intact(path, problems, f"--checkpoint {choice or LAST}", advice=(
+    reading.require_intact(path, problems, f"--checkpoint {choice or LAST}", advice=(
         f"choose another with --checkpoint PATH (`rapidformer verify {run_dir}` lists the "
         f"intact ones)"))
     return path
@@ -180,7 +180,7 @@ def checkpoint_weights(ckpt: Path) -> tuple[dict, dict]:
     """(the fp32 model weights, what the checkpoint records)."""
     from rapidformer.accelerators.table import checkpoint_weights as weights
 
-    with store.reading(ckpt, "rapidformer"):
+    with reading.named_if_pruned(ckpt, "rapidformer"):
         saved = read_state(ckpt)
         return weights(ckpt, saved), saved
 

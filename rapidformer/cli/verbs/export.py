@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from rapidformer.checkpoint import store
+from rapidformer.checkpoint import reading, store
 from rapidformer.checkpoint.state import CheckpointState, read_state
 from rapidformer.accelerators.table import checkpoint_weights as weights
 from rapidformer.config.schema import PRETRAINING_TASKS
@@ -39,7 +39,7 @@ def locate(path: Path, step: int | None) -> tuple[Path, Path]:
     else:
         run_dir = path
         if step is None:
-            ckpt, problems = store.newest_verified(path / "checkpoints")
+            ckpt, problems = reading.newest_verified(path / "checkpoints")
         else:
             ckpt = path / "checkpoints" / f"step_{step:08d}"
             ckpt, problems = (ckpt, store.verify(ckpt)) if store.is_complete(ckpt) else (None, [])
@@ -48,7 +48,7 @@ def locate(path: Path, step: int | None) -> tuple[Path, Path]:
             raise InputError(f"{path}: no complete checkpoint of {which} under {path}/checkpoints; "
                              f"give a run directory (trainer.output_dir) or a step_NNNNNNNN "
                              f"directory")
-    store.require_intact(ckpt, problems, "rapidformer export")
+    reading.require_intact(ckpt, problems, "rapidformer export")
     if not (run_dir / "config.yaml").is_file():
         raise InputError(f"{run_dir}/config.yaml is missing: export needs the run's resolved "
                          f"config next to its checkpoints")
@@ -135,7 +135,7 @@ def export(path: Path, out: Path, step: int | None = None, adapter_only: bool = 
     # its relative paths (a local model=hf folder) are the folder's the run started in
     cfg = build_run_config(with_anchored_paths(
         yaml.safe_load((run_dir / "config.yaml").read_text()), run_dir))
-    with store.reading(ckpt, "rapidformer export"):
+    with reading.named_if_pruned(ckpt, "rapidformer export"):
         saved = read_state(ckpt)
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")) \
             if (ckpt / "tokenizer").is_dir() else None
