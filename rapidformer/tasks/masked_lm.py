@@ -56,6 +56,8 @@ class MaskedLMFinetuner(TaskFinetuner):
         model = build_task_model(self.cfg.model, "masked_lm", self.tokenizer)
         return self.batching.drive(model), None, None
 
+    loss_unit = "labels"
+
     def run_forward_step(self, batch, model):
         return model(**batch).loss
 

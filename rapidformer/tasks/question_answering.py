@@ -45,6 +45,8 @@ class QuestionAnsweringFinetuner(TaskFinetuner):
     def model_optimizer_lr_scheduler_provider(self):
         return build_task_model(self.cfg.model, "question_answering", self.tokenizer), None, None
 
+    loss_unit = "examples"
+
     def run_forward_step(self, batch, model):
         return model(**batch).loss
 

@@ -37,6 +37,8 @@ class Seq2SeqFinetuner(TaskFinetuner):
     def model_optimizer_lr_scheduler_provider(self):
         return build_task_model(self.cfg.model, "seq2seq_lm", self.tokenizer), None, None
 
+    loss_unit = "labels"
+
     def run_forward_step(self, batch, model):
         return model(**batch).loss
 

@@ -54,6 +54,8 @@ class SequenceClassificationFinetuner(TaskFinetuner):
         pad_id_into(model.config, self.tokenizer)
         return self.batching.drive(model), None, None
 
+    loss_unit = "examples"
+
     def run_forward_step(self, batch, model):
         return model(**batch).loss
 

@@ -67,6 +67,8 @@ class TokenClassificationFinetuner(TaskFinetuner):
         model = build_task_model(self.cfg.model, "token_classification", self.tokenizer, **labels)
         return self.batching.drive(model), None, None
 
+    loss_unit = "labels"
+
     def run_forward_step(self, batch, model):
         return model(**batch).loss
 

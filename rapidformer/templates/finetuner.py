@@ -18,6 +18,7 @@ from rapidformer.observability.format import format_metrics
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.observability.records import NO_EVALUATION
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
+from rapidformer.templates.item_weights import loss_items, micro_batch_weights
 from rapidformer.templates.loop import CountingIterator
 from rapidformer.templates.skeleton import Advanced, Course, TemplateLoop
 
@@ -184,9 +185,29 @@ class Finetuner(TemplateLoop):
         course = EpochCourse(self, sampler.steps_per_epoch, eval_loaders, test_ds, collate_fn)
         return self._run_loop(model, optimizer, total_iters, state, batches, course)
 
+    # what run_forward_step's loss averages over in a batch (templates/item_weights.py):
+    # "examples", "labels", "next_labels", or None (each micro-batch's mean weighs the same)
+    loss_unit: str | None = None
+
+    def train_step(self, model, batches, window):
+        """With several micro-batches or ranks, each micro-batch's loss weighs its items
+        (templates/item_weights.py)."""
+        engine, p = self.engine, self.cfg.parallelism
+        self._weights = None
+        if self.loss_unit and (engine.accumulation > 1 or engine.world_size > 1) and \
+                p.tensor_model_parallel_size == p.pipeline_model_parallel_size == 1:
+            step = [next(batches) for _ in range(engine.accumulation)]
+            self._weights = micro_batch_weights([loss_items(b, self.loss_unit) for b in step],
+                                                engine.world_size, engine.all_reduce_sum,
+                                                engine.device)
+            batches = iter(step)
+        return super().train_step(model, batches, window)
+
     def _forward_step(self, batches, model):
-        return provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
+        loss = provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
                         "the loss (a tensor of one value)", check=loss_problem)
+        weights = getattr(self, "_weights", None)
+        return loss * weights.pop(0) if weights and torch.is_tensor(loss) else loss
 
     def _last_step(self, steps_per_epoch: int) -> tuple[int, str | None]:
         """The step training ends at: trainer.train_iters, or trainer.epochs' steps; resumed,
