@@ -71,11 +71,18 @@ def _messages(row: dict, form: str, d) -> list[dict]:
                          f"{{\"role\": ..., \"content\": ...}}, not {messages!r:.80}")
     checked = []
     for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("tool_calls"):
+            raise InputError(f"message {i + 1} holds tool_calls: rows with function calls are "
+                             f"not supported yet (the calls would be left out of the text the "
+                             f"model learns); leave those rows out")
         if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
                 or message.get("role") not in ROLES:
             raise InputError(f"message {i + 1} must be {{\"role\": one of {', '.join(ROLES)}"
                              f", \"content\": text}}, not {message!r:.80}")
-        checked.append({"role": message["role"], "content": message["content"]})
+        kept = {"role": message["role"], "content": message["content"]}
+        if isinstance(message.get("name"), str):  # a tool's or a speaker's, for the template
+            kept["name"] = message["name"]
+        checked.append(kept)
     return checked
 
 
@@ -101,36 +108,67 @@ class Renderer:
         self.tokenizer = tokenizer
         self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.eos = tokenizer.eos_token or ""
+        # a base model's tokenizer that begins every text with BOS (Llama's) was pretrained on
+        # texts that begin with it; rows joined without a template begin with it too
+        self.bos = "" if self.templated else bos_it_adds(tokenizer)
 
-    def text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def text(self, messages: list[dict], add_generation_prompt: bool = False,
+             where=None) -> str:
         if self.templated:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            try:
+                return self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            except Exception as exc:  # jinja2's TemplateError: its raise_exception, a syntax error
+                if type(exc).__module__.split(".")[0] != "jinja2":
+                    raise
+                raise template_error(exc, where) from None
         roles = [m["role"] for m in messages]
         if roles not in (["user"], ["user", "assistant"]):
             raise InputError("conversations need a chat template: the tokenizer has none; give "
                              "one with data.chat_template (its text or a file), or use prompt/"
                              "response rows")
         # a prompt and its response, joined
-        return "".join(m["content"] for m in messages) + (self.eos if len(messages) == 2 else "")
+        return self.bos + "".join(m["content"] for m in messages) + \
+            (self.eos if len(messages) == 2 else "")
 
-    def prompt(self, messages: list[dict]) -> tuple[str, str] | None:
+    def turn_end_id(self) -> int | None:
+        """The special token the template ends an assistant turn with (ChatML's <|im_end|>,
+        Llama 3's <|eot_id|>), which a model fine-tuned with it learns to stop at; None where
+        the turn ends otherwise."""
+        if not self.templated:
+            return None
+        mark = "rapidformer-answer-mark"
+        try:
+            text = self.text([{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": mark}])
+        except InputError:
+            return None
+        after = text[text.find(mark) + len(mark):] if mark in text else ""
+        ids = self.tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+        special = set(getattr(self.tokenizer, "all_special_ids", [])) | {
+            i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+            if getattr(t, "special", False)}
+        return ids[0] if ids and ids[0] in special else None
+
+    def prompt(self, messages: list[dict], where=None) -> tuple[str, str] | None:
         """(the text a model answers, the reference answer) for the last assistant turn."""
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
         if last is None:
             return None
-        return self.text(messages[:last], add_generation_prompt=True), messages[last]["content"]
+        return (self.text(messages[:last], add_generation_prompt=True, where=where),
+                messages[last]["content"])
 
     def assistant_spans(self, messages: list[dict], where) -> tuple[str, list[tuple]]:
         """(the conversation's text, the character spans of its assistant turns); `where`
         names the row, as in messages_of."""
-        text = self.text(messages)
+        text = self.text(messages, where=where)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.text(messages[:i], add_generation_prompt=True) if i else ""
-            through = self.text(messages[:i + 1])
+            before = self.text(messages[:i], add_generation_prompt=True, where=where) \
+                if i else ""
+            through = self.text(messages[:i + 1], where=where)
             if not (text.startswith(before) and text.startswith(through)
                     and len(through) > len(before)):
                 raise InputError(f"{_named(where)}: the chat template renders the conversation "
@@ -142,12 +180,49 @@ class Renderer:
         return text, spans
 
 
+def bos_it_adds(tokenizer) -> str:
+    """The BOS token the tokenizer puts before a text by default, or ""."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or getattr(tokenizer, "bos_token_id", None) is None:
+        return ""
+    ids = tokenizer("a")["input_ids"]
+    return bos if ids and ids[0] == tokenizer.bos_token_id else ""
+
+
+def template_error(exc: Exception, where) -> InputError:
+    """The chat template's own refusal (a raise_exception such as 'System role not supported')
+    or its syntax error, as one message naming the row and the template's line."""
+    line = getattr(exc, "lineno", None)
+    at = f" (the template's line {line})" if line else ""
+    row = f"{_named(where)}: " if where is not None else ""
+    if type(exc).__name__ == "TemplateSyntaxError":
+        return InputError(f"the chat template does not parse{at}: {exc}; fix it (data."
+                          f"chat_template, or the tokenizer's chat_template)")
+    return InputError(f"{row}the chat template refuses the conversation{at}: {exc}; change the "
+                      f"row (or leave it out), or give another template with data.chat_template")
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The ids a generation stops at: the tokenizer's end of sequence, the model's
+    generation_config's (an instruct model's end of turn: Llama 3's <|eot_id|>), and the token
+    the chat template ends an assistant turn with (the one a fine-tuned model learnt to end
+    its answers with)."""
+    found = []
+    given = getattr(generation_config, "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, *(given if isinstance(given, list) else [given]),
+                  Renderer(tokenizer).turn_end_id()):
+        if isinstance(value, int) and value not in found:
+            found.append(value)
+    return found
+
+
 # --- tokens and labels -------------------------------------------------------------------------
 @dataclass
 class EncodeCounts:
     examples: int = 0
     truncated: int = 0
     dropped: int = 0  # no token left to learn from (after truncation, or no assistant turn)
+    empty_answers: int = 0  # rows with an assistant turn of no text (it learns to say nothing)
 
 
 def encode(tokenizer, text: str, spans: list[tuple], max_length: int, loss_on: str
@@ -179,8 +254,10 @@ def encode_rows(dataset, tokenizer, d, loss_on: str, split: str, counts: EncodeC
     for index, row in enumerate(dataset):
         where = lambda index=index: place(index)  # noqa: E731  (worked out for an error only)
         messages = messages_of(row, form, d, where)
+        counts.empty_answers += any(m["role"] == "assistant" and not m["content"].strip()
+                                    for m in messages)
         text, spans = (renderer.assistant_spans(messages, where) if loss_on == "response"
-                       else (renderer.text(messages), []))
+                       else (renderer.text(messages, where=where), []))
         ids, labels, truncated = encode(tokenizer, text, spans, d.max_seq_length, loss_on)
         counts.examples += 1
         counts.truncated += truncated
@@ -198,19 +275,30 @@ def encode_rows(dataset, tokenizer, d, loss_on: str, split: str, counts: EncodeC
 
 
 def generation_prompts(dataset, tokenizer, d, limit: int) -> list[dict]:
-    """[{prompt, reference}] for the first `limit` rows of a split that have an answer."""
+    """[{prompt, reference}] for the first `limit` rows of a split that have an answer and a
+    prompt shorter than data.max_seq_length (a longer one trains nothing either: its answer
+    is cut off)."""
     if not limit:
         return []
     form = row_form(dataset.column_names, d)
     renderer = Renderer(tokenizer)
-    found = []
+    found, too_long = [], 0
     place = row_place("validation", dataset, d)
     for index, row in enumerate(dataset):
-        pair = renderer.prompt(messages_of(row, form, d, lambda index=index: place(index)))
-        if pair is not None:
-            found.append({"prompt": pair[0], "reference": pair[1]})
+        where = lambda index=index: place(index)  # noqa: E731
+        pair = renderer.prompt(messages_of(row, form, d, where), where)
+        if pair is None:
+            continue
+        if len(tokenizer(pair[0], add_special_tokens=False)["input_ids"]) >= d.max_seq_length:
+            too_long += 1
+            continue
+        found.append({"prompt": pair[0], "reference": pair[1]})
         if len(found) == limit:
             break
+    if too_long:
+        log.warning("task.sample_generations: %d validation prompts of data.max_seq_length=%d "
+                    "tokens or more are not answered (their answers are cut off in training)",
+                    too_long, d.max_seq_length)
     return found
 
 

@@ -83,6 +83,16 @@ def position_problem(m: ModelConfig, config, max_seq_length: int) -> str | None:
             f"{table - reserved} or less")
 
 
+def new_token_room(config, prompt_length: int, wanted: int) -> int:
+    """How many tokens a generation may add after a prompt of `prompt_length` tokens: `wanted`,
+    or fewer where the model's learned positions end sooner (GPT-2's 1,024)."""
+    reserved = LEARNED_POSITIONS.get(getattr(config, "model_type", None))
+    table = _value(config, CONFIG_NAMES["max_position_embeddings"])
+    if reserved is None or table is None:
+        return wanted
+    return max(0, min(wanted, table - reserved - prompt_length))
+
+
 def check_local_shape(m: ModelConfig, max_seq_length: int | None = None) -> None:
     """Before the run starts: the check (and the sequence length against the model's learned
     positions), where the model's config.json is on this machine. Elsewhere the shape check

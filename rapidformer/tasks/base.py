@@ -22,7 +22,7 @@ from rapidformer.data.synthetic_tasks import TASK_KINDS, writer_for
 from rapidformer.data.text_classification import _load_splits_and_files, require_columns
 from rapidformer.errors import InputError
 from rapidformer.data.tokenizers import build_tokenizer
-from rapidformer.tasks.batching import Batching
+from rapidformer.tasks.batching import Batching, RightPadded
 from rapidformer.templates.finetuner import Finetuner
 
 
@@ -89,7 +89,8 @@ class TaskFinetuner(Finetuner):
         becomes `self.train_collate_fn` (data.pad_to, trainer.unpad, task.mlm_head)."""
         self.batching = Batching(self.cfg, self.tokenizer, self.engine.transforms,
                                  masked_lm=masked_lm)
-        self.train_collate_fn, evaluation = self.batching.collates(collate)
+        self.train_collate_fn, evaluation = self.batching.collates(
+            RightPadded(collate, self.tokenizer))
         return evaluation
 
     def sum_over_ranks(self, *values: float) -> list[float]:

@@ -20,7 +20,6 @@ class Batching:
     def __init__(self, cfg, tokenizer, transforms, masked_lm: bool = False):
         self.cfg, self.transforms = cfg, transforms
         self.pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-        self.left = getattr(tokenizer, "padding_side", "right") == "left"
         # a compiled model (and float8's matmuls) meets lengths rounded to few multiples
         self.compiled = rounds_lengths(cfg)
         self.masked_lm = masked_lm
@@ -37,7 +36,8 @@ class Batching:
         Evaluation stays padded: metrics read rows."""
         d = self.cfg.data
         rule = bucket_lengths(d.pad_to, d.max_seq_length, self.compiled)
-        padded = PadTo(collate, rule, self.pad_id, self.left) if rule is not None else collate
+        # on the right, as the task's collate pads (RightPadded)
+        padded = PadTo(collate, rule, self.pad_id) if rule is not None else collate
         evaluation = self._positions_of(padded)
         return self._training(collate, evaluation), evaluation
 
@@ -71,3 +71,23 @@ class Batching:
                 collate.enabled = False
             return model
         return use_unpadded_forward(model, self.cfg.data.max_seq_length)
+
+
+class RightPadded:
+    """A task's padding collate, padding on the right whatever the tokenizer's padding_side
+    (a decoder's is often "left", for batched generation): a model with learned positions
+    (GPT-2) numbers a row's positions from its first slot, so left padding would train and
+    score every row at shifted positions. The tokenizer keeps its own side, as it is saved."""
+
+    def __init__(self, collate, tokenizer):
+        self.collate, self.tokenizer = collate, tokenizer
+
+    def __call__(self, features):
+        side = getattr(self.tokenizer, "padding_side", "right")
+        if side == "right":
+            return self.collate(features)
+        self.tokenizer.padding_side = "right"
+        try:
+            return self.collate(features)
+        finally:
+            self.tokenizer.padding_side = side

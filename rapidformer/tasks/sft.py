@@ -10,11 +10,12 @@ import logging
 import math
 
 from rapidformer.data.chat import (EncodeCounts, chat_template_text, encode_rows,
-                                   generation_prompts)
+                                   generation_prompts, stop_token_ids)
 from rapidformer.data.lengths import IGNORE
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.errors import InputError
 from rapidformer.models.hf import build_task_model
+from rapidformer.models.pretrained_shape import new_token_room
 from rapidformer.tasks.base import TaskFinetuner, mean
 
 log = logging.getLogger("rapidformer")
@@ -39,6 +40,10 @@ class SFTFinetuner(TaskFinetuner):
                 "(no %s token left to learn from)", name, counts.examples, counts.truncated,
                 d.max_seq_length, counts.dropped,
                 "assistant" if t.loss_on == "response" else "second")
+            if counts.empty_answers:
+                log.warning("task=sft, %s split: %d rows have an assistant turn with no text: "
+                            "the model learns to answer them with nothing", name,
+                            counts.empty_answers)
             if not len(encoded[name]):
                 raise self.empty_split(name, counts.examples, dropped_why(counts, d, t),
                                        dropped_fix(counts, d, t))
@@ -52,6 +57,8 @@ class SFTFinetuner(TaskFinetuner):
 
     def model_optimizer_lr_scheduler_provider(self):
         return build_task_model(self.cfg.model, "sft", self.tokenizer), None, None
+
+    loss_unit = "next_labels"
 
     def run_forward_step(self, batch, model):
         # packed rows have no attention_mask: the model reads the examples from position_ids,
@@ -95,14 +102,17 @@ class SFTFinetuner(TaskFinetuner):
         # sharded weights are gathered by every rank's forward: ranks generate in step
         synced = self.engine.strategy.forward_is_collective
         records, matched = [], 0
+        stops = stop_token_ids(tokenizer, getattr(generator, "generation_config", None))
         for item in self.prompts:
             enc = tokenizer(item["prompt"], add_special_tokens=False, return_tensors="pt")
             ids = enc["input_ids"].to(device)
             with torch.no_grad():
                 out = generator.generate(
                     input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                    max_new_tokens=t.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id, use_cache=True, synced_gpus=synced)
+                    max_new_tokens=new_token_room(generator.config, ids.shape[1],
+                                                  t.max_new_tokens),
+                    eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                    synced_gpus=synced)
             answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
             reference = tokenizer.decode(tokenizer(item["reference"], add_special_tokens=False)
                                          ["input_ids"], skip_special_tokens=True).strip()

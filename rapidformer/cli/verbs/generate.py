@@ -23,6 +23,11 @@ def load_exported(directory: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    if not (directory / "config.json").is_file() and \
+            (directory / "adapter_config.json").is_file():
+        raise InputError(f"{directory} holds LoRA adapters alone (an --adapter-only export): "
+                         f"generate answers with a whole model; write one with `rapidformer "
+                         f"export RUN_DIR --to DIR` (the adapters merged) and pass --model DIR")
     if not (directory / "config.json").is_file():
         raise InputError(f"{directory} holds no exported model (no config.json): the run exports "
                          f"to RUN_DIR/hf_model at its end (trainer.export_hf=true); or write one "
@@ -44,9 +49,10 @@ def load_exported(directory: Path):
 def prompt_texts(rows: list, tokenizer, data, raw: bool, where: str) -> list[str]:
     """The text each row is answered from: a conversation (or a prompt as the user's turn)
     rendered with the generation prompt, or the prompt itself (raw, or no template)."""
-    from rapidformer.data.chat import messages_of
+    from rapidformer.data.chat import Renderer, bos_it_adds, messages_of
 
     templated = bool(getattr(tokenizer, "chat_template", None)) and not raw
+    renderer = Renderer(tokenizer)
     texts = []
     for index, row in enumerate(rows):
         if isinstance(row, str):
@@ -64,9 +70,9 @@ def prompt_texts(rows: list, tokenizer, data, raw: bool, where: str) -> list[str
             raise InputError(f"{place}: needs a '{data.messages_column}' conversation or a "
                              f"'{data.prompt_column}' text (data.messages_column, "
                              f"data.prompt_column); it has: {', '.join(row) or 'nothing'}")
-        texts.append(tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=True)
-                     if templated else messages[-1]["content"])
+        # as training rendered them (a base model's text begins with the BOS it adds)
+        texts.append(renderer.text(messages, add_generation_prompt=True, where=place)
+                     if templated else bos_it_adds(tokenizer) + messages[-1]["content"])
     return texts
 
 
@@ -74,15 +80,23 @@ def answers(model, tokenizer, texts: list[str], max_new_tokens: int, temperature
             device) -> list[str]:
     import torch
 
+    from rapidformer.data.chat import stop_token_ids
+    from rapidformer.models.pretrained_shape import new_token_room
+
     out = []
-    for text in texts:
+    stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    for number, text in enumerate(texts, start=1):
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+        room = new_token_room(model.config, ids.shape[1], max_new_tokens)
+        if room < 1:
+            raise InputError(f"prompt {number} is {ids.shape[1]} tokens: the model "
+                             f"({model.config.model_type}) has no position left to answer in; "
+                             f"give a shorter prompt")
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else \
             {"do_sample": False}
         with torch.inference_mode():
             generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                       max_new_tokens=max_new_tokens,
-                                       eos_token_id=tokenizer.eos_token_id,
+                                       max_new_tokens=room, eos_token_id=stops,
                                        pad_token_id=tokenizer.pad_token_id, **sampling)
         out.append(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True).strip())
     return out
