@@ -85,20 +85,35 @@ def _resolved(run_dir: Path) -> dict:
     return plain if isinstance(plain, dict) else {}
 
 
+def _searched(resolved: dict) -> bool:
+    """Whether the run trained with accelerate=auto's choice (its config says auto)."""
+    accelerate = resolved.get("accelerate")
+    return isinstance(accelerate, dict) and accelerate.get("name") == "auto"
+
+
 def resume_command(run_dir: Path, argv: list[str] | None = None,
                    settings: tuple[str, ...] = ()) -> str:
     """`python -m rapidformer [--config-dir DIR] <the run's overrides> [settings]
     trainer.output_dir=RUN_DIR trainer.resume=auto`, quoted for a POSIX shell, runnable from
     any folder: the run's config folders and the paths its overrides name are absolute.
-    `settings` (key=value) replace the run's own of their keys."""
+    `settings` (key=value) replace the run's own of their keys. A run that trained with
+    accelerate=auto's choice resumes that choice (its overrides are the run's) without
+    searching: accelerate's own overrides go, and accelerate=none where a recipe set auto."""
     run_dir = Path(run_dir).absolute()
     hydra = _hydra_record(run_dir)
     start = Path((hydra.get("runtime") or {}).get("cwd") or Path.cwd())
     last = {override_key(o): o for o in run_overrides(run_dir, argv)}  # a key set twice: the last
     replaced = {*RUN_DIR_KEYS, *(override_key(s) for s in settings)}
+    resolved = _resolved(run_dir)
+    if _searched(resolved):
+        # (a command line's accelerate=auto dropped leaves the default, none; a recipe's is
+        # set back; a resumed run with auto would reuse its tuning.json all the same)
+        given = "accelerate" in last
+        replaced |= {k for k in last if k == "accelerate" or k.startswith("accelerate.")}
+        settings = (*settings, *(() if given else ("accelerate=none",)))
     kept = [_from_anywhere(o, start) for o in last.values() if override_key(o) not in replaced]
     # a relative path the run's config took from a recipe or config file, not the command line
-    kept += [override(f"++{key}", path) for key, path in anchored(_resolved(run_dir), start).items()
+    kept += [override(f"++{key}", path) for key, path in anchored(resolved, start).items()
              if key not in last and key not in replaced]
     folders = [part for d in _config_dirs(hydra) for part in ("--config-dir", d)]
     return shlex.join(["python", "-m", "rapidformer", *folders, *kept, *settings,

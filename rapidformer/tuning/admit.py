@@ -14,7 +14,7 @@ import torch
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError
-from rapidformer.tuning.space import Candidate, apply
+from rapidformer.tuning.space import Candidate, apply, epoch_steps_change
 
 
 @dataclass(frozen=True)
@@ -57,16 +57,18 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
         return Admission(candidate, tuple(exc.problems))
     except Exception as exc:  # noqa: BLE001 - a hand-picked value of the wrong type, an option
         return Admission(candidate, (f"{type(exc).__name__}: {exc}",))
-    problems = config_problems(cfg)
+    # the first steps' loss cannot see another schedule: a run given in epochs is compared at
+    # the same optimizer steps only (space.epoch_steps_change), after what no run may take
+    problems = config_problems(cfg) or [why for why in [epoch_steps_change(base, cfg)] if why]
     if problems:
         return Admission(candidate, tuple(problems))
     if memory_auto and not cfg.model.is_megatron:
-        # the plan decides recompute with the mode, unless the candidate sets it
+        # the plan picks the mode with the candidate's recompute, else the config's own (the
+        # user's, or what the plan picked for the config as given): the reference keeps it, and
+        # so must a candidate that does not set it (offloading recompute's inputs asks for it)
         from dataclasses import replace
 
-        # (offloading recompute's inputs asks for recompute)
-        asked = dict(candidate.overrides).get("trainer.checkpoint_activations") == "true" or \
-            cfg.trainer.offload_activations
+        asked = cfg.trainer.checkpoint_activations or cfg.trainer.offload_activations
         cfg = replace(cfg, trainer=replace(cfg.trainer, checkpoint_activations=asked))
         try:
             mode = choose_mode(cfg)

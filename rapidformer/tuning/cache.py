@@ -1,16 +1,24 @@
 """Search results kept by what decides them, so that a second run skips the search.
 
 The key is a hash of: every setting of the run but those that change only where it writes and
-what it logs (IGNORED), the size and modification time of the files its settings name on
-this machine (PATH_KEYS: data, model, tokenizer, chat template, user script; a folder's
-subfolders included, not what runs write there), the number of ranks, the hardware (device kind
-and name, how many) and the library versions (torch, transformers, rapidformer and the
-optional accelerator libraries). A change in any of them searches again. One JSON file per key
-under accelerate.cache_dir, else $RAPIDFORMER_TUNING_CACHE, else ~/.cache/rapidformer/tuning.
+what it logs (IGNORED), which of them the command line pins (space.pins: a value given there
+equal to the default is not searched over), the size and modification time of the files its
+settings name on this machine (PATH_KEYS: data, model, tokenizer, chat template, user script; a
+folder's subfolders included, not what runs write there; each prefix of a Megatron blend), the
+number of ranks, the hardware (device kind and name, how many; a CPU's model and the cores this
+process may use) and the library versions (torch, transformers, rapidformer and the optional
+accelerator libraries), with a fingerprint of rapidformer's own source files (an editable
+install keeps its version number however its code changes). A change in any of them searches
+again. One JSON file per key under accelerate.cache_dir, else $RAPIDFORMER_TUNING_CACHE, else
+$XDG_CACHE_HOME/rapidformer/tuning (~/.cache/rapidformer/tuning).
+
+A search the budget cut short (candidates not measured) is kept with the budget it had: a run
+given a larger accelerate.budget_s searches again (`outgrown`).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -18,15 +26,21 @@ from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
 
-FORMAT = 3  # 2: every setting in the key, the files' state; 3: PATH_KEYS, subfolders
+# 2: every setting in the key, the files' state; 3: PATH_KEYS, subfolders; 4: the pins, a
+# blend's prefixes, the source fingerprint, the CPU's model and affinity
+FORMAT = 4
 LIBRARIES = ("torch", "transformers", "rapidformer", "deepspeed", "liger_kernel", "torchao",
              "peft", "megatron-core", "flash_attn")
 
 
 def cache_dir(cfg: RunConfig) -> Path:
     where = cfg.accelerate.cache_dir or os.environ.get("RAPIDFORMER_TUNING_CACHE")
-    return Path(where).expanduser() if where else \
-        Path.home() / ".cache" / "rapidformer" / "tuning"
+    if where:
+        return Path(where).expanduser()
+    # the XDG base directory spec: a relative $XDG_CACHE_HOME is invalid and ignored
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    home = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return home / "rapidformer" / "tuning"
 
 
 def versions() -> dict:
@@ -38,7 +52,36 @@ def versions() -> dict:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = None
+    out["rapidformer-source"] = source_fingerprint()
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def source_fingerprint() -> str:
+    """The names, sizes and modification times of rapidformer's own .py files, hashed (a few
+    milliseconds): an editable install's version stays 0.1.0 while its code changes."""
+    import rapidformer
+
+    return folder_fingerprint(Path(rapidformer.__file__).parent)
+
+
+def folder_fingerprint(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            digest.update(f"{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo's, on Linux), else None."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() in ("model name", "Model", "cpu model"):
+                return value.strip()
+    return None
 
 
 def hardware(device_kind: str) -> dict:
@@ -49,8 +92,10 @@ def hardware(device_kind: str) -> dict:
     if device_kind == "cuda":
         return {"kind": "cuda", "name": torch.cuda.get_device_name(0),
                 "count": torch.cuda.device_count(), "cuda": torch.version.cuda}
+    # the cores this process may use (taskset, a container's cpuset), not only the machine's
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {"kind": "cpu", "name": platform.processor() or platform.machine(),
-            "count": os.cpu_count()}
+            "model": cpu_model(), "count": os.cpu_count(), "usable": usable}
 
 
 # settings that change where a run writes and what it logs, not what a search measures or
@@ -98,6 +143,10 @@ def local_state(value, skip: tuple[Path, ...] = ()) -> list:
     if not isinstance(value, (str, Path)) or not str(value) or "\n" in str(value):
         return []
     path = Path(value).expanduser()
+    parts = str(value).split()
+    if len(parts) > 1 and not _exists(path):  # a Megatron blend: "0.7 prefixA 0.3 prefixB"
+        return [(part, *state) for part in parts if not _number(part)
+                for state in local_state(part, skip)]
     found = []
     prefix = [path.with_name(path.name + ext) for ext in (".bin", ".idx")] if path.name else []
     for p in (path, *prefix):
@@ -109,6 +158,21 @@ def local_state(value, skip: tuple[Path, ...] = ()) -> list:
         except (OSError, ValueError):  # a name too long for a path, a null byte
             continue
     return found
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _stat(path: Path) -> tuple[int, int]:
@@ -163,13 +227,28 @@ def named_files(cfg: RunConfig) -> dict:
     return out
 
 
-def key_fields(cfg: RunConfig, device_kind: str) -> dict:
-    """What the result depends on."""
+def key_fields(cfg: RunConfig, device_kind: str, pinned: list[str] = ()) -> dict:
+    """What the result depends on; `pinned`: the keys the command line pins that a candidate
+    would set (space.touched_pins)."""
     from rapidformer.config.sizes import launched_world_size
 
-    return {"format": FORMAT, "settings": settings(cfg), "world": launched_world_size(cfg),
-            "files": named_files(cfg), "hardware": hardware(device_kind),
-            "versions": versions()}
+    return {"format": FORMAT, "settings": settings(cfg), "pinned": sorted(pinned),
+            "world": launched_world_size(cfg), "files": named_files(cfg),
+            "hardware": hardware(device_kind), "versions": versions()}
+
+
+def outgrown(record: dict, budget_s: float) -> str:
+    """Why a cached search is not this run's result, or "": the budget cut it short (it left
+    candidates unmeasured) and this run's accelerate.budget_s is larger than the one that did
+    (a cut by accelerate.max_fraction, in the key, is the same cut again)."""
+    cut = record.get("truncated")
+    if not isinstance(cut, dict) or cut.get("by") != "accelerate.budget_s":
+        return ""
+    before = cut.get("budget_s")
+    if not isinstance(before, (int, float)) or budget_s <= before:
+        return ""
+    return (f"the cached search was cut short by accelerate.budget_s={before:g} (candidates not "
+            f"measured); this run's {budget_s:g} may measure them")
 
 
 def key_of(fields: dict) -> str:

@@ -9,7 +9,8 @@ CUDA) is out once, with its reason, and in no combination; a value the priors do
 ones; one expected no sooner than the config as given is listed, not measured), then each,
 best first, is admitted by the refusal pass and the memory plan (tuning/admit.py) until
 accelerate.max_candidates are in. Hand-picked candidates
-(accelerate.extra_candidates) come first and are not counted in the maximum.
+(accelerate.extra_candidates) come first and are not counted in the maximum. A value that
+would change what the command line sets (space.pins) is not tried: one row per pinned value.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch
 from rapidformer.config.schema import RunConfig
 from rapidformer.tuning.admit import Admission, admit
 from rapidformer.tuning.priors import Context, expected_time, reference_time, relative_factor
-from rapidformer.tuning.space import Setting, axis_settings, combine, hand_picked
+from rapidformer.tuning.space import (Setting, axis_settings, combine, hand_picked,
+                                      pinned_changes)
 
 # combinations examined at most (each asked of the refusal pass), and refused ones listed
 EXAMINED = 400
@@ -37,23 +39,34 @@ def context(cfg: RunConfig, device: torch.device) -> Context:
 
 
 def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
-               run_s: float | None = None
+               run_s: float | None = None, pinned: dict[str, str] | None = None
                ) -> tuple[list[Admission], list[dict], dict[str, float]]:
     """(the admitted candidates with their estimates, in measuring order; rows of those left
     out: label, prior, why; each admitted label's prior). `run_s`: the training time of the run
-    with the config as given, when known (the order is then by expected time to result)."""
+    with the config as given, when known (the order is then by expected time to result).
+    `pinned`: what the command line sets (space.pins): no candidate changes it."""
     a = cfg.accelerate
+    pinned = pinned or {}
     ctx = context(cfg, device)
     out: list[dict] = []
-    admitted = [admit(cfg, hand_picked(text), device, memory_auto) for text in a.extra_candidates]
+    admitted = []
+    for text in a.extra_candidates:
+        if changed := pinned_changes(hand_picked(text).overrides, pinned):
+            out.append({"label": text, "why": f"refused: {_pinned_words(changed[0])}"})
+        else:
+            admitted.append(admit(cfg, hand_picked(text), device, memory_auto))
     for adm in admitted:
         if adm.problems:
             out.append({"label": adm.candidate.label, "why": f"refused: {adm.problems[0]}"})
     admitted = [adm for adm in admitted if not adm.problems]
     axes: list[list[tuple[Setting, float]]] = []
+    held: dict[str, list[str]] = {}  # a pinned override -> the axis values it leaves out
     for axis in a.axes:
         kept = []
         for setting in axis_settings(cfg, axis):
+            if changed := pinned_changes(setting.overrides, pinned):
+                held.setdefault(changed[0], []).append(setting.label)
+                continue
             prior = relative_factor(setting, ctx, cfg)
             if prior is None:
                 out.append({"label": setting.label, "why": f"not tried on a {device.type}"})
@@ -64,6 +77,8 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
                 continue
             kept.append((setting, prior))
         axes.append(kept)
+    out += [{"label": " / ".join(labels), "why": f"not tried: {_pinned_words(given)}"}
+            for given, labels in held.items()]  # once for each pinned override
     combos, slower = [], []
     given = None if run_s is None else reference_time(ctx, cfg, run_s)
     for choice in itertools.product(*[[None, *kept] for kept in axes]):
@@ -98,3 +113,8 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
         priors[adm.candidate.label] = round(prior, 3)
         found += 1
     return admitted, out, priors
+
+
+def _pinned_words(given: str) -> str:
+    return (f"it changes {given}, which the command line sets (a choice never replaces a value "
+            f"given there; leave it out to search it)")

@@ -7,7 +7,8 @@ directory, no checkpoint, no export. It runs in its own process group under a wa
 limit: an out-of-memory error, a crash or a hang ends that child alone (the group is killed).
 What it measured is read back from its metrics.jsonl: each step's loss, real (non-pad)
 tokens/s and window time (`window_s`), the CUDA peak where there is one (else the child's
-peak resident memory, from the kernel's accounting of that process).
+peak resident memory, from the kernel's accounting of that process). The rate is the median
+of the steps' rates after the warm-up, with their spread (summarize).
 """
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ class Measurement:
     # the child's time outside its steps: start-up, the final evaluation and test with their
     # own compilation (a compiled candidate compiles its evaluation too), paid by the run
     fixed_s: float = 0.0
-    tokens_per_s: float | None = None  # real tokens per second after the warm-up
+    tokens_per_s: float | None = None  # real tokens per second after the warm-up (median)
+    # the spread of the steps' rates after the warm-up: their median absolute deviation, as a
+    # share of the median (pick.choose asks a candidate to gain more than it)
+    rate_spread: float = 0.0
     tokens_per_step: float | None = None  # real tokens per optimizer step after the warm-up
     peak_mem_gb: float | None = None
     steps_per_epoch: int | None = None
@@ -57,7 +61,8 @@ class Measurement:
                 "status": self.status, "wall_s": round(self.wall_s, 3),
                 "losses": self.losses, "warmup_s": round(self.warmup_s, 3),
                 "fixed_s": round(self.fixed_s, 3),
-                "tokens_per_s": self.tokens_per_s, "tokens_per_step": self.tokens_per_step,
+                "tokens_per_s": self.tokens_per_s, "rate_spread": round(self.rate_spread, 4),
+                "tokens_per_step": self.tokens_per_step,
                 "peak_mem_gb": self.peak_mem_gb, "reason": self.reason}
 
 
@@ -158,16 +163,21 @@ STEPS_PER_EPOCH = re.compile(r"training \d+ iterations \((\d+) per epoch")
 
 def summarize(candidate: Candidate, steps: list[dict], warmup: int, wall_s: float,
               rss_kib: int, log_text: str) -> Measurement:
-    """A finished child's measurement: the rate over the steps after `warmup`."""
+    """A finished child's measurement: the rate over the steps after `warmup`, the median of
+    the steps' rates (a step stalled by a loaded machine, a collection, a page fault moves a
+    mean of a few steps by any factor; the median not), and their spread."""
+    from statistics import median
+
     m = Measurement(candidate, "ok", wall_s, losses=[float(r["loss"]) for r in steps])
-    timed = steps[warmup:]
+    timed = [r for r in steps[warmup:] if r["window_s"] > 0]
     m.warmup_s = sum(r["window_s"] for r in steps[:warmup])
     m.fixed_s = max(wall_s - sum(r["window_s"] for r in steps), 0.0)
-    seconds = sum(r["window_s"] for r in timed)
-    tokens = sum(r["tokens_per_s"] * r["window_s"] for r in timed)
-    if timed and seconds > 0:
-        m.tokens_per_s = tokens / seconds
-        m.tokens_per_step = tokens / len(timed)
+    if timed:
+        rates = [float(r["tokens_per_s"]) for r in timed]
+        m.tokens_per_s = median(rates)
+        m.tokens_per_step = sum(r["tokens_per_s"] * r["window_s"] for r in timed) / len(timed)
+        if m.tokens_per_s > 0:
+            m.rate_spread = median(abs(r - m.tokens_per_s) for r in rates) / m.tokens_per_s
     peaks = [r["peak_mem_gb"] for r in steps if "peak_mem_gb" in r]
     m.peak_mem_gb = round(max(peaks), 3) if peaks else round(rss_kib / 2**20, 3) or None
     if found := STEPS_PER_EPOCH.search(log_text):

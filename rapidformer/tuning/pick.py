@@ -22,6 +22,12 @@ and the search's own cost, the same for every candidate, is added to what is rep
 compiled candidate twice as fast per step loses to eager on a run too short to pay its
 compilation, and wins on a long one. The child evaluates once; a run that evaluates every
 epoch pays the later evaluations at the evaluation's rate, not counted here.
+
+The rate is the median of the steps' rates (measure.summarize), and a candidate replaces the
+config as given only when sooner by more than MARGIN plus the larger rate spread of the two:
+identical settings on a loaded machine must not win by noise. In a run given in epochs a
+candidate whose epoch has another number of optimizer steps (packing) is out: the run would
+follow another schedule, which the first steps' loss cannot show (other_epoch).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class Verdict:
     loss_check: str  # "ok (+1.2 %)", "diverged (+340 %)", "not finite", "-"
     time_to_result_s: float | None
     why: str = ""  # why it is out, when it is
+    spread: float = 0.0  # its steps' rate spread (Measurement.rate_spread)
 
 
 def loss_check(reference: list[float], losses: list[float], tolerance: float
@@ -53,9 +60,9 @@ def loss_check(reference: list[float], losses: list[float], tolerance: float
     return True, f"ok: {words}"
 
 
-# a candidate replaces the config as given only when it is this much sooner to the result: a
-# start-up's jitter or a noisy rate moves a few percent, and a setting that gains less than that
-# is not worth its risk
+# a candidate replaces the config as given only when it is this much sooner to the result, and
+# by more than the spread of the steps' rates (choose): a start-up's jitter or a noisy rate moves
+# a few percent, and a setting that gains less than that is not worth its risk
 MARGIN = 0.03
 
 
@@ -84,19 +91,35 @@ def judge(reference: Measurement, measured: list[Measurement], run_tokens: float
         why = "" if passed else "loss check"
         if passed and ttr is None:
             passed, why = False, "no rate measured"
-        out.append(Verdict(label, passed, words, ttr, why))
+        if passed and (other := other_epoch(reference, m, run_steps)):
+            passed, why = False, other
+        out.append(Verdict(label, passed, words, ttr, why, m.rate_spread))
     return out
+
+
+def other_epoch(reference: Measurement, m: Measurement, run_steps: int | None) -> str:
+    """Why `m` is no candidate of a run given in epochs (`run_steps` None): its epoch has
+    another number of optimizer steps (packing, another global batch), so the run would follow
+    another schedule, which its first steps' loss cannot show; else ""."""
+    ref, got = reference.steps_per_epoch, m.steps_per_epoch
+    if run_steps is not None or ref is None or got is None or ref == got:
+        return ""
+    return (f"it changes the optimizer steps of a run given in epochs ({got} per epoch, the "
+            f"config as given {ref}); give trainer.train_iters to compare")
 
 
 def choose(verdicts: list[Verdict]) -> Verdict:
     """The passing verdict with the shortest time to result; the reference (first) unless a
-    candidate is sooner by more than MARGIN of the reference's time."""
+    candidate is sooner by more than MARGIN plus the larger of the two rates' spreads, as a
+    share of the reference's time: a gain within what the steps of one setting vary by is
+    noise (identical settings measured on a loaded machine differ by that much)."""
     passing = [v for v in verdicts if v.passed]
     if not passing:
         raise ValueError("no candidate passed, the reference included")
     best = min(passing, key=lambda v: v.time_to_result_s)
     reference = verdicts[0]
+    needed = MARGIN + max(reference.spread, best.spread)
     if reference.passed and best is not reference and \
-            best.time_to_result_s > (1 - MARGIN) * reference.time_to_result_s:
+            best.time_to_result_s > (1 - needed) * reference.time_to_result_s:
         return reference
     return best

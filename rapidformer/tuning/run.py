@@ -40,36 +40,100 @@ def refusals(cfg: RunConfig, multirun: bool) -> list[str]:
 
 def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]:
     """The run's overrides with the search's choice added (the config then records what
-    runs); the record is kept for `write_record`."""
+    runs); the record is kept for `write_record`. A run that resumes a directory whose
+    tuning.json records a choice trains on with it: no search, the record kept as it is."""
     from omegaconf import OmegaConf
 
     from rapidformer.config.compose import check_overrides
-    from rapidformer.tuning.search import search
-    from rapidformer.tuning.space import kept_overrides
+    from rapidformer.tuning.search import command, search
+    from rapidformer.tuning.space import kept_overrides, pinned_changes, pins
 
     if problems := refusals(cfg, multirun=False):
         raise InputError(problems[0])
-    memory_auto = OmegaConf.select(composed, "memory.name") == "auto"
-    record = search(overrides, cfg, memory_auto)
+    # the CLI settles the run with a stand-in for its folder (it is not claimed yet): the
+    # folder the run resumes, and the cache's place beside it, are the composed config's
+    from dataclasses import replace
+
+    if folder := OmegaConf.select(composed, "trainer.output_dir"):
+        cfg = replace(cfg, trainer=replace(cfg.trainer, output_dir=str(folder)))
     _pending.clear()
+    memory_auto = OmegaConf.select(composed, "memory.name") == "auto"
+    record = recorded_choice(cfg, overrides)
+    if record is None:
+        record = search(overrides, cfg, memory_auto)
+        # the run log's command trains again into a new folder: this one is the run's own
+        record["command"] = command(overrides, record["choice"]["overrides"], fresh=True)
+    chosen = record["choice"]["overrides"]
+    if changed := pinned_changes(chosen, pins(overrides, memory_auto)):
+        # a search never chooses so (space.pins); a resumed run's record may have
+        raise InputError(f"accelerate=auto: the choice {record['choice']['label']} "
+                         f"({' '.join(chosen)}) changes {changed[0]}, which the command line "
+                         f"sets; {_where(record)}. Leave {changed[0]} out, or run without "
+                         f"accelerate=auto")
     _pending.update(record)
     # as the command line's own: keys no option's YAML holds become ++key=value; the user's
     # keys the choice sets again or whose group it switches go, as in its measurement
-    chosen = record["choice"]["overrides"]
     return [*kept_overrides(overrides, chosen), *check_overrides(chosen)]
+
+
+def _where(record: dict) -> str:
+    return f"the choice is {record['resumed']}'s" if record.get("resumed") else \
+        "the search's (a cached record's)"
+
+
+def recorded_choice(cfg: RunConfig, overrides: list[str] = ()) -> dict | None:
+    """The record of the run this one resumes (trainer.resume set, its folder holding a
+    tuning.json: trainer.output_dir, or a plain hydra.run.dir of the command line, where Hydra
+    writes the job's files), else None: a resumed run trains on as it trained, and searching
+    again (with the choice's overrides now on the command line, another key) would replace
+    its record."""
+    import json
+    from pathlib import Path
+
+    from rapidformer.config.compose import override_key
+
+    job = [o.split("=", 1)[1].strip("'\"") for o in overrides
+           if override_key(o) == "hydra.run.dir" and "${" not in o]
+    folders = [Path(p).expanduser() for p in (*job[-1:], cfg.trainer.output_dir)]
+    path = next((f / "tuning.json" for f in folders if (f / "tuning.json").is_file()), None)
+    if cfg.trainer.resume is None or path is None:
+        return None
+    try:
+        record = json.loads(path.read_text())
+        choice = record["choice"]
+        if not (isinstance(choice["label"], str) and isinstance(choice["overrides"], list)
+                and all(isinstance(o, str) for o in choice["overrides"])):
+            raise TypeError("no choice")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"accelerate=auto: resuming {path.parent}, whose {path.name} records "
+                         f"no readable choice ({type(exc).__name__}: {exc}); resume without "
+                         f"accelerate=auto and with the settings it trained with (its "
+                         f"config.yaml)") from None
+    from rapidformer.tuning.search import say
+
+    say(f"resuming {path.parent}: training on with the choice its {path.name} records, "
+        f"{choice['label']} (no search)")
+    return {**record, "resumed": str(path)}
 
 
 def write_record(run_dir: str) -> None:
     """tuning.json into the run directory and the table into the run's log, when this process
-    searched (a worker or a run without accelerate=auto has nothing to write)."""
+    searched (a worker or a run without accelerate=auto has nothing to write); a resumed run's
+    record is the run's already: said in the log, not written again."""
     from rapidformer.tuning.report import write
 
     if not _pending:
         return
     record = dict(_pending)
     _pending.clear()
+    chosen = " ".join(record["choice"]["overrides"]) or "the config as given"
+    if record.get("resumed"):
+        log.info("accelerate=auto (resumed): %s, training with %s, as %s records",
+                 record["choice"]["label"], chosen, record["resumed"])
+        return
     path = write(run_dir, record)
-    how = "cached result" if record.get("cached") else f"search of {record['search_s']:.0f} s"
+    how = "cached result" if record.get("cached") else \
+        "no measurement" if record.get("measured") is False else \
+        f"search of {record['search_s']:.0f} s"
     log.info("accelerate=auto (%s): %s, training with %s\n%s\nreproduce: %s\nrecord: %s",
-             how, record["choice"]["label"], " ".join(record["choice"]["overrides"]) or
-             "the config as given", record["table"], record["command"], path)
+             how, record["choice"]["label"], chosen, record["table"], record["command"], path)

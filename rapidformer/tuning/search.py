@@ -1,8 +1,11 @@
 """The search: cache, candidates, measurements within the budget, the choice, the record.
 
-    cached result for this key?  -> it, and no search
+    cached result for this key?  -> it, and no search (unless the budget cut it short and this
+        run's accelerate.budget_s is larger: cache.outgrown)
     the reference (the config as given) measured first: its losses are what the others are
         checked against, its rate gives the run's estimated length (steps x real tokens a step)
+        (a budget too short for the reference's own measurement: the config as given, with
+        one warning, nothing cached)
     the budget: accelerate.budget_s, and at most accelerate.max_fraction of that length
     a run too short for another measurement in that budget -> the reference, and the
         candidates are not even enumerated (asking every setting's refusals and memory plan
@@ -26,13 +29,13 @@ import time
 from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
-from rapidformer.errors import EXIT_PREEMPTED, ConfigError, InputError, RapidformerError
+from rapidformer.errors import EXIT_PREEMPTED, ConfigError, InputError, Preempted
 from rapidformer.tuning import cache, report
 from rapidformer.tuning.enumerate import candidates
-from rapidformer.tuning.measure import (TRAINED_ALL, Measurement, Stopped, check_stop,
-                                       measure, signalled)
+from rapidformer.tuning.measure import (MEASUREMENT_KEYS, TRAINED_ALL, Measurement, Stopped,
+                                       check_stop, measure, signalled)
 from rapidformer.tuning.pick import choose, judge, time_to_result
-from rapidformer.tuning.space import REFERENCE
+from rapidformer.tuning.space import REFERENCE, pins, touched_pins
 
 FORMAT = 1
 
@@ -42,20 +45,43 @@ def say(text: str) -> None:
     print(f"rapidformer: tuning: {text}", file=sys.stderr, flush=True)
 
 
-def user_overrides(run_overrides: list[str]) -> list[str]:
-    """The run's overrides without accelerate's own (the reproducing command's start)."""
+def warn(text: str) -> None:
+    print(f"rapidformer: warning: {text}", file=sys.stderr, flush=True)
+
+
+# where a run writes and what it resumes: a training run's reproducing command leaves them out
+# (pasted, its own folder would be refused as an existing run's)
+RUN_DIR_KEYS = ("trainer.output_dir", "trainer.resume", "trainer.overwrite", "hydra.run.dir")
+
+
+def user_overrides(run_overrides: list[str], fresh: bool = False) -> list[str]:
+    """The run's overrides without accelerate's own (the reproducing command's start), and
+    with `fresh` without where it writes (RUN_DIR_KEYS)."""
     from rapidformer.config.compose import override_key
 
-    return [o for o in run_overrides if not override_key(o).lstrip("+~").startswith("accelerate")]
+    return [o for o in run_overrides if not override_key(o).startswith("accelerate")
+            and not (fresh and override_key(o) in RUN_DIR_KEYS)]
 
 
-def command(run_overrides: list[str], chosen: list[str]) -> str:
+def command(run_overrides: list[str], chosen: list[str], fresh: bool = False) -> str:
     """The command that trains with the choice: the user's overrides less those the choice
-    sets again (no `graph=compile graph=eager`) or whose group it switches, then the choice's."""
+    sets again (no `graph=compile graph=eager`) or whose group it switches, then the choice's;
+    `fresh`: into a new folder (a training run's record: its own folder is taken)."""
     from rapidformer.tuning.space import kept_overrides
 
-    kept = kept_overrides(user_overrides(run_overrides), chosen)
+    kept = kept_overrides(user_overrides(run_overrides, fresh), chosen)
     return shlex.join(["python", "-m", "rapidformer", *kept, *chosen])
+
+
+def seconds(*values: float) -> list[str]:
+    """`values` in seconds, with the fewest decimals (up to 2) that tell them apart: "0.34 s
+    ... 0.28 s", not "0 s ... 0 s"."""
+    for digits in (0, 1, 2):
+        texts = [f"{v:,.{digits}f}" for v in values]
+        if len(set(texts)) == len(set(values)) and \
+                all(t.strip("0.,-") or not v for t, v in zip(texts, values)):
+            break  # distinct, and none but a zero shown as 0
+    return [f"{t} s" for t in texts]
 
 
 def run_length(cfg: RunConfig, reference: Measurement) -> int:
@@ -77,10 +103,13 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
     check_extra_candidates(cfg)
     where = cache.cache_dir(cfg)
     check_cache_outside_the_run(cfg, where)
-    fields = cache.key_fields(cfg, device.type)
+    pinned = pins(run_overrides, memory_auto)
+    fields = cache.key_fields(cfg, device.type, touched_pins(cfg, pinned))
     key = cache.key_of(fields)
     if a.cache:
         hit, unusable = cache.load(where, key)
+        if hit is not None and (unusable := cache.outgrown(hit, a.budget_s)):
+            hit = None
         if hit is not None:
             say(f"cached result {where / (key + '.json')}: {hit['choice']['label']} (no search; "
                 f"accelerate.cache=false searches again)")
@@ -92,7 +121,8 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
     work = Path(tempfile.mkdtemp(prefix="rapidformer-tuning-"))
     try:
         with _stop_signals_recorded():
-            record = _measure_all(run_overrides, cfg, device, memory_auto, work, started)
+            record = _measure_all(run_overrides, cfg, device, memory_auto, work, started,
+                                  pinned)
     except Stopped as stop:  # the measuring child's group was killed (measure.run_child)
         raise SearchStopped(f"accelerate=auto: the search was stopped by "
                             f"{signal.Signals(stop.signum).name} before training; the candidate "
@@ -102,7 +132,9 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     record.update(key=key, key_fields=fields, cached=False, format=FORMAT,
                   command=command(run_overrides, record["choice"]["overrides"]))
-    if a.cache:
+    if not record["measured"]:  # nothing to keep: another run's budget may measure
+        warn(record["warning"])
+    elif a.cache:
         stored, why_not = cache.store(where, key, record)
         if stored is None:
             say(f"the result is not cached: {why_not}; set accelerate.cache_dir to a writable "
@@ -112,17 +144,43 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
     return record
 
 
+# what the run trains on and for how long, and how much it evaluates: a measurement of
+# accelerate.steps steps on the run's data compares settings of one run, not two runs
+RUN_KEYS = ("trainer.epochs", "trainer.train_iters", "trainer.eval_iters", "data",
+            "data.name", "data.source", "data.path", "data.subset", "data.train_file",
+            "data.validation_file", "data.test_file", "data.split", "data.synthetic_train_size",
+            "data.synthetic_eval_size", "data.synthetic_seed", "data.synthetic_lengths")
+
+
+def unmeasurable(key: str) -> str:
+    """Why a hand-picked candidate may not set `key`, or ""."""
+    if key in RUN_KEYS:
+        return (f"{key} changes what the run trains on or for how long, which a measurement of "
+                f"its first steps cannot compare; set it on the command line (the config as "
+                f"given and every candidate then have it)")
+    if key in MEASUREMENT_KEYS:
+        return (f"{key} is set by the measurement itself (a child runs accelerate.steps steps "
+                f"into a folder of its own), so a candidate's value would not be measured; set "
+                f"it on the command line")
+    return ""
+
+
 def check_extra_candidates(cfg: RunConfig) -> None:
     """accelerate.extra_candidates that no run could take (an unknown key or option, a value
-    of the wrong type) stop the search before it measures anything, all named at once; one that
-    this run's settings refuse (a micro batch the global batch is no multiple of) is a row of
-    the table, as the search's own candidates are."""
+    of the wrong type) or whose value no measurement sees (a key of the run's length or data,
+    RUN_KEYS, or one the measurement sets, MEASUREMENT_KEYS) stop the search before it measures
+    anything, all named at once; one that this run's settings refuse (a micro batch the global
+    batch is no multiple of) is a row of the table, as the search's own candidates are."""
     from rapidformer.config.compose import check_overrides
     from rapidformer.tuning.space import apply, hand_picked
 
     problems = []
     for text in cfg.accelerate.extra_candidates:
         candidate = hand_picked(text)
+        found = [why for key, _ in candidate.overrides if (why := unmeasurable(key.lstrip("+~")))]
+        if found:
+            problems += [f"accelerate.extra_candidates '{text}': {why}" for why in found]
+            continue
         try:
             check_overrides(candidate.override_list())
             apply(cfg, candidate)
@@ -151,7 +209,8 @@ def check_cache_outside_the_run(cfg: RunConfig, where: Path) -> None:
                            f"accelerate.cache=false"])
 
 
-class SearchStopped(RapidformerError):
+class SearchStopped(Preempted):
+    """Said as the training loop's stop is ("rapidformer: stopped: ..."), exit 75."""
     exit_code = EXIT_PREEMPTED
 
 
@@ -188,11 +247,13 @@ def _stop_signals_recorded():
 
 
 def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work: Path,
-                 started: float) -> dict:
+                 started: float, pinned: dict[str, str] | None = None) -> dict:
     a = cfg.accelerate
     say(f"measuring the reference (the config as given) for {a.steps} steps")
     ref = measure(run_overrides, REFERENCE, a.steps, a.warmup_steps,
                   min(a.candidate_timeout_s, a.budget_s), work)
+    if ref.status == "timeout" and a.budget_s < a.candidate_timeout_s:
+        return _unmeasured(cfg, ref, started)  # the budget, not the config, cut it
     if ref.status == "timeout":
         evaluating = TRAINED_ALL in ref.reason
         raise InputError(f"accelerate=auto: the config as given did not finish its measurement "
@@ -219,18 +280,22 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     run_steps = steps if cfg.trainer.train_iters is not None else None
     estimated = time_to_result(ref, run_tokens, a.warmup_steps, run_steps)
     budget = min(a.budget_s, a.max_fraction * estimated)
+    # what a search cut short was cut by (cache.outgrown: a larger budget_s searches again)
+    cut = {"by": "accelerate.budget_s" if a.budget_s <= a.max_fraction * estimated
+           else "accelerate.max_fraction", "budget_s": a.budget_s, "max_fraction": a.max_fraction}
     say(f"reference: {ref.tokens_per_s:,.0f} real tokens/s; the run ({steps} steps) would take "
         f"about {estimated:,.0f} s; search budget {budget:,.0f} s (accelerate.budget_s="
         f"{a.budget_s:g}, max_fraction={a.max_fraction:g})")
     left = budget - (time.monotonic() - started)
-    if left < ref.wall_s:
+    truncated = left < ref.wall_s
+    if truncated:
         admitted, priors = [], {}
-        no_room = (f"{left:,.1f} s of the search's budget ({budget:,.1f} s) left after the "
+        left_text, takes, took, whole = seconds(left, ref.wall_s, ref.wall_s, budget)
+        no_room = (f"{left_text} of the search's budget ({whole}) left after the "
                    f"reference's measurement, less than a measurement takes (about "
-                   f"{ref.wall_s:,.0f} s)") if left > 0 else (
-            f"the reference's measurement alone took {ref.wall_s:,.1f} s, past the search's "
-            f"budget ({budget:,.1f} s: accelerate.budget_s, or accelerate.max_fraction of the "
-            f"run)")
+                   f"{takes})") if left > 0 else (
+            f"the reference's measurement alone took {took}, past the search's "
+            f"budget ({whole}: accelerate.budget_s, or accelerate.max_fraction of the run)")
         left_out = [{"label": text, "why": f"not measured: {no_room}"}
                     for text in a.extra_candidates]
         left_out.append({"label": "every other candidate",
@@ -239,7 +304,8 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         say("no room for another measurement in the budget: the config as given is the choice")
     else:
         admitted, left_out, priors = candidates(cfg, device, memory_auto,
-                                                run_s=run_tokens / ref.tokens_per_s)
+                                                run_s=run_tokens / ref.tokens_per_s,
+                                                pinned=pinned)
         check_stop()
         say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
             f"{a.steps} steps each ({a.warmup_steps} warm-up)")
@@ -249,9 +315,10 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     for adm in admitted:
         left = budget - (time.monotonic() - started)
         if left < ref.wall_s:
+            left_text, takes = seconds(max(left, 0.0), ref.wall_s)
             skipped.append({"label": adm.candidate.label, "prior": priors.get(adm.candidate.label),
-                            "why": f"not measured: {left:,.0f} s of the search's budget left, "
-                                   f"a measurement takes about {ref.wall_s:,.0f} s"})
+                            "why": f"not measured: {left_text} of the search's budget left, "
+                                   f"a measurement takes about {takes}"})
             continue
         check_stop()
         say(f"measuring {adm.candidate.label}")
@@ -270,9 +337,31 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     rows += skipped + left_out
     search_s = time.monotonic() - started
     say(f"chose {best.label} after {search_s:,.0f} s")
-    return {"search_s": round(search_s, 3), "budget_s": round(budget, 3),
+    return {"search_s": round(search_s, 3), "budget_s": round(budget, 3), "measured": True,
+            "truncated": cut if truncated or skipped else None,
             "run_steps": steps, "run_tokens": run_tokens,
             "choice": {"label": best.label, "overrides": chosen.candidate.override_list(),
                        "time_to_result_s": best.time_to_result_s},
             "reference_time_to_result_s": verdicts[0].time_to_result_s,
             "rows": rows, "table": report.table(rows)}
+
+
+def _unmeasured(cfg: RunConfig, ref: Measurement, started: float) -> dict:
+    """The record of a search whose budget (accelerate.budget_s, below the candidates' time
+    limit) ended before the reference's own measurement did: the config as given is the
+    choice, nothing is cached (search.search warns once), and a run trains with it."""
+    a = cfg.accelerate
+    warning = (f"accelerate=auto: accelerate.budget_s={a.budget_s:g} allowed no measurement: "
+               f"the config as given did not finish its {a.steps} steps within it "
+               f"[{ref.reason}]; the config as given is the choice, and nothing is cached. A "
+               f"larger accelerate.budget_s lets the search measure")
+    rows = [{**ref.as_dict(), "prior": 1.0, "chosen": True, "passed": False,
+             "why": "no measurement within accelerate.budget_s"},
+            {"label": "every other candidate",
+             "why": f"not enumerated: accelerate.budget_s={a.budget_s:g} ended before the "
+                    f"reference's measurement did"}]
+    search_s = time.monotonic() - started
+    return {"search_s": round(search_s, 3), "budget_s": a.budget_s, "measured": False,
+            "warning": warning, "truncated": None, "run_steps": None, "run_tokens": None,
+            "choice": {"label": REFERENCE.label, "overrides": [], "time_to_result_s": None},
+            "reference_time_to_result_s": None, "rows": rows, "table": report.table(rows)}

@@ -11,7 +11,9 @@
 A candidate is the config's settings with some of these changed, written as Hydra overrides
 (so the child process that measures it, and the command that reproduces the choice, run it as
 the user would). `apply` makes the typed config a candidate runs, for the refusal pass
-(tuning/admit.py) to judge without composing it again.
+(tuning/admit.py) to judge without composing it again. What the command line sets is pinned
+(`pins`): no candidate changes it. A run given in epochs is compared at its own optimizer
+steps (`epoch_steps_change`: packing, another global batch are refused there).
 """
 from __future__ import annotations
 
@@ -149,6 +151,93 @@ def _parse(key: str, value: str):
         raise ConfigError([f"{key}={value}: a comma (or a range) makes a list of values; a "
                            f"candidate sets one value"])
     return parsed.value()
+
+
+# keys that the command line's overrides do not pin: accelerate's own, Hydra's, the recipe
+UNPINNED = ("accelerate", "hydra", "recipe")
+
+
+def pins(run_overrides: list[str], memory_auto: bool = False) -> dict[str, str]:
+    """What the command line sets explicitly, key -> value as given (the last one): a choice
+    never replaces it. A value equal to the default (trainer.unpad=false) is the user's choice
+    all the same, and the cache cannot tell it from the default: the pins are in its key.
+    Under memory=auto the memory plan picks the mode and turns recompute on where it must (as
+    for the config as given): the memory group and trainer.checkpoint_activations=false are
+    the plan's to decide, not pins."""
+    from rapidformer.config.compose import override_key
+
+    out = {}
+    for text in run_overrides:
+        key = override_key(text)
+        if text.startswith("~") or "=" not in text or key.split(".")[0] in UNPINNED:
+            continue
+        out[key] = text.split("=", 1)[1]
+    if memory_auto:
+        out = {k: v for k, v in out.items() if k.split(".")[0] != "memory" and not (
+            k == "trainer.checkpoint_activations" and _same(k, v, "false"))}
+    return out
+
+
+def _same(key: str, given: str, value: str) -> bool:
+    """Whether two override values of `key` are the same value (Hydra reads 32 and 32.0, true
+    and True alike)."""
+    from rapidformer.errors import ConfigError
+
+    try:
+        return _parse(key, given) == _parse(key, value)
+    except ConfigError:
+        return given == value
+
+
+def pinned_changes(overrides, pinned: dict[str, str]) -> list[str]:
+    """The pinned overrides (`key=value` as given) that `overrides` ((key, value) pairs, or
+    `key=value` strings) would change: the key set to another value, or its group switched
+    (which drops the group's keys the command line set, as kept_overrides does)."""
+    pairs = [tuple(o.split("=", 1)) if isinstance(o, str) else o for o in overrides]
+    sets = {key.lstrip("+~"): value for key, value in pairs}
+    changed = []
+    for pinned_key, given in pinned.items():
+        if pinned_key in sets:
+            if not _same(pinned_key, given, sets[pinned_key]):
+                changed.append(f"{pinned_key}={given}")
+        elif any("." not in key and pinned_key.startswith(f"{key}.") for key in sets):
+            changed.append(f"{pinned_key}={given}")
+    return changed
+
+
+def touched_pins(cfg: RunConfig, pinned: dict[str, str]) -> list[str]:
+    """The pinned keys that a searched axis or a hand-picked candidate sets (or whose group it
+    switches): those whose pinning changes what the search may pick (the cache key's part)."""
+    keys = [k for axis in cfg.accelerate.axes for s in axis_settings(cfg, axis)
+            for k, _ in s.overrides]
+    keys += [k.lstrip("+~") for text in cfg.accelerate.extra_candidates
+             for k, _ in hand_picked(text).overrides]
+    return sorted(p for p in pinned
+                  if any(p == k or p.startswith(f"{k}.") or k.startswith(f"{p}.") for k in keys))
+
+
+def global_batch(cfg: RunConfig) -> int:
+    t = cfg.trainer
+    return t.global_batch_size or t.micro_batch_size * data_parallel_size(cfg)
+
+
+def epoch_steps_change(base: RunConfig, cfg: RunConfig) -> str:
+    """Why `cfg` (a candidate of `base`) trains another number of optimizer steps in an epoch
+    of a run given in epochs, or "". Such a run's schedule (warm-up, decay) and result follow
+    its steps: packing 5 examples a row makes 5x fewer, and a first steps' loss check cannot
+    see the warm-up that then never ends. With trainer.train_iters both run the same steps."""
+    if base.trainer.train_iters is not None:
+        return ""
+    what = []
+    if cfg.data.packing != base.data.packing or \
+            (cfg.data.packing and cfg.data.max_seq_length != base.data.max_seq_length):
+        what.append("packing")
+    if global_batch(cfg) != global_batch(base):
+        what.append(f"a global batch of {global_batch(cfg)} (the config's {global_batch(base)})")
+    if not what:
+        return ""
+    return (f"{' and '.join(what)} changes the optimizer steps of a run given in epochs "
+            f"(trainer.epochs={base.trainer.epochs}); give trainer.train_iters to compare")
 
 
 def kept_overrides(run_overrides: list[str], chosen: list[str]) -> list[str]:

@@ -1,0 +1,353 @@
+"""accelerate=auto's review findings, each in-process and without a child: packing in a run
+given in epochs, memory=auto keeping the config's recompute, the command line's pins, a resumed
+run's record, a search cut short by its budget, a budget below the reference's measurement, a
+noisy rate, a run's flags given to `tune`, hand-picked candidates no measurement sees, and the
+cache key's gaps (docs/tuning.md)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rapidformer.errors import ConfigError, Preempted
+from rapidformer.tuning import cache
+from rapidformer.tuning.admit import Admission
+from rapidformer.tuning.enumerate import candidates
+from rapidformer.tuning.measure import Measurement, summarize
+from rapidformer.tuning.pick import choose, judge
+from rapidformer.tuning.space import Candidate, hand_picked
+
+from tests.test_tuning import fake_measure, measured, search_space, settled
+
+CPU = torch.device("cpu")
+
+
+# 1. packing (or any candidate) that changes the optimizer steps of a run given in epochs
+
+def test_a_candidate_that_changes_the_steps_of_an_epoch_is_no_candidate():
+    _, found, left_out = search_space(
+        "+recipe=llama_sft", "accelerate=auto", "accelerate.axes=[sequences]",
+        "accelerate.extra_candidates=['trainer.global_batch_size=32','trainer.lr=1e-3']")
+    assert [c.label for c in found] == ["trainer.lr=1e-3"]
+    assert left_out["packing"] == (
+        "refused: packing changes the optimizer steps of a run given in epochs "
+        "(trainer.epochs=3); give trainer.train_iters to compare")
+    assert "a global batch of 32 (the config's 16) changes the optimizer steps" in \
+        left_out["trainer.global_batch_size=32"]
+
+
+def test_a_measured_candidate_whose_epoch_has_other_steps_fails_in_an_epoch_run_only():
+    ref = measured("reference", rate=1000, warmup_s=2.0)
+    packed = measured("data.packing=true", rate=5000, warmup_s=2.0)
+    ref.steps_per_epoch, packed.steps_per_epoch = 25, 5
+    epochs = {v.label: v for v in judge(ref, [packed], 100_000, 2, 0.1)}
+    assert not epochs["data.packing=true"].passed
+    assert "(5 per epoch, the config as given 25)" in epochs["data.packing=true"].why
+    assert choose(list(epochs.values())).label == "reference"
+    steps = judge(ref, [packed], 100_000, 2, 0.1, run_steps=40)  # the same 40 steps either way
+    assert choose(steps).label == "data.packing=true"
+
+
+# 2. memory=auto keeps the config's own activation checkpointing
+
+def test_memory_auto_keeps_the_config_s_recompute_unless_the_candidate_sets_it():
+    from rapidformer.tuning.admit import admit
+
+    _, _, cfg = settled("accelerate=auto", "memory=auto", "trainer.checkpoint_activations=true")
+    kept = dict(admit(cfg, hand_picked("trainer.seed=42"), CPU, True).candidate.overrides)
+    assert kept["trainer.checkpoint_activations"] == "true"
+    off = dict(admit(cfg, Candidate("ckpt=false", (("trainer.checkpoint_activations", "false"),)),
+                     CPU, True).candidate.overrides)
+    assert off["trainer.checkpoint_activations"] == "false"  # the plan needs none here
+
+
+# 3. what the command line sets is pinned: not searched over, and in the cache key
+
+def test_a_value_given_on_the_command_line_is_not_searched_over_and_keys_the_cache():
+    from rapidformer.tuning.space import pinned_changes, pins, touched_pins
+
+    given = ["+recipe=quickstart", "++trainer.unpad=false", "precision=fp32", "accelerate=auto",
+             "accelerate.axes=[precision,sequences]", "accelerate.max_candidates=40",
+             "hydra.run.dir=x"]
+    pinned = pins(given)
+    assert pinned == {"trainer.unpad": "false", "precision": "fp32"}
+    _, _, cfg = settled(*given)
+    admitted, left_out, _ = candidates(cfg, CPU, memory_auto=False, pinned=pinned)
+    assert [a.candidate.label for a in admitted] == []
+    rows = {r["label"]: r["why"] for r in left_out}
+    assert rows["unpad"].startswith("not tried: it changes trainer.unpad=false, which the "
+                                    "command line sets")
+    assert rows["bf16 / fp16 / fp8"].startswith("not tried: it changes precision=fp32")
+    # a group's key given: the candidate that switches the group would drop it
+    assert pins(["precision=fp16", "precision.initial_scale=1024"], memory_auto=True) == \
+        {"precision": "fp16", "precision.initial_scale": "1024"}
+    assert pinned_changes([("precision", "bf16")], {"precision.initial_scale": "1024"}) == \
+        ["precision.initial_scale=1024"]
+    assert pinned_changes(["trainer.global_batch_size=32.0"],
+                          {"trainer.global_batch_size": "32"}) == []  # the same value
+    # the default given explicitly keys another cache entry than the default left alone
+    touched = touched_pins(cfg, pinned)
+    assert touched == ["precision", "trainer.unpad"]
+    assert cache.key_of(cache.key_fields(cfg, "cpu", touched)) != \
+        cache.key_of(cache.key_fields(cfg, "cpu"))
+
+
+def test_the_run_keeps_a_pinned_value_and_its_record_reproduces_into_a_new_folder(
+        monkeypatch, tmp_path):
+    from rapidformer.tuning import run as tuning_run
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "measure",
+                        fake_measure({"reference": 1000, "unpad": 5000}))
+    base = ["+recipe=quickstart", "accelerate=auto", "accelerate.axes=[sequences]",
+            "accelerate.max_fraction=100", f"accelerate.cache_dir={tmp_path / 'cache'}",
+            f"trainer.output_dir={tmp_path / 'run'}"]
+    commands = []
+    for extra, chosen in (([], "unpad"), (["++trainer.unpad=false"], "reference")):
+        composed, _, cfg = settled(*base, *extra)
+        got = tuning_run.tuned_overrides([*base, *extra], composed, cfg)
+        record = dict(tuning_run._pending)
+        tuning_run._pending.clear()
+        assert record["choice"]["label"] == chosen, record["table"]
+        assert set(extra) <= set(got)  # the user's own value stays on the command line
+        commands.append(record["command"])
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 2  # two keys
+    # the run log's reproducing command trains into a new folder (pasted with this run's own
+    # folder, it would be refused as an existing run's)
+    assert not any("output_dir" in c for c in commands)
+
+
+# 4. a resumed accelerate=auto run: its resume line and its tuning.json
+
+def _searched_run(folder, overrides, resolved_accelerate="auto"):
+    import yaml
+
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (folder / "config.yaml").write_text(yaml.safe_dump(
+        {"accelerate": {"name": resolved_accelerate}, "trainer": {"output_dir": str(folder)}}))
+
+
+def test_the_resume_line_of_a_searched_run_resumes_its_choice_without_searching(tmp_path):
+    from rapidformer.cli.summary import resume_command
+
+    run = tmp_path / "run"
+    _searched_run(run, ["+recipe=quickstart", "accelerate=auto", "accelerate.budget_s=60",
+                        "++trainer.unpad=true", f"++trainer.output_dir='{run}'"])
+    line = resume_command(run)
+    assert "accelerate" not in line and "++trainer.unpad=true" in line
+    assert line.endswith(f"trainer.output_dir={run} trainer.resume=auto")
+    # auto from a recipe or a config file, not the command line: set back explicitly
+    other = tmp_path / "other"
+    _searched_run(other, ["+recipe=mine", "++trainer.unpad=true"])
+    assert "accelerate=none trainer.output_dir=" in resume_command(other)
+    plain = tmp_path / "plain"
+    _searched_run(plain, ["+recipe=quickstart"], resolved_accelerate="none")
+    assert "accelerate" not in resume_command(plain)
+
+
+def cli_settled(*overrides: str):
+    """As the CLI settles a run before its folder is claimed (hydra_main._main): a stand-in
+    for trainer.output_dir."""
+    from rapidformer.config.compose import check_overrides, compose, with_default_recipe
+    from rapidformer.preflight import settle
+
+    composed = compose(check_overrides(with_default_recipe(list(overrides))),
+                       default_recipe=False)
+    return composed, *settle(composed, "(run directory)")
+
+
+def test_an_auto_run_that_resumes_reuses_its_recorded_choice(monkeypatch, tmp_path):
+    from rapidformer.tuning import run as tuning_run
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: pytest.fail("searched"))
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = {"choice": {"label": "unpad", "overrides": ["trainer.unpad=true"]}, "rows": []}
+    (run / "tuning.json").write_text(json.dumps(recorded))
+    before = (run / "tuning.json").stat()
+    given = ["+recipe=quickstart", "accelerate=auto", f"trainer.output_dir={run}",
+             "trainer.resume=auto"]
+    composed, _, cfg = cli_settled(*given)
+    got = tuning_run.tuned_overrides(given, composed, cfg)
+    assert got[-1] == "++trainer.unpad=true" and got[:-1] == given
+    tuning_run.write_record(str(run))  # said in the log, not written again
+    assert (run / "tuning.json").stat().st_mtime_ns == before.st_mtime_ns
+    # a fresh run into another folder searches
+    composed, _, fresh = cli_settled(*given[:2], f"trainer.output_dir={tmp_path / 'new'}",
+                                     "trainer.resume=auto")
+    with pytest.raises(pytest.fail.Exception, match="searched"):
+        tuning_run.tuned_overrides(given[:2], composed, fresh)
+
+
+# 5. a search cut short by its budget, cached, and a later run with a larger budget
+
+def _admitted(*labels):
+    return [Admission(Candidate(label, (("trainer.seed", str(i)),)))
+            for i, label in enumerate(labels)], [], {label: 1.0 for label in labels}
+
+
+def test_a_search_the_budget_cut_short_searches_again_with_a_larger_budget(monkeypatch,
+                                                                             tmp_path):
+    from rapidformer.tuning import search as search_module
+
+    now = [0.0]
+    clocked = fake_measure({"reference": 1000, "a": 1000, "b": 1000})
+
+    def measure(*args):
+        m = clocked(*args)
+        now[0] += m.wall_s  # 4 s + 8 steps of 1 s
+        return m
+
+    calls = []
+    monkeypatch.setattr(search_module, "measure", lambda *a: calls.append(a[1]) or measure(*a))
+    monkeypatch.setattr(search_module, "candidates", lambda *a, **k: _admitted("a", "b"))
+    monkeypatch.setattr(search_module.time, "monotonic", lambda: now[0])
+    base = ["accelerate=auto", "accelerate.max_fraction=100",
+            f"accelerate.cache_dir={tmp_path}"]
+    for budget, searched in ((30, True), (30, False), (20, False), (100, True), (30, False)):
+        overrides = [*base, f"accelerate.budget_s={budget}"]
+        _, _, cfg = settled(*overrides)
+        calls.clear()
+        record = search_module.search(overrides, cfg, memory_auto=False)
+        assert bool(calls) == searched, budget
+        assert record["cached"] != searched
+        if budget == 30 and searched:  # 12 s of the reference, 12 of "a": "b" not measured
+            assert record["truncated"]["by"] == "accelerate.budget_s"
+    cached = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert cached["truncated"] is None  # the search of 100 s measured both
+
+
+# 6. a budget below the reference's own measurement
+
+def test_a_budget_below_the_reference_s_measurement_trains_the_config_as_given(
+        monkeypatch, tmp_path, capsys):
+    from rapidformer.cli.verbs.tune import tune_command
+    from rapidformer.tuning import search as search_module
+
+    def timeout(run_overrides, candidate, steps, warmup, limit, work):
+        return Measurement(candidate, "timeout", limit,
+                           reason=f"still running after {limit:.0f} s (after 2 of {steps} "
+                                  f"steps): stopped")
+
+    monkeypatch.setattr(search_module, "measure", timeout)
+    overrides = ["accelerate=auto", "accelerate.budget_s=5", f"accelerate.cache_dir={tmp_path}"]
+    _, _, cfg = settled(*overrides)
+    record = search_module.search(overrides, cfg, memory_auto=False)
+    assert record["choice"] == {"label": "reference", "overrides": [], "time_to_result_s": None}
+    assert not record["measured"] and not list(tmp_path.glob("*.json"))  # nothing cached
+    err = capsys.readouterr().err
+    assert err.count("rapidformer: warning:") == 1
+    assert "accelerate.budget_s=5 allowed no measurement" in err
+    assert tune_command(overrides[1:]) == 0
+    out = capsys.readouterr().out
+    assert "choice: reference (no measurement: accelerate.budget_s ended" in out
+    assert out.rstrip().splitlines()[-1].startswith("python -m rapidformer")
+
+
+# 7. the rate is robust to a stalled step, and a gain within the spread is noise
+
+def _steps(windows, tokens=1000.0):
+    return [{"loss": 1.0, "window_s": w, "tokens_per_s": tokens / w} for w in windows]
+
+
+def test_a_stalled_step_or_a_gain_within_the_spread_does_not_replace_the_config():
+    # identical settings; the reference's fourth timed step stalled (a loaded machine)
+    stalled = summarize(Candidate("reference"), _steps([1, 1, 1, 1, 1, 20, 1, 1]), 2, 40, 0, "")
+    same = summarize(Candidate("trainer.seed=42"), _steps([1] * 8), 2, 21, 0, "")
+    assert stalled.tokens_per_s == same.tokens_per_s == 1000
+    assert choose(judge(stalled, [same], 1e6, 2, 0.1)).label == "reference"
+    # the reference's steps vary by 10 % (median absolute deviation): 8 % sooner is noise,
+    # 30 % is not
+    noisy = summarize(Candidate("reference"),
+                      _steps([1, 1, 1 / 1.1, 1 / 0.9, 1, 1 / 1.1, 1 / 0.9, 1]), 2, 8, 0, "")
+    assert noisy.rate_spread == pytest.approx(0.1)
+    for rate, chosen in ((1080, "reference"), (1300, "faster")):
+        other = summarize(Candidate("faster"), _steps([1000 / rate] * 8), 2, 8000 / rate, 0, "")
+        assert choose(judge(noisy, [other], 1e6, 2, 0.1)).label == chosen
+
+
+# 8. a run's flags given to `tune`
+
+@pytest.mark.parametrize("flags", [["--cfg", "job"], ["-m"], ["--multirun"], ["--hydra-help"],
+                                   ["--print-hydra"]])
+def test_tune_refuses_a_run_s_flags_with_one_message(monkeypatch, capsys, flags):
+    from rapidformer.cli.verbs.tune import tune_command
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: pytest.fail("searched"))
+    assert tune_command(["trainer.lr=1e-3", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"rapidformer tune does not take {flags[0]}" in err[0]
+
+
+# 9. hand-picked candidates whose value no measurement sees
+
+@pytest.mark.parametrize("extra, key", [
+    ("trainer.train_iters=5", "trainer.train_iters changes what the run trains on or for how"),
+    ("precision=bf16 trainer.epochs=1", "trainer.epochs changes"),
+    ("data.synthetic_train_size=100", "data.synthetic_train_size changes"),
+    ("data.split=98,1,1", "data.split changes"),
+    ("trainer.eval_interval=3", "trainer.eval_interval is set by the measurement itself"),
+    ("trainer.early_stopping_patience=null", "trainer.early_stopping_patience is set by"),
+])
+def test_an_extra_candidate_no_measurement_sees_is_refused_before_measuring(monkeypatch, extra,
+                                                                             key):
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "measure", lambda *a, **k: pytest.fail("measured"))
+    overrides = ["accelerate=auto", "accelerate.cache=false",
+                 f"accelerate.extra_candidates=['trainer.seed=7','{extra}']"]
+    _, _, cfg = settled(*overrides)
+    with pytest.raises(ConfigError) as info:
+        search_module.search(overrides, cfg, memory_auto=False)
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith(f"accelerate.extra_candidates '{extra}': {key}")
+
+
+# 10. the cache key's gaps
+
+def test_a_megatron_blend_s_prefixes_are_in_the_key(tmp_path):
+    for name in ("a", "b"):
+        for ext in (".bin", ".idx"):
+            (tmp_path / f"{name}{ext}").write_bytes(b"0" * 8)
+    blend = f"0.7 {tmp_path / 'a'} 0.3 {tmp_path / 'b'}"
+    state = cache.local_state(blend)
+    assert len(state) == 4
+    (tmp_path / "b.bin").write_bytes(b"0" * 16)
+    assert cache.local_state(blend) != state
+
+
+def test_the_source_the_cpu_and_xdg_cache_home_are_in_the_key(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    module = tmp_path / "pkg" / "mod.py"
+    module.write_text("x = 1\n")
+    before = cache.folder_fingerprint(tmp_path)
+    module.write_text("x = 12\n")
+    assert cache.folder_fingerprint(tmp_path) != before
+    assert cache.versions()["rapidformer-source"] == cache.source_fingerprint()
+    cpu = cache.hardware("cpu")
+    assert {"model", "usable"} <= set(cpu)
+    if hasattr(__import__("os"), "sched_getaffinity"):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+        assert cache.hardware("cpu")["usable"] == 1
+    _, _, cfg = settled("accelerate=auto")
+    monkeypatch.delenv("RAPIDFORMER_TUNING_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_dir(cfg) == tmp_path / "xdg" / "rapidformer" / "tuning"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # invalid by the spec: ignored
+    assert cache.cache_dir(cfg).parts[-3:] == (".cache", "rapidformer", "tuning")
+
+
+# cosmetic: the not-measured seconds, a stop's wording
+
+def test_seconds_show_their_difference_and_a_stopped_search_is_a_stop():
+    from rapidformer.tuning.search import SearchStopped, seconds
+
+    assert seconds(0.34, 0.28) == ["0.34 s", "0.28 s"]  # not "0 s ... 0 s"
+    assert seconds(12.2, 30.4) == ["12 s", "30 s"]
+    assert seconds(0.04, 5.0) == ["0.04 s", "5.00 s"]
+    assert seconds(0.0, 5.2) == ["0 s", "5 s"]
+    assert issubclass(SearchStopped, Preempted) and SearchStopped("x").exit_code == 75
