@@ -77,22 +77,6 @@ print(float((ours - theirs).abs().max()))
 """
 
 
-@pytest.mark.slow
-def test_pipeline_resume_keeps_the_losses(tmp_path, pretraining_data):
-    """The CLI's exit_interval and resume=auto at PP=2 with dropout: the losses go on as if
-    uninterrupted. (Recompute with dropout at this layout, and the engine's resume at every
-    layout: tests/test_strategies.py, in-process.)"""
-    # memory=zero1: the optimizer shards are saved and restored per rank too
-    args = [*megatron_args(pretraining_data), "parallelism=pp2", "launcher.nproc_per_node=2",
-            "model.hidden_dropout=0.1", "memory=zero1"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    assert_ok(run_cli([*args, f"trainer.output_dir={straight}"], cwd=tmp_path))
-    assert_ok(run_cli([*args, "trainer.exit_interval=3", f"trainer.output_dir={split}"],
-                      cwd=tmp_path))
-    assert_ok(run_cli([*args, "trainer.resume=auto", f"trainer.output_dir={split}"], cwd=tmp_path))
-    assert_same_losses(train_losses(straight), train_losses(split), rel=1e-5)
-
-
 LAYOUT = {"tensor_parallel": 1, "pipeline_parallel": 2, "precision": "fp32"}
 
 

@@ -339,8 +339,10 @@ def test_megatron_recompute_keeps_the_losses_with_dropout(megatron_two_ranks, gr
     assert sorted(recompute["losses"]) == sorted(plain["losses"])
     for step, loss in plain["losses"].items():
         assert recompute["losses"][step] == pytest.approx(loss, rel=1e-5), step
-    for step, loss in recompute["resumed"].items():  # the dropout masks resume too
-        assert loss == pytest.approx(recompute["losses"][step], abs=1e-6), step
+    for run in (plain, recompute):  # the dropout masks resume too (and zero1's shards)
+        assert sorted(run["resumed"]) == list(range(SAVED_AT + 1, STEPS + 1))
+        for step, loss in run["resumed"].items():
+            assert loss == pytest.approx(run["losses"][step], abs=1e-6), step
 
 
 def _assert_export_matches_offline(exported: Path) -> None:
