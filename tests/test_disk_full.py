@@ -107,3 +107,25 @@ def test_a_full_disk_under_tensorboard_is_one_message_without_its_threads_traceb
     if writes_that_fit:
         sink.close()  # returns: the failed writer is not waited on
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_full_disk_as_tensorboard_closes_is_one_message(tmp_path, monkeypatch):
+    from tensorboard.summary.writer import record_writer
+
+    from rapidformer.errors import CheckpointWriteError
+    from rapidformer.observability.metrics import MetricsSink
+
+    flushed = record_writer.RecordWriter.flush
+    full = []
+
+    def flush(self):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return flushed(self)
+
+    monkeypatch.setattr(record_writer.RecordWriter, "flush", flush)
+    sink = MetricsSink(tmp_path, tensorboard=True)
+    sink.write(1, {"loss": 1.0})
+    full.append(True)  # the last events' flush finds the disk full
+    with pytest.raises(CheckpointWriteError, match=r"tensorboard: No space left on device"):
+        sink.close()

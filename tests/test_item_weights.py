@@ -63,3 +63,23 @@ def test_an_sft_step_is_the_same_at_any_micro_batch_size(tmp_path, capsys, monke
         first[micro] = next(r for r in read_metrics(run) if "loss" in r and r["step"] == 1)
     assert first[1]["loss"] == pytest.approx(first[8]["loss"], rel=1e-5)
     assert first[1]["grad_norm"] == pytest.approx(first[8]["grad_norm"], rel=1e-4)
+
+
+def test_a_micro_batch_of_no_item_adds_nothing(tmp_path, capsys, monkeypatch):
+    """Masked LM on 8-token rows at micro batch 1: a row often has no masked token (its mean is
+    0/0, NaN); the step's loss is that of the rows that have some (it was NaN, and enough such
+    steps in a row stopped a healthy run)."""
+    import math
+
+    run = tmp_path / "run"
+    code, printed = run_here(
+        ["task=masked_lm", "model=bert_tiny", "data=synthetic", "data.synthetic_train_size=64",
+         "data.synthetic_eval_size=4", "data.max_seq_length=8", "trainer.epochs=null",
+         "trainer.train_iters=6", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
+         "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.tensorboard=false",
+         "trainer.export_hf=false", "trainer.save_last=false", f"trainer.output_dir={run}"],
+        capsys, monkeypatch, tmp_path)
+    assert code == 0, printed[-3000:]
+    steps = [r for r in read_metrics(run) if "loss" in r and "step" in r]
+    assert len(steps) == 6 and all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
+                                   for r in steps), steps

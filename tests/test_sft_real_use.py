@@ -159,3 +159,52 @@ def test_generate_from_an_adapter_directory_says_to_export_a_whole_model(tmp_pat
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(InputError, match=r"holds LoRA adapters alone .*`rapidformer export"):
         load_exported(tmp_path)
+
+
+def test_a_joined_row_begins_as_the_tokenizer_begins_a_text_sentencepiece_too():
+    """A Metaspace (SentencePiece) tokenizer marks a text's first word ('_where') only at the
+    text's start: the BOS goes in as an id, so the row's first word is the one the base model
+    saw after BOS (as text, '<s>where' cut it otherwise)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(["where does anna live ? paris"] * 20,
+                            trainers.BpeTrainer(vocab_size=120,
+                                                special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                      pad_token="<pad>", unk_token="<unk>")
+    encoded = encode_rows(rows([{"prompt": "where does anna live ?", "response": " paris"}]),
+                          wrapped, DataConfig(), "response", "train", EncodeCounts())
+    alone = wrapped("where does anna live ?")["input_ids"]  # <s> and the prompt's own ids
+    assert encoded[0]["input_ids"][:len(alone)] == alone
+
+
+def test_predictions_of_a_gpt2_classifier_do_not_depend_on_the_batch_size():
+    """A left-padding tokenizer: predict pads on the right, as training and eval do (GPT-2's
+    learned positions read left-padded rows shifted: 14 of 16 rows changed with the batch)."""
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from rapidformer.config.schema import RunConfig
+    from rapidformer.inference.predictors import Predicting, sequence_classification
+
+    tok = bpe_tokenizer(eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.padding_side = "left"
+    torch.manual_seed(0)
+    model = GPT2ForSequenceClassification(GPT2Config(
+        vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, num_labels=2,
+        pad_token_id=tok.pad_token_id)).eval()
+    with torch.no_grad():
+        model.transformer.wpe.weight.mul_(30)  # positions that matter
+    cfg = RunConfig()
+    cfg.data.text_a_column, cfg.data.text_b_column = "sentence", None
+    rows = [{"sentence": text} for text in ("where", "where does anna live ?", "who is ben ?",
+                                            "paris . acme")]
+    scores = {size: [r["score"] for r in sequence_classification(
+        Predicting(model, tok, cfg, torch.device("cpu"), size), rows)] for size in (1, 4)}
+    assert scores[4] == pytest.approx(scores[1], rel=1e-5)

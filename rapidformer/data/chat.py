@@ -109,8 +109,10 @@ class Renderer:
         self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.eos = tokenizer.eos_token or ""
         # a base model's tokenizer that begins every text with BOS (Llama's) was pretrained on
-        # texts that begin with it; rows joined without a template begin with it too
-        self.bos = "" if self.templated else bos_it_adds(tokenizer)
+        # texts that begin with it; rows joined without a template begin with it too, as an id
+        # before the text's own (as text, a SentencePiece tokenizer would cut the first word
+        # otherwise than after the BOS it adds)
+        self.bos_id = None if self.templated else bos_it_adds(tokenizer)
 
     def text(self, messages: list[dict], add_generation_prompt: bool = False,
              where=None) -> str:
@@ -128,8 +130,7 @@ class Renderer:
                              "one with data.chat_template (its text or a file), or use prompt/"
                              "response rows")
         # a prompt and its response, joined
-        return self.bos + "".join(m["content"] for m in messages) + \
-            (self.eos if len(messages) == 2 else "")
+        return "".join(m["content"] for m in messages) + (self.eos if len(messages) == 2 else "")
 
     def turn_end_id(self) -> int | None:
         """The special token the template ends an assistant turn with (ChatML's <|im_end|>,
@@ -180,13 +181,19 @@ class Renderer:
         return text, spans
 
 
-def bos_it_adds(tokenizer) -> str:
-    """The BOS token the tokenizer puts before a text by default, or ""."""
-    bos = getattr(tokenizer, "bos_token", None)
-    if not bos or getattr(tokenizer, "bos_token_id", None) is None:
-        return ""
+def bos_it_adds(tokenizer) -> int | None:
+    """The id of the BOS token the tokenizer puts before a text by default, or None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
     ids = tokenizer("a")["input_ids"]
-    return bos if ids and ids[0] == tokenizer.bos_token_id else ""
+    return bos if ids and ids[0] == bos else None
+
+
+def text_ids(tokenizer, text: str, bos_id: int | None = None) -> list[int]:
+    """A rendered text's ids, after `bos_id` where there is one (Renderer.bos_id)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids if bos_id is None else [bos_id, *ids]
 
 
 def template_error(exc: Exception, where) -> InputError:
@@ -225,12 +232,14 @@ class EncodeCounts:
     empty_answers: int = 0  # rows with an assistant turn of no text (it learns to say nothing)
 
 
-def encode(tokenizer, text: str, spans: list[tuple], max_length: int, loss_on: str
-           ) -> tuple[list[int], list[int], bool]:
+def encode(tokenizer, text: str, spans: list[tuple], max_length: int, loss_on: str,
+           bos_id: int | None = None) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels, truncated): labels are the ids on the tokens the loss is on, else
-    IGNORE; the text is cut at max_length tokens, its start kept."""
+    IGNORE; the text is cut at max_length tokens, its start kept; `bos_id` goes first."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if bos_id is not None:  # no characters of the text: never the assistant's
+        ids, offsets = [bos_id, *ids], [(0, 0), *offsets]
     if loss_on == "all":
         labels = list(ids)
     else:
@@ -258,7 +267,8 @@ def encode_rows(dataset, tokenizer, d, loss_on: str, split: str, counts: EncodeC
                                     for m in messages)
         text, spans = (renderer.assistant_spans(messages, where) if loss_on == "response"
                        else (renderer.text(messages, where=where), []))
-        ids, labels, truncated = encode(tokenizer, text, spans, d.max_seq_length, loss_on)
+        ids, labels, truncated = encode(tokenizer, text, spans, d.max_seq_length, loss_on,
+                                        renderer.bos_id)
         counts.examples += 1
         counts.truncated += truncated
         # a label at position 0 is never a target (the model predicts token i from those
@@ -289,7 +299,7 @@ def generation_prompts(dataset, tokenizer, d, limit: int) -> list[dict]:
         pair = renderer.prompt(messages_of(row, form, d, where), where)
         if pair is None:
             continue
-        if len(tokenizer(pair[0], add_special_tokens=False)["input_ids"]) >= d.max_seq_length:
+        if len(text_ids(tokenizer, pair[0], renderer.bos_id)) >= d.max_seq_length:
             too_long += 1
             continue
         found.append({"prompt": pair[0], "reference": pair[1]})
@@ -297,7 +307,7 @@ def generation_prompts(dataset, tokenizer, d, limit: int) -> list[dict]:
             break
     if too_long:
         log.warning("task.sample_generations: %d validation prompts of data.max_seq_length=%d "
-                    "tokens or more are not answered (their answers are cut off in training)",
+                    "tokens or more are not answered (training cuts their last answer off)",
                     too_long, d.max_seq_length)
     return found
 

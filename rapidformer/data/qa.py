@@ -24,7 +24,8 @@ def _answer(answers) -> tuple[str, int]:
 def encode_windows(tokenizer, questions, contexts, max_length: int, stride: int):
     return tokenizer([q.lstrip() for q in questions], contexts, truncation="only_second",
                      max_length=max_length, stride=stride, return_overflowing_tokens=True,
-                     return_offsets_mapping=True, padding="max_length")
+                     return_offsets_mapping=True, padding="max_length",
+                     padding_side="right")
 
 
 def train_features(batch, tokenizer, d, t) -> dict:

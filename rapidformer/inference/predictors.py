@@ -1,6 +1,7 @@
 """One prediction per input row, for each fine-tuning task, made the way the task's training
 read its data: the same tokenizer calls, data.max_seq_length, task options (QA windows,
-source prefix, beams), and the label or tag names the training split gave the ids.
+source prefix, beams), and the label or tag names the training split gave the ids; rows padded
+on the right, as training pads them (tasks/batching.RightPadded), whatever the tokenizer's side.
 
 Each predictor takes a `Predicting` (model, tokenizer, config, label names, options) and the
 rows (dicts holding the columns the run's data config names) and returns the new columns of
@@ -49,7 +50,7 @@ def sequence_classification(p: Predicting, rows: list[dict]) -> list[dict]:
         first = [_text(r[d.text_a_column]) for r in batch]
         second = [_text(r[d.text_b_column]) for r in batch] if d.text_b_column else None
         encoded = p.tokenizer(first, second, truncation=True, max_length=d.max_seq_length,
-                              padding=True, return_tensors="pt")
+                              padding=True, padding_side="right", return_tensors="pt")
         scores, ids = p.forward(encoded).logits.float().softmax(dim=-1).max(dim=-1)
         out += [{"prediction": p.label_names[i] if p.label_names else i, "score": s}
                 for i, s in zip(ids.tolist(), scores.tolist())]
@@ -84,7 +85,7 @@ def token_classification(p: Predicting, rows: list[dict], places: list[str]) -> 
         if any(words):
             encoded = p.tokenizer(words, is_split_into_words=True, truncation=True,
                                   max_length=d.max_seq_length, return_overflowing_tokens=True,
-                                  padding=True, return_tensors="pt")
+                                  padding=True, padding_side="right", return_tensors="pt")
             rows_of = encoded.pop("overflow_to_sample_mapping").tolist()
             predicted = p.forward(encoded).logits.argmax(dim=-1).tolist()
             for window, (row, ids) in enumerate(zip(rows_of, predicted)):
@@ -134,7 +135,8 @@ def masked_lm(p: Predicting, rows: list[dict]) -> list[dict]:
                          "one")
     for batch in _chunks(rows, p.batch_size):
         encoded = tokenizer([_text(r[d.text_column]) for r in batch], truncation=True,
-                            max_length=d.max_seq_length, padding=True, return_tensors="pt")
+                            max_length=d.max_seq_length, padding=True, padding_side="right",
+                            return_tensors="pt")
         logits = p.forward(encoded).logits.float()
         for row, ids in enumerate(encoded["input_ids"].tolist()):
             masks = []
@@ -153,7 +155,7 @@ def seq2seq_lm(p: Predicting, rows: list[dict]) -> list[dict]:
     for batch in _chunks(rows, p.batch_size):
         encoded = p.tokenizer([t.source_prefix + _text(r[d.document_column]) for r in batch],
                               truncation=True, max_length=d.max_seq_length, padding=True,
-                              return_tensors="pt").to(p.device)
+                              padding_side="right", return_tensors="pt").to(p.device)
         generated = p.model.generate(input_ids=encoded["input_ids"],
                                      attention_mask=encoded["attention_mask"],
                                      num_beams=p.num_beams or t.num_beams,

@@ -129,7 +129,11 @@ class MetricsSink:
             self._file.close()
             self._csv_file.close()
             if self._writer is not None:
-                self._writer.close()
+                writer, self._writer = self._writer, None
+                try:
+                    writer.close()  # its last events are written now
+                except OSError as exc:
+                    raise self._refused(self.path.parent / "tensorboard", exc) from exc
             for tracker in self._trackers:
                 tracker.close()
 

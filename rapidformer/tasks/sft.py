@@ -9,8 +9,8 @@ import json
 import logging
 import math
 
-from rapidformer.data.chat import (EncodeCounts, chat_template_text, encode_rows,
-                                   generation_prompts, stop_token_ids)
+from rapidformer.data.chat import (EncodeCounts, Renderer, chat_template_text, encode_rows,
+                                   generation_prompts, stop_token_ids, text_ids)
 from rapidformer.data.lengths import IGNORE
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.errors import InputError
@@ -49,6 +49,7 @@ class SFTFinetuner(TaskFinetuner):
                                        dropped_fix(counts, d, t))
         self.prompts = (generation_prompts(splits["validation"], tokenizer, d, t.sample_generations)
                         if "validation" in splits else [])
+        self.bos_id = Renderer(tokenizer).bos_id  # the prompts begin as the training rows do
         collate = self.shape_batches(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE,
                                                             return_tensors="pt"))
         # data.packing: several examples a row (the packed transform's rows and collate)
@@ -104,8 +105,7 @@ class SFTFinetuner(TaskFinetuner):
         records, matched = [], 0
         stops = stop_token_ids(tokenizer, getattr(generator, "generation_config", None))
         for item in self.prompts:
-            enc = tokenizer(item["prompt"], add_special_tokens=False, return_tensors="pt")
-            ids = enc["input_ids"].to(device)
+            ids = torch.tensor([text_ids(tokenizer, item["prompt"], self.bos_id)], device=device)
             with torch.no_grad():
                 out = generator.generate(
                     input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,

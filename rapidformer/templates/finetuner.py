@@ -207,7 +207,12 @@ class Finetuner(TemplateLoop):
         loss = provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
                         "the loss (a tensor of one value)", check=loss_problem)
         weights = getattr(self, "_weights", None)
-        return loss * weights.pop(0) if weights and torch.is_tensor(loss) else loss
+        if not (weights and torch.is_tensor(loss)):
+            return loss
+        weight = weights.pop(0)
+        # a micro-batch of no item (every masked-LM label left unmasked) has a 0/0 mean: it
+        # adds nothing to the step (its gradient is zero already: no label to reach)
+        return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))
 
     def _last_step(self, steps_per_epoch: int) -> tuple[int, str | None]:
         """The step training ends at: trainer.train_iters, or trainer.epochs' steps; resumed,

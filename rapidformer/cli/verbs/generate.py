@@ -49,7 +49,7 @@ def load_exported(directory: Path):
 def prompt_texts(rows: list, tokenizer, data, raw: bool, where: str) -> list[str]:
     """The text each row is answered from: a conversation (or a prompt as the user's turn)
     rendered with the generation prompt, or the prompt itself (raw, or no template)."""
-    from rapidformer.data.chat import Renderer, bos_it_adds, messages_of
+    from rapidformer.data.chat import Renderer, messages_of
 
     templated = bool(getattr(tokenizer, "chat_template", None)) and not raw
     renderer = Renderer(tokenizer)
@@ -70,23 +70,24 @@ def prompt_texts(rows: list, tokenizer, data, raw: bool, where: str) -> list[str
             raise InputError(f"{place}: needs a '{data.messages_column}' conversation or a "
                              f"'{data.prompt_column}' text (data.messages_column, "
                              f"data.prompt_column); it has: {', '.join(row) or 'nothing'}")
-        # as training rendered them (a base model's text begins with the BOS it adds)
         texts.append(renderer.text(messages, add_generation_prompt=True, where=place)
-                     if templated else bos_it_adds(tokenizer) + messages[-1]["content"])
+                     if templated else messages[-1]["content"])
     return texts
 
 
 def answers(model, tokenizer, texts: list[str], max_new_tokens: int, temperature: float,
-            device) -> list[str]:
+            device, bos_id: int | None = None) -> list[str]:
+    """The model's answer to each text (`bos_id` first: a text without a template begins with
+    the BOS the tokenizer adds, as training's rows did)."""
     import torch
 
-    from rapidformer.data.chat import stop_token_ids
+    from rapidformer.data.chat import stop_token_ids, text_ids
     from rapidformer.models.pretrained_shape import new_token_room
 
     out = []
     stops = stop_token_ids(tokenizer, getattr(model, "generation_config", None))
     for number, text in enumerate(texts, start=1):
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+        ids = torch.tensor([text_ids(tokenizer, text, bos_id)], device=device)
         room = new_token_room(model.config, ids.shape[1], max_new_tokens)
         if room < 1:
             raise InputError(f"prompt {number} is {ids.shape[1]} tokens: the model "
@@ -120,8 +121,11 @@ def generate(run_dir: Path, prompt: str | None, input_path: Path | None, model_d
     texts = prompt_texts(rows, tokenizer, cfg.data, raw, where)
     target = pick_device(device or cfg.trainer.device)
     model.to(target).eval()
+    from rapidformer.data.chat import bos_it_adds
+
+    templated = bool(getattr(tokenizer, "chat_template", None)) and not raw
     return rows, answers(model, tokenizer, texts, max_new_tokens or cfg.task.max_new_tokens,
-                         temperature, target)
+                         temperature, target, None if templated else bos_it_adds(tokenizer))
 
 
 def read_jsonl(path: Path) -> list[dict]:
