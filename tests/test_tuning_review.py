@@ -32,7 +32,8 @@ def test_a_candidate_that_changes_the_steps_of_an_epoch_is_no_candidate():
     assert [c.label for c in found] == ["trainer.lr=1e-3"]
     assert left_out["packing"] == (
         "refused: packing changes the optimizer steps of a run given in epochs "
-        "(trainer.epochs=3); give trainer.train_iters to compare")
+        "(trainer.epochs=3): not the config's result sooner; set it by hand if it is the run "
+        "you want")
     assert "a global batch of 32 (the config's 16) changes the optimizer steps" in \
         left_out["trainer.global_batch_size=32"]
 
@@ -351,3 +352,90 @@ def test_seconds_show_their_difference_and_a_stopped_search_is_a_stop():
     assert seconds(0.04, 5.0) == ["0.04 s", "5.00 s"]
     assert seconds(0.0, 5.2) == ["0 s", "5 s"]
     assert issubclass(SearchStopped, Preempted) and SearchStopped("x").exit_code == 75
+
+
+def test_the_printed_command_of_a_recipe_that_searches_trains_the_choice_without_a_search(
+        tmp_path):
+    from rapidformer.tuning.search import command
+
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "searching.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /accelerate: auto\nrecipe: searching\n")
+    from rapidformer.config import search as config_search
+
+    folder = f"hydra.searchpath=[file://{tmp_path}]"
+    config_search.use([tmp_path])  # as --config-dir leaves it for the command
+    try:
+        got = command([folder, "+recipe=searching"], ["trainer.micro_batch_size=4"])
+    finally:
+        config_search.use([])
+    assert got.endswith("+recipe=searching trainer.micro_batch_size=4 accelerate=none"), got
+    plain = command(["+recipe=quickstart"], ["trainer.micro_batch_size=4"])
+    assert plain.endswith("+recipe=quickstart trainer.micro_batch_size=4"), plain
+
+
+@pytest.mark.parametrize("trained_unpad, reused", [(True, True), (False, False)])
+def test_a_resumed_run_takes_only_a_choice_its_config_trained_with(tmp_path, monkeypatch,
+                                                                  trained_unpad, reused):
+    import yaml
+
+    from rapidformer.errors import InputError
+    from rapidformer.tuning import run as tuning_run
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: pytest.fail("searched"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tuning.json").write_text(json.dumps(
+        {"choice": {"label": "unpad mbs=16", "overrides": [
+            "trainer.unpad=true", "trainer.micro_batch_size=16", "precision=fp32"]}}))
+    (run / "config.yaml").write_text(yaml.safe_dump(
+        {"trainer": {"unpad": trained_unpad, "micro_batch_size": 16},
+         "precision": {"name": "fp32"}}))
+    given = ["+recipe=quickstart", "accelerate=auto", f"trainer.output_dir={run}",
+             "trainer.resume=auto"]
+    composed, _, cfg = cli_settled(*given)
+    if reused:
+        assert tuning_run.tuned_overrides(given, composed, cfg)[-3:] == [
+            "++trainer.unpad=true", "++trainer.micro_batch_size=16", "precision=fp32"]
+    else:
+        with pytest.raises(InputError, match=r"its config.yaml did not train with "
+                                             r"\(trainer.unpad: False\)"):
+            tuning_run.tuned_overrides(given, composed, cfg)
+
+
+def test_a_candidate_the_budget_s_end_stopped_marks_the_search_cut(monkeypatch, tmp_path):
+    """A candidate started with less budget left than its own time limit, and stopped by it,
+    is the budget's cut (a larger budget_s searches again), not the candidate's own timeout."""
+    from rapidformer.tuning import search as search_module
+
+    now = [0.0]
+    clocked = fake_measure({"reference": 1000})
+
+    def measure(run_overrides, candidate, steps, warmup, limit, work):
+        if candidate.label == "reference":
+            m = clocked(run_overrides, candidate, steps, warmup, limit, work)
+        else:  # a compile that outlasts what the budget left it
+            m = Measurement(candidate, "timeout", limit, reason=f"still running after "
+                                                                f"{limit:.0f} s: stopped")
+        now[0] += m.wall_s
+        return m
+
+    monkeypatch.setattr(search_module, "measure", measure)
+    monkeypatch.setattr(search_module, "candidates", lambda *a, **k: _admitted("a"))
+    monkeypatch.setattr(search_module.time, "monotonic", lambda: now[0])
+    overrides = ["accelerate=auto", "accelerate.max_fraction=100", "accelerate.budget_s=30",
+                 "accelerate.candidate_timeout_s=180", f"accelerate.cache_dir={tmp_path}"]
+    _, _, cfg = settled(*overrides)
+    record = search_module.search(overrides, cfg, memory_auto=False)
+    assert record["truncated"]["by"] == "accelerate.budget_s"
+
+
+def test_a_noisier_faster_candidate_does_not_hide_a_steady_sooner_one():
+    from rapidformer.tuning.pick import Verdict
+
+    reference = Verdict("reference", True, "ok", 100.0, "", 0.01)
+    noisy, steady = Verdict("A", True, "ok", 80.0, "", 0.20), Verdict("B", True, "ok", 85.0, "",
+                                                                      0.01)
+    assert choose([reference, noisy, steady]).label == "B"  # A is within its own spread
+    assert choose([reference, noisy]).label == "reference"

@@ -14,7 +14,7 @@ import torch
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError
-from rapidformer.tuning.space import Candidate, apply, epoch_steps_change
+from rapidformer.tuning.space import Candidate, apply, step_content_change
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,10 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
         return Admission(candidate, tuple(exc.problems))
     except Exception as exc:  # noqa: BLE001 - a hand-picked value of the wrong type, an option
         return Admission(candidate, (f"{type(exc).__name__}: {exc}",))
-    # the first steps' loss cannot see another schedule: a run given in epochs is compared at
-    # the same optimizer steps only (space.epoch_steps_change), after what no run may take
-    problems = config_problems(cfg) or [why for why in [epoch_steps_change(base, cfg)] if why]
+    # the first steps' loss cannot see another schedule or other examples a step: candidates
+    # train the config's steps on its examples (space.step_content_change), after what no run
+    # may take
+    problems = config_problems(cfg) or [why for why in [step_content_change(base, cfg)] if why]
     if problems:
         return Admission(candidate, tuple(problems))
     if memory_auto and not cfg.model.is_megatron:

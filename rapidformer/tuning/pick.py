@@ -109,17 +109,18 @@ def other_epoch(reference: Measurement, m: Measurement, run_steps: int | None) -
 
 
 def choose(verdicts: list[Verdict]) -> Verdict:
-    """The passing verdict with the shortest time to result; the reference (first) unless a
-    candidate is sooner by more than MARGIN plus the larger of the two rates' spreads, as a
-    share of the reference's time: a gain within what the steps of one setting vary by is
-    noise (identical settings measured on a loaded machine differ by that much)."""
+    """The soonest passing candidate that is sooner than the reference (first) by more than
+    MARGIN plus the larger of the two rates' spreads, as a share of the reference's time, else
+    the reference: a gain within what the steps of one setting vary by is noise (identical
+    settings measured on a loaded machine differ by that much). Each candidate is held to its
+    own spread: a noisier, faster one does not hide a steady one that clears it."""
     passing = [v for v in verdicts if v.passed]
     if not passing:
         raise ValueError("no candidate passed, the reference included")
-    best = min(passing, key=lambda v: v.time_to_result_s)
     reference = verdicts[0]
-    needed = MARGIN + max(reference.spread, best.spread)
-    if reference.passed and best is not reference and \
-            best.time_to_result_s > (1 - needed) * reference.time_to_result_s:
-        return reference
-    return best
+    if not reference.passed:
+        return min(passing, key=lambda v: v.time_to_result_s)
+    # each candidate against its own margin: a noisier, faster one does not hide a steady one
+    clear = [v for v in passing if v is not reference and v.time_to_result_s <= (
+        1 - MARGIN - max(reference.spread, v.spread)) * reference.time_to_result_s]
+    return min(clear, key=lambda v: v.time_to_result_s) if clear else reference

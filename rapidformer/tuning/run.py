@@ -109,6 +109,11 @@ def recorded_choice(cfg: RunConfig, overrides: list[str] = ()) -> dict | None:
                          f"no readable choice ({type(exc).__name__}: {exc}); resume without "
                          f"accelerate=auto and with the settings it trained with (its "
                          f"config.yaml)") from None
+    if differs := _not_trained_with(choice["overrides"], path.parent / "config.yaml"):
+        raise InputError(f"accelerate=auto: resuming {path.parent}, whose {path.name} records "
+                         f"the choice {choice['label']}, which its config.yaml did not train "
+                         f"with ({differs}): the record is another run's; resume without "
+                         f"accelerate=auto and with the settings of its config.yaml")
     from rapidformer.tuning.search import say
 
     say(f"resuming {path.parent}: training on with the choice its {path.name} records, "
@@ -137,3 +142,24 @@ def write_record(run_dir: str) -> None:
         f"search of {record['search_s']:.0f} s"
     log.info("accelerate=auto (%s): %s, training with %s\n%s\nreproduce: %s\nrecord: %s",
              how, record["choice"]["label"], chosen, record["table"], record["command"], path)
+
+
+def _not_trained_with(chosen: list[str], config_file) -> str:
+    """The first of the chosen overrides that the run's config.yaml does not hold ("key: its
+    value there"), or "" (also where there is no config.yaml to compare with)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from rapidformer.config.compose import override_key
+
+    try:
+        trained = OmegaConf.create(yaml.safe_load(config_file.read_text()) or {})
+    except (OSError, ValueError, yaml.YAMLError):
+        return ""
+    for given in chosen:
+        key, value = override_key(given).lstrip("+~"), given.split("=", 1)[1]
+        path = key if "." in key else f"{key}.name"  # a group: its option's name
+        held = OmegaConf.select(trained, path, default=None)
+        if str(yaml.safe_load(value)) != str(held):
+            return f"{key}: {held}"
+    return ""

@@ -70,7 +70,23 @@ def command(run_overrides: list[str], chosen: list[str], fresh: bool = False) ->
     from rapidformer.tuning.space import kept_overrides
 
     kept = kept_overrides(user_overrides(run_overrides, fresh), chosen)
-    return shlex.join(["python", "-m", "rapidformer", *kept, *chosen])
+    given = [*kept, *chosen]
+    if _composes_auto(given):  # a recipe's accelerate=auto would search again
+        given.append("accelerate=none")
+    return shlex.join(["python", "-m", "rapidformer", *given])
+
+
+def _composes_auto(overrides: list[str]) -> bool:
+    """Whether these overrides compose accelerate=auto (a recipe, a config folder's)."""
+    from omegaconf import OmegaConf
+
+    from rapidformer.config.compose import compose, with_default_recipe
+
+    try:
+        composed = compose(with_default_recipe(list(overrides)), default_recipe=False)
+    except Exception:  # noqa: BLE001 - the command is printed as it is; the run checks it
+        return False
+    return OmegaConf.select(composed, "accelerate.name") == "auto"
 
 
 def seconds(*values: float) -> list[str]:
@@ -311,6 +327,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
             f"{a.steps} steps each ({a.warmup_steps} warm-up)")
     measured: list[Measurement] = []
     skipped: list[dict] = []
+    budget_stopped = False  # a child the budget's end stopped (not its own time limit)
     estimates = {adm.candidate.label: adm.estimate_gb for adm in admitted}
     for adm in admitted:
         left = budget - (time.monotonic() - started)
@@ -324,6 +341,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         say(f"measuring {adm.candidate.label}")
         measured.append(measure(run_overrides, adm.candidate, a.steps, a.warmup_steps,
                                 min(a.candidate_timeout_s, left), work))
+        budget_stopped |= measured[-1].status == "timeout" and left < a.candidate_timeout_s
     verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance, run_steps)
     best = choose(verdicts)
     chosen = next(m for m in [ref, *measured] if m.candidate.label == best.label)
@@ -338,7 +356,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     search_s = time.monotonic() - started
     say(f"chose {best.label} after {search_s:,.0f} s")
     return {"search_s": round(search_s, 3), "budget_s": round(budget, 3), "measured": True,
-            "truncated": cut if truncated or skipped else None,
+            "truncated": cut if truncated or skipped or budget_stopped else None,
             "run_steps": steps, "run_tokens": run_tokens,
             "choice": {"label": best.label, "overrides": chosen.candidate.override_list(),
                        "time_to_result_s": best.time_to_result_s},

@@ -12,8 +12,8 @@ A candidate is the config's settings with some of these changed, written as Hydr
 (so the child process that measures it, and the command that reproduces the choice, run it as
 the user would). `apply` makes the typed config a candidate runs, for the refusal pass
 (tuning/admit.py) to judge without composing it again. What the command line sets is pinned
-(`pins`): no candidate changes it. A run given in epochs is compared at its own optimizer
-steps (`epoch_steps_change`: packing, another global batch are refused there).
+(`pins`): no candidate changes it. Every candidate trains the config's optimizer steps on
+its examples (`step_content_change`: packing, another global batch are refused).
 """
 from __future__ import annotations
 
@@ -221,13 +221,12 @@ def global_batch(cfg: RunConfig) -> int:
     return t.global_batch_size or t.micro_batch_size * data_parallel_size(cfg)
 
 
-def epoch_steps_change(base: RunConfig, cfg: RunConfig) -> str:
-    """Why `cfg` (a candidate of `base`) trains another number of optimizer steps in an epoch
-    of a run given in epochs, or "". Such a run's schedule (warm-up, decay) and result follow
-    its steps: packing 5 examples a row makes 5x fewer, and a first steps' loss check cannot
-    see the warm-up that then never ends. With trainer.train_iters both run the same steps."""
-    if base.trainer.train_iters is not None:
-        return ""
+def step_content_change(base: RunConfig, cfg: RunConfig) -> str:
+    """Why `cfg` (a candidate of `base`) trains on other examples in an optimizer step, or "":
+    packing lays several examples in a row, another global batch takes other rows. Neither is
+    the config's result sooner: a run given in epochs takes other steps (packing 5 examples a
+    row makes 5x fewer, and the schedule's warm-up then never ends: the first steps' loss
+    cannot show it), a run of trainer.train_iters steps trains on more or fewer examples."""
     what = []
     if cfg.data.packing != base.data.packing or \
             (cfg.data.packing and cfg.data.max_seq_length != base.data.max_seq_length):
@@ -236,8 +235,11 @@ def epoch_steps_change(base: RunConfig, cfg: RunConfig) -> str:
         what.append(f"a global batch of {global_batch(cfg)} (the config's {global_batch(base)})")
     if not what:
         return ""
-    return (f"{' and '.join(what)} changes the optimizer steps of a run given in epochs "
-            f"(trainer.epochs={base.trainer.epochs}); give trainer.train_iters to compare")
+    how = (f"the optimizer steps of a run given in epochs (trainer.epochs={base.trainer.epochs})"
+           if base.trainer.train_iters is None else
+           f"the examples each of trainer.train_iters={base.trainer.train_iters} steps trains on")
+    return (f"{' and '.join(what)} changes {how}: not the config's result sooner; set it by "
+            f"hand if it is the run you want")
 
 
 def kept_overrides(run_overrides: list[str], chosen: list[str]) -> list[str]:
