@@ -189,9 +189,9 @@ class Finetuner(TemplateLoop):
     # "examples", "labels", "next_labels", or None (each micro-batch's mean weighs the same)
     loss_unit: str | None = None
 
-    def train_step(self, model, batches, window):
-        """With several micro-batches or ranks, each micro-batch's loss weighs its items
-        (templates/item_weights.py)."""
+    def _step_batches(self, batches):
+        """With several micro-batches or ranks, the step's micro-batches are read first, and
+        each one's loss weighs its items (templates/item_weights.py)."""
         engine, p = self.engine, self.cfg.parallelism
         self._weights = None
         if self.loss_unit and (engine.accumulation > 1 or engine.world_size > 1) and \
@@ -200,8 +200,8 @@ class Finetuner(TemplateLoop):
             self._weights = micro_batch_weights([loss_items(b, self.loss_unit) for b in step],
                                                 engine.world_size, engine.all_reduce_sum,
                                                 engine.device)
-            batches = iter(step)
-        return super().train_step(model, batches, window)
+            return iter(step)
+        return batches
 
     def _forward_step(self, batches, model):
         loss = provided(self, "run_forward_step", self.run_forward_step(next(batches), model),

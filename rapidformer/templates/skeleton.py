@@ -62,10 +62,15 @@ class TemplateLoop:
         """One optimizer step: engine.accumulation micro-batches through `run_forward_step`
         (with megatron-core: its pipeline schedule), then the optimizer step."""
         model.train()
+        batches = self._step_batches(batches)
         for loss in self.engine.forward_backward(self._forward_step, batches, model,
                                                  self.engine.accumulation):
             window.add_micro(loss)
         return self.engine.step()
+
+    def _step_batches(self, batches):
+        """Where a step reads its micro-batches from (a template may read them ahead)."""
+        return batches
 
     def _forward_step(self, batches, model):
         raise NotImplementedError
