@@ -191,6 +191,19 @@ def test_batches_that_count_no_tokens_stop_the_search_with_one_message(monkeypat
         search_module.search(overrides, cfg, memory_auto=False)
 
 
+def refused_before_measuring(monkeypatch, extra_candidates: str) -> ConfigError:
+    """The error a search given these hand-picked candidates stops with, before measuring."""
+    from rapidformer.tuning import search as search_module
+
+    monkeypatch.setattr(search_module, "measure", lambda *a, **k: pytest.fail("measured"))
+    overrides = ["accelerate=auto", "accelerate.cache=false",
+                 f"accelerate.extra_candidates={extra_candidates}"]
+    _, _, cfg = settled(*overrides)
+    with pytest.raises(ConfigError) as info:
+        search_module.search(overrides, cfg, memory_auto=False)
+    return info.value
+
+
 @pytest.mark.parametrize("extra, words", [
     ("trainer.lr=1e-3,2e-3", "a comma (or a range) makes a list of values"),
     ("trainer.lr=abc", "trainer.lr: expected a number, got 'abc'"),
@@ -202,17 +215,10 @@ def test_batches_that_count_no_tokens_stop_the_search_with_one_message(monkeypat
 ])
 def test_an_extra_candidate_no_run_could_take_stops_before_any_measurement(monkeypatch, extra,
                                                                           words):
-    from rapidformer.tuning import search as search_module
-
-    monkeypatch.setattr(search_module, "measure", lambda *a, **k: pytest.fail("measured"))
-    overrides = ["accelerate=auto", "accelerate.cache=false",
-                 f"accelerate.extra_candidates=['precision=bf16','{extra}']"]
-    _, _, cfg = settled(*overrides)
-    with pytest.raises(ConfigError) as info:
-        search_module.search(overrides, cfg, memory_auto=False)
-    assert info.value.problems == [p for p in info.value.problems
-                                   if p.startswith(f"accelerate.extra_candidates '{extra}': ")]
-    assert words in str(info.value)
+    refused = refused_before_measuring(monkeypatch, f"['precision=bf16','{extra}']")
+    assert refused.problems == [p for p in refused.problems
+                                if p.startswith(f"accelerate.extra_candidates '{extra}': ")]
+    assert words in str(refused)
 
 
 @pytest.mark.parametrize("extra", [

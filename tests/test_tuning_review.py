@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from rapidformer.errors import ConfigError, Preempted
+from rapidformer.errors import Preempted
 from rapidformer.tuning import cache
 from rapidformer.tuning.admit import Admission
 from rapidformer.tuning.enumerate import candidates
@@ -18,7 +18,8 @@ from rapidformer.tuning.measure import Measurement, summarize
 from rapidformer.tuning.pick import choose, judge
 from rapidformer.tuning.space import Candidate, hand_picked
 
-from tests.test_tuning import fake_measure, measured, search_space, settled
+from tests.test_tuning import (fake_measure, measured, refused_before_measuring, search_space,
+                               settled)
 
 CPU = torch.device("cpu")
 
@@ -296,16 +297,9 @@ def test_tune_refuses_a_run_s_flags_with_one_message(monkeypatch, capsys, flags)
 ])
 def test_an_extra_candidate_no_measurement_sees_is_refused_before_measuring(monkeypatch, extra,
                                                                              key):
-    from rapidformer.tuning import search as search_module
-
-    monkeypatch.setattr(search_module, "measure", lambda *a, **k: pytest.fail("measured"))
-    overrides = ["accelerate=auto", "accelerate.cache=false",
-                 f"accelerate.extra_candidates=['trainer.seed=7','{extra}']"]
-    _, _, cfg = settled(*overrides)
-    with pytest.raises(ConfigError) as info:
-        search_module.search(overrides, cfg, memory_auto=False)
-    assert len(info.value.problems) == 1
-    assert info.value.problems[0].startswith(f"accelerate.extra_candidates '{extra}': {key}")
+    refused = refused_before_measuring(monkeypatch, f"['trainer.seed=7','{extra}']")
+    assert len(refused.problems) == 1
+    assert refused.problems[0].startswith(f"accelerate.extra_candidates '{extra}': {key}")
 
 
 # 10. the cache key's gaps

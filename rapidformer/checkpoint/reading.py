@@ -53,5 +53,12 @@ def named_if_pruned(path: Path, given: str):
         raise
 
 
+def require_present(path: Path, given: str) -> None:
+    """After a checkpoint's weights were read: it is still there, so what is read next from it
+    (its tokenizer) is its own, not a fallback's."""
+    if gone(path):
+        raise removed_while_read(path, given)
+
+
 def gone(path: Path) -> bool:
     return not (path.exists() or path.is_symlink())

@@ -188,6 +188,7 @@ class Finetuner(TemplateLoop):
     # what run_forward_step's loss averages over in a batch (templates/item_weights.py):
     # "examples", "labels", "next_labels", or None (each micro-batch's mean weighs the same)
     loss_unit: str | None = None
+    _weights: list | None = None  # this step's factors, one a micro-batch (_step_batches)
 
     def _step_batches(self, batches):
         """With several micro-batches or ranks, the step's micro-batches are read first, and
@@ -206,10 +207,9 @@ class Finetuner(TemplateLoop):
     def _forward_step(self, batches, model):
         loss = provided(self, "run_forward_step", self.run_forward_step(next(batches), model),
                         "the loss (a tensor of one value)", check=loss_problem)
-        weights = getattr(self, "_weights", None)
-        if not (weights and torch.is_tensor(loss)):
+        if not (self._weights and torch.is_tensor(loss)):
             return loss
-        weight = weights.pop(0)
+        weight = self._weights.pop(0)
         # a micro-batch of no item (every masked-LM label left unmasked) has a 0/0 mean: it
         # adds nothing to the step (its gradient is zero already: no label to reach)
         return torch.where(weight > 0, loss * weight, torch.zeros_like(loss))

@@ -41,6 +41,9 @@ def micro_batch_weights(counts: list, ranks: int, all_reduce_sum, device) -> lis
     missing. `all_reduce_sum` sums a tensor over the ranks."""
     if any(c is None for c in counts):
         return None
-    items = torch.stack([torch.as_tensor(c, device=device).float() for c in counts])
+    if all(isinstance(c, int) for c in counts):  # examples: one copy to the device, no wait
+        items = torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True)
+    else:  # labels counted on the device
+        items = torch.stack([c.float() for c in counts])
     total = all_reduce_sum(items.sum())
     return list((items * (len(counts) * ranks) / total.clamp(min=1)).unbind())

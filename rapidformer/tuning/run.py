@@ -45,7 +45,7 @@ def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]
     from omegaconf import OmegaConf
 
     from rapidformer.config.compose import check_overrides
-    from rapidformer.tuning.search import command, search
+    from rapidformer.tuning.search import search
     from rapidformer.tuning.space import kept_overrides, pinned_changes, pins
 
     if problems := refusals(cfg, multirun=False):
@@ -60,9 +60,8 @@ def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]
     memory_auto = OmegaConf.select(composed, "memory.name") == "auto"
     record = recorded_choice(cfg, overrides)
     if record is None:
-        record = search(overrides, cfg, memory_auto)
         # the run log's command trains again into a new folder: this one is the run's own
-        record["command"] = command(overrides, record["choice"]["overrides"], fresh=True)
+        record = search(overrides, cfg, memory_auto, fresh=True)
     chosen = record["choice"]["overrides"]
     if changed := pinned_changes(chosen, pins(overrides, memory_auto)):
         # a search never chooses so (space.pins); a resumed run's record may have

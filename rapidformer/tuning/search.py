@@ -110,8 +110,10 @@ def run_length(cfg: RunConfig, reference: Measurement) -> int:
     return (t.epochs or 1) * reference.steps_per_epoch
 
 
-def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
-    """The search's record for a settled config `cfg` given by `run_overrides`."""
+def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool,
+           fresh: bool = False) -> dict:
+    """The search's record for a settled config `cfg` given by `run_overrides`; `fresh`: its
+    command trains into a new folder (a training run's record: `command`)."""
     from rapidformer.preflight import run_device
 
     device, _ = run_device(cfg)
@@ -129,8 +131,8 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
         if hit is not None:
             say(f"cached result {where / (key + '.json')}: {hit['choice']['label']} (no search; "
                 f"accelerate.cache=false searches again)")
-            return {**hit, "cached": True, "command": command(run_overrides,
-                                                              hit["choice"]["overrides"])}
+            chosen = hit["choice"]["overrides"]
+            return {**hit, "cached": True, "command": command(run_overrides, chosen, fresh)}
         if unusable:
             say(f"searching again: {unusable} (it is replaced)")
     started = time.monotonic()
@@ -147,7 +149,7 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record.update(key=key, key_fields=fields, cached=False, format=FORMAT,
-                  command=command(run_overrides, record["choice"]["overrides"]))
+                  command=command(run_overrides, record["choice"]["overrides"], fresh))
     if not record["measured"]:  # nothing to keep: another run's budget may measure
         warn(record["warning"])
     elif a.cache:

@@ -61,8 +61,7 @@ def evaluate(run_dir: Path, choice: str | None = None, overrides: list[str] = ()
     _, valid_ds, test_ds, collate_fn = finetuner.train_valid_test_datasets_provider()
     from rapidformer.checkpoint import reading
 
-    if reading.gone(ckpt):  # pruned meanwhile: its tokenizer was not the one read
-        raise reading.removed_while_read(ckpt, "rapidformer eval")
+    reading.require_present(ckpt, "rapidformer eval")  # the tokenizer read was its own
     model, _, _ = finetuner.model_optimizer_lr_scheduler_provider()
     restore.load_weights(model, state, ckpt)
     model, _, _ = engine.compose(model, total_iters=1)

@@ -72,8 +72,7 @@ def _tokenizer(ckpt: Path, cfg, run_dir: Path):
 
     from rapidformer.checkpoint import reading
 
-    if reading.gone(ckpt):  # pruned after its weights were read: not another tokenizer
-        raise reading.removed_while_read(ckpt, "rapidformer predict")
+    reading.require_present(ckpt, "rapidformer predict")
     m = cfg.model
     for saved in (ckpt / "tokenizer", run_dir / "tokenizer"):
         if (saved / "tokenizer_config.json").is_file():
