@@ -16,9 +16,12 @@ downloaded):
   bert_pretrain           BERT-base masked LM + NSP on short documents, seq 128, batch 32
                           (benchmarks/pretrain_padding.py's short corpus)
   llama_sft               Llama-3.2-1B-shaped LoRA SFT on instruction-length chats, seq 2048,
-                          200 steps of 16 (a packed row about 2.5 minutes on one H200: the
-                          rows of a workload fit two calls of 10 minutes)
-                          (benchmarks/lora_sft.py's workload)
+                          200 steps of 16 examples (a packed row about 2.5 minutes on one
+                          H200: the rows of a workload fit two calls of 10 minutes)
+                          (benchmarks/lora_sft.py's workload). Its packed rows hold the 16
+                          examples a step in fewer rows (examples_kept: the default row's log
+                          says how many a packed row holds), as accelerate=auto's packing
+                          candidate does: packing 16 rows a step would train 4x the examples
 Rows of each: `default` (the workload's command, no accelerator setting), each hand-picked row
 (the fastest of docs/benchmarks.md for it), `auto` (accelerate=auto with an empty cache: the
 search, then the run with its choice, in one wall time) and `auto-cached` (the same command
@@ -113,6 +116,27 @@ def workload_args(name: str, work: Path, smoke: bool) -> list[str]:
                 "trainer.epochs=null", "trainer.lr=2e-4", "scheduler=constant",
                 "task.sample_generations=0", *shape, *common]
     raise SystemExit(f"no workload {name!r}")
+
+
+def examples_kept(extra: list[str], base: list[str], default_log: Path) -> list[str]:
+    """A packing row's overrides with its global batch in packed rows that hold the workload's
+    examples a step (as accelerate=auto's packing candidate: tuning/space.py packed_batch), from
+    what the default row's log says packing makes of the data: at the workload's rows a step, a
+    packed run of trainer.train_iters steps trains several times the examples, another run."""
+    if "data.packing=true" not in extra:
+        return extra
+    from rapidformer.tuning.measure import PACKING_HINT
+    from rapidformer.tuning.space import packed_rows_a_step
+
+    text = default_log.read_text() if default_log.is_file() else ""
+    if not (found := PACKING_HINT.search(text)):
+        raise SystemExit(f"a packed row needs the default row's log ({default_log}) to say what "
+                         f"packing makes of the data: run the default row in the same call")
+    given = dict(a.split("=", 1) for a in base if "=" in a)
+    examples, rows = int(found.group(1)), int(found.group(2))
+    batch, micro = packed_rows_a_step(int(given["trainer.global_batch_size"]),
+                                      int(given["trainer.micro_batch_size"]), 1, examples / rows)
+    return [*extra, f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={micro}"]
 
 
 def row(workload: str, name: str, args_: list[str], work: Path, timeout: float) -> dict:
@@ -223,7 +247,10 @@ def main() -> None:
                 runs.update({name: [*base, "accelerate=auto", *search, *cache]
                              for name in AUTO_ROWS})
             done = []
+            default_log = work / f"{workload}_default" / "rapidformer.log"
             for name, command in runs.items():
+                if name in picked[workload]:  # after the default row: its log says
+                    command = [*base, *examples_kept(picked[workload][name], base, default_log)]
                 done.append(row(workload, name, command, work, args.timeout))
                 print(json.dumps({k: v for k, v in done[-1].items() if k != "table"}), flush=True)
             rows += done

@@ -332,6 +332,23 @@ def pack(dataset, max_length: int):
     return Dataset.from_dict(packed)
 
 
+# the line an unpacked SFT run logs (packing_hint), read back by accelerate=auto's measurement
+# (tuning/measure.py): its packing candidate keeps the config's examples a step in fewer rows
+PACKING_HINT = ("task=sft: data.packing=true would lay the {examples} training examples in "
+                "{rows} rows of at most {length} tokens ({per_row:.2f} a row)")
+
+
+def packing_hint(rows, max_length: int) -> str:
+    """What data.packing=true would make of these encoded training rows (`PACKING_HINT`): the
+    same bins as `pack`, from the rows' lengths alone (read from their Arrow column)."""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(rows.data.column("input_ids")).to_pylist()
+    bins = len(best_fit_decreasing(lengths, max_length))
+    return PACKING_HINT.format(examples=len(lengths), rows=bins, length=max_length,
+                               per_row=len(lengths) / max(bins, 1))
+
+
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Bins of at most `capacity` tokens: the examples, longest first, each into the fullest bin
     it still fits (a new one when none does). Filling rows in the data's order leaves the tail

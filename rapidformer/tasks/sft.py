@@ -10,7 +10,8 @@ import logging
 import math
 
 from rapidformer.data.chat import (EncodeCounts, Renderer, chat_template_text, encode_rows,
-                                   generation_prompts, stop_token_ids, text_ids)
+                                   generation_prompts, packing_hint, stop_token_ids,
+                                   text_ids)
 from rapidformer.data.lengths import IGNORE
 from rapidformer.data.tokenizers import training_texts
 from rapidformer.errors import InputError
@@ -52,6 +53,8 @@ class SFTFinetuner(TaskFinetuner):
         self.bos_id = Renderer(tokenizer).bos_id  # the prompts begin as the training rows do
         collate = self.shape_batches(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE,
                                                             return_tensors="pt"))
+        if not d.packing:  # what packing would make of them (accelerate=auto reads it)
+            log.info("%s", packing_hint(encoded["train"], d.max_seq_length))
         # data.packing: several examples a row (the packed transform's rows and collate)
         train = self.engine.transforms.training_rows(encoded["train"])
         return train, encoded.get("validation"), encoded.get("test"), collate

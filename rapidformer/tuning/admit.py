@@ -60,7 +60,8 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
     # the first steps' loss cannot see another schedule or other examples a step: candidates
     # train the config's steps on its examples (space.step_content_change), after what no run
     # may take
-    problems = config_problems(cfg) or [why for why in [step_content_change(base, cfg)] if why]
+    problems = config_problems(cfg) or [
+        why for why in [step_content_change(base, cfg, candidate.examples_per_row)] if why]
     if problems:
         return Admission(candidate, tuple(problems))
     if memory_auto and not cfg.model.is_megatron:
@@ -76,8 +77,7 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
         except ConfigError as exc:
             return Admission(candidate, tuple(exc.problems))
         overrides = tuple(tuple(o.split("=", 1)) for o in mode.overrides())
-        candidate = Candidate(candidate.label, candidate.overrides + overrides,
-                              candidate.hand_picked)
+        candidate = replace(candidate, overrides=candidate.overrides + overrides)
         cfg = apply(base, candidate)
         problems = config_problems(cfg)
     else:

@@ -11,6 +11,9 @@ best first, is admitted by the refusal pass and the memory plan (tuning/admit.py
 accelerate.max_candidates are in. Hand-picked candidates
 (accelerate.extra_candidates) come first and are not counted in the maximum. A value that
 would change what the command line sets (space.pins) is not tried: one row per pinned value.
+With the reference measured, `packed` (what packing makes of the training data) gives the
+packing candidate its batch in rows (space.packed_batch); combinations of two settings that set
+one key (that batch and another micro batch) are none.
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ import torch
 from rapidformer.config.schema import RunConfig
 from rapidformer.tuning.admit import Admission, admit
 from rapidformer.tuning.priors import Context, expected_time, reference_time, relative_factor
-from rapidformer.tuning.space import (Setting, axis_settings, combine, hand_picked,
-                                      pinned_changes)
+from rapidformer.tuning.space import (PackedRows, Setting, axis_settings, combine,
+                                      hand_picked, overlapping, pinned_changes)
 
 # combinations examined at most (each asked of the refusal pass), and refused ones listed
 EXAMINED = 400
@@ -39,12 +42,14 @@ def context(cfg: RunConfig, device: torch.device) -> Context:
 
 
 def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
-               run_s: float | None = None, pinned: dict[str, str] | None = None
+               run_s: float | None = None, pinned: dict[str, str] | None = None,
+               packed: PackedRows | None = None
                ) -> tuple[list[Admission], list[dict], dict[str, float]]:
     """(the admitted candidates with their estimates, in measuring order; rows of those left
     out: label, prior, why; each admitted label's prior). `run_s`: the training time of the run
     with the config as given, when known (the order is then by expected time to result).
-    `pinned`: what the command line sets (space.pins): no candidate changes it."""
+    `pinned`: what the command line sets (space.pins): no candidate changes it. `packed`:
+    what packing makes of the training data (the reference's measurement), when known."""
     a = cfg.accelerate
     pinned = pinned or {}
     ctx = context(cfg, device)
@@ -54,7 +59,7 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
         if changed := pinned_changes(hand_picked(text).overrides, pinned):
             out.append({"label": text, "why": f"refused: {_pinned_words(changed[0])}"})
         else:
-            admitted.append(admit(cfg, hand_picked(text), device, memory_auto))
+            admitted.append(admit(cfg, hand_picked(text, packed), device, memory_auto))
     for adm in admitted:
         if adm.problems:
             out.append({"label": adm.candidate.label, "why": f"refused: {adm.problems[0]}"})
@@ -63,8 +68,8 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
     held: dict[str, list[str]] = {}  # a pinned override -> the axis values it leaves out
     for axis in a.axes:
         kept = []
-        for setting in axis_settings(cfg, axis):
-            if changed := pinned_changes(setting.overrides, pinned):
+        for setting in axis_settings(cfg, axis, packed):
+            if changed := pinned_changes(setting.chosen_overrides(), pinned):
                 held.setdefault(changed[0], []).append(setting.label)
                 continue
             prior = relative_factor(setting, ctx, cfg)
@@ -83,7 +88,7 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
     given = None if run_s is None else reference_time(ctx, cfg, run_s)
     for choice in itertools.product(*[[None, *kept] for kept in axes]):
         picked = [c for c in choice if c is not None]
-        if not picked:
+        if not picked or overlapping([s for s, _ in picked]):
             continue
         prior = math.prod(p for _, p in picked)
         expected = expected_time([s for s, _ in picked], prior, ctx, cfg, run_s)

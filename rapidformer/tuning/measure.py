@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rapidformer.tuning.space import Candidate
+from rapidformer.tuning.space import Candidate, PackedRows
 
 # settings of the run that a measurement replaces (its own directory, length, records)
 MEASUREMENT_KEYS = ("trainer.train_iters", "trainer.epochs", "trainer.log_interval",
@@ -54,6 +54,8 @@ class Measurement:
     tokens_per_step: float | None = None  # real tokens per optimizer step after the warm-up
     peak_mem_gb: float | None = None
     steps_per_epoch: int | None = None
+    # what data.packing=true would make of the training data (an unpacked SFT run logs it)
+    packed_rows: PackedRows | None = None
     reason: str = ""
 
     def as_dict(self) -> dict:
@@ -159,6 +161,9 @@ def read_steps(run_dir: Path) -> list[dict]:
 
 
 STEPS_PER_EPOCH = re.compile(r"training \d+ iterations \((\d+) per epoch")
+# data/chat.py PACKING_HINT
+PACKING_HINT = re.compile(r"data\.packing=true would lay the (\d+) training examples in (\d+) "
+                          r"rows")
 
 
 def summarize(candidate: Candidate, steps: list[dict], warmup: int, wall_s: float,
@@ -182,6 +187,8 @@ def summarize(candidate: Candidate, steps: list[dict], warmup: int, wall_s: floa
     m.peak_mem_gb = round(max(peaks), 3) if peaks else round(rss_kib / 2**20, 3) or None
     if found := STEPS_PER_EPOCH.search(log_text):
         m.steps_per_epoch = int(found.group(1))
+    if (found := PACKING_HINT.search(log_text)) and int(found.group(2)):
+        m.packed_rows = PackedRows(int(found.group(1)), int(found.group(2)))
     return m
 
 

@@ -26,8 +26,10 @@ epoch pays the later evaluations at the evaluation's rate, not counted here.
 The rate is the median of the steps' rates (measure.summarize), and a candidate replaces the
 config as given only when sooner by more than MARGIN plus the larger rate spread of the two:
 identical settings on a loaded machine must not win by noise. In a run given in epochs a
-candidate whose epoch has another number of optimizer steps (packing) is out: the run would
-follow another schedule, which the first steps' loss cannot show (other_epoch).
+candidate whose epoch has another number of optimizer steps (packing at the config's rows a
+step) is out: the run would follow another schedule, which the first steps' loss cannot show
+(other_epoch). Packing at the config's examples a step has about its steps (their rows hold
+whole examples): within space.EXAMPLES_TOLERANCE it runs the config's schedule.
 """
 from __future__ import annotations
 
@@ -100,9 +102,13 @@ def judge(reference: Measurement, measured: list[Measurement], run_tokens: float
 def other_epoch(reference: Measurement, m: Measurement, run_steps: int | None) -> str:
     """Why `m` is no candidate of a run given in epochs (`run_steps` None): its epoch has
     another number of optimizer steps (packing, another global batch), so the run would follow
-    another schedule, which its first steps' loss cannot show; else ""."""
+    another schedule, which its first steps' loss cannot show; else "". Packed rows hold whole
+    examples: steps within EXAMPLES_TOLERANCE of the config's are its schedule."""
+    from rapidformer.tuning.space import EXAMPLES_TOLERANCE
+
     ref, got = reference.steps_per_epoch, m.steps_per_epoch
-    if run_steps is not None or ref is None or got is None or ref == got:
+    if run_steps is not None or ref is None or got is None or \
+            abs(got - ref) <= EXAMPLES_TOLERANCE * ref:
         return ""
     return (f"it changes the optimizer steps of a run given in epochs ({got} per epoch, the "
             f"config as given {ref}); give trainer.train_iters to compare")

@@ -74,8 +74,9 @@ def factor(setting: Setting, c: Context) -> float | None:
         "liger": (1.1 if c.vocab >= LARGE_VOCAB else 1.0) if gpu else None,
         "no kernels": 0.8 if gpu else None,
     }
-    if setting.label in table:
-        return table[setting.label]
+    name = setting.label.split(" (")[0]  # "packing (4 rows a step)": its detail in brackets
+    if name in table:
+        return table[name]
     if setting.axis == "micro_batch_size":
         new = int(dict(setting.overrides)["trainer.micro_batch_size"])
         if new < c.micro_batch_size:

@@ -323,7 +323,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     else:
         admitted, left_out, priors = candidates(cfg, device, memory_auto,
                                                 run_s=run_tokens / ref.tokens_per_s,
-                                                pinned=pinned)
+                                                pinned=pinned, packed=ref.packed_rows)
         check_stop()
         say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
             f"{a.steps} steps each ({a.warmup_steps} warm-up)")

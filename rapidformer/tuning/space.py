@@ -3,7 +3,8 @@
     axis                    values (besides the config's own)
     precision               fp32, bf16, fp16, fp8
     graph                   eager, compile, compile with graph.mode=reduce-overhead (CUDA graphs)
-    sequences               trainer.unpad=true (encoders), data.packing=true (task=sft)
+    sequences               trainer.unpad=true (encoders), data.packing=true (task=sft, the
+                            config's examples a step in fewer rows: packed_batch)
     kernels                 liger (kernels=none where kernels=auto picks liger)
     micro_batch_size        half, double, four times the config's, the global batch kept
     checkpoint_activations  true
@@ -13,7 +14,10 @@ A candidate is the config's settings with some of these changed, written as Hydr
 the user would). `apply` makes the typed config a candidate runs, for the refusal pass
 (tuning/admit.py) to judge without composing it again. What the command line sets is pinned
 (`pins`): no candidate changes it. Every candidate trains the config's optimizer steps on
-its examples (`step_content_change`: packing, another global batch are refused).
+its examples (`step_content_change`: another global batch is refused). The packing candidate
+does so in rows of several examples: its global batch, in rows, is the config's divided by the
+examples a packed row holds (which the reference's measurement reads from the run's own data:
+`PackedRows`), within EXAMPLES_TOLERANCE of the config's examples a step.
 """
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ class Candidate:
     label: str
     overrides: tuple[tuple[str, str], ...] = ()
     hand_picked: bool = False
+    # a packing candidate's examples a packed row (PackedRows.per_row): its global batch, in
+    # rows, holds the config's examples a step (step_content_change)
+    examples_per_row: float | None = None
 
     def override_list(self) -> list[str]:
         return [f"{key}={value}" for key, value in self.overrides]
@@ -50,14 +57,74 @@ class Setting:
     axis: str
     label: str
     overrides: tuple[tuple[str, str], ...]
+    examples_per_row: float | None = None
+    # keys whose value follows from the setting's own (packing's batch in rows, from the
+    # config's examples a step): they keep what the command line set, so they pin nothing
+    derived: tuple[str, ...] = ()
+
+    def chosen_overrides(self) -> tuple[tuple[str, str], ...]:
+        """The overrides that are this setting's choice (what a pin may forbid)."""
+        return tuple(o for o in self.overrides if o[0] not in self.derived)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """What data.packing=true makes of the run's training examples: how many rows (the
+    reference's child logs it: data/chat.py PACKING_HINT)."""
+    examples: int
+    rows: int
+
+    @property
+    def per_row(self) -> float:
+        return self.examples / max(self.rows, 1)
+
+
+# a packed candidate's step holds the config's examples within this share (its rows hold
+# whole examples: 16 examples a step at 4.1 a row are 4 rows, 16.4 examples)
+EXAMPLES_TOLERANCE = 0.1
+
+
+def packed_batch(cfg: RunConfig, per_row: float) -> tuple[int, int]:
+    """(global batch, micro batch) in packed rows of `per_row` examples that hold the config's
+    global batch of examples: the rows a step rounded to a multiple of the data-parallel ranks
+    (one row a rank at least), the micro batch the largest divisor of a rank's rows that is at
+    most the config's."""
+    return packed_rows_a_step(global_batch(cfg), cfg.trainer.micro_batch_size,
+                              data_parallel_size(cfg), per_row)
+
+
+def packed_rows_a_step(examples: int, micro_batch: int, ranks: int, per_row: float
+                       ) -> tuple[int, int]:
+    """packed_batch on plain numbers: a step of `examples` over `ranks`, in rows of `per_row`
+    examples, with micro batches of at most `micro_batch` rows."""
+    per_rank = max(1, round(examples / per_row / ranks))
+    micro = max(size for size in range(1, min(micro_batch, per_rank) + 1)
+                if per_rank % size == 0)
+    return per_rank * ranks, micro
+
+
+def _packing(cfg: RunConfig, packed: PackedRows | None) -> Setting:
+    """data.packing=true: with the training data's packed rows known, the config's examples a
+    step in fewer rows (packed_batch); without, packing alone (which step_content_change
+    refuses: a step of as many rows holds several times the examples)."""
+    if packed is None:
+        return Setting("sequences", "packing", (("data.packing", "true"),))
+    rows, micro = packed_batch(cfg, packed.per_row)
+    return Setting("sequences", f"packing ({rows} row{'' if rows == 1 else 's'} a step)",
+                   (("data.packing", "true"), ("trainer.global_batch_size", str(rows)),
+                    ("trainer.micro_batch_size", str(micro))),
+                   examples_per_row=packed.per_row,
+                   derived=("trainer.global_batch_size", "trainer.micro_batch_size"))
 
 
 def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
-def axis_settings(cfg: RunConfig, axis: str) -> list[Setting]:
-    """The values of `axis` other than the config's own, as settings."""
+def axis_settings(cfg: RunConfig, axis: str, packed: PackedRows | None = None
+                  ) -> list[Setting]:
+    """The values of `axis` other than the config's own, as settings (`packed`: what packing
+    makes of the training data, when the reference's measurement said)."""
     t = cfg.trainer
     if axis == "precision":
         return [Setting(axis, name, (("precision", name),))
@@ -77,7 +144,7 @@ def axis_settings(cfg: RunConfig, axis: str) -> list[Setting]:
         if not t.unpad:
             out.append(Setting(axis, "unpad", (("trainer.unpad", "true"),)))
         if not cfg.data.packing:
-            out.append(Setting(axis, "packing", (("data.packing", "true"),)))
+            out.append(_packing(cfg, packed))
         return out
     if axis == "kernels":
         # kernels=auto is liger for the tasks it picks it for (on a GPU, installed): the other
@@ -114,14 +181,29 @@ def combine(settings: list[Setting]) -> Candidate:
     overrides: list[tuple[str, str]] = []
     for setting in settings:
         overrides += setting.overrides
-    return Candidate(" ".join(s.label for s in settings), tuple(overrides))
+    per_row = next((s.examples_per_row for s in settings if s.examples_per_row), None)
+    return Candidate(" ".join(s.label for s in settings), tuple(overrides),
+                     examples_per_row=per_row)
 
 
-def hand_picked(text: str) -> Candidate:
-    """A candidate of accelerate.extra_candidates: one string of space-separated overrides."""
+def overlapping(settings: list[Setting]) -> bool:
+    """Whether two settings set one key (packing's batch in rows and another micro batch):
+    no candidate, the later would undo the earlier."""
+    keys = [key for s in settings for key, _ in s.overrides]
+    return len(keys) != len(set(keys))
+
+
+def hand_picked(text: str, packed: PackedRows | None = None) -> Candidate:
+    """A candidate of accelerate.extra_candidates: one string of space-separated overrides
+    (one that packs, with `packed` known, is held to the config's examples a step as the
+    search's own packing candidate is)."""
     from rapidformer.config.validate import extra_candidate_overrides
 
-    return Candidate(text, extra_candidate_overrides(text), hand_picked=True)
+    overrides = extra_candidate_overrides(text)
+    packs = packed is not None and any(k.lstrip("+") == "data.packing" and _same(k, v, "true")
+                                       for k, v in overrides)
+    return Candidate(text, overrides, hand_picked=True,
+                     examples_per_row=packed.per_row if packs else None)
 
 
 def _option_section(group: str, option: str, current):
@@ -221,18 +303,32 @@ def global_batch(cfg: RunConfig) -> int:
     return t.global_batch_size or t.micro_batch_size * data_parallel_size(cfg)
 
 
-def step_content_change(base: RunConfig, cfg: RunConfig) -> str:
+def step_content_change(base: RunConfig, cfg: RunConfig,
+                        examples_per_row: float | None = None) -> str:
     """Why `cfg` (a candidate of `base`) trains on other examples in an optimizer step, or "":
     packing lays several examples in a row, another global batch takes other rows. Neither is
     the config's result sooner: a run given in epochs takes other steps (packing 5 examples a
     row makes 5x fewer, and the schedule's warm-up then never ends: the first steps' loss
-    cannot show it), a run of trainer.train_iters steps trains on more or fewer examples."""
+    cannot show it), a run of trainer.train_iters steps trains on more or fewer examples.
+    Packing whose rows a step hold the config's examples a step (`examples_per_row` known,
+    within EXAMPLES_TOLERANCE) trains the config's steps on as many examples: it may run."""
     what = []
-    if cfg.data.packing != base.data.packing or \
-            (cfg.data.packing and cfg.data.max_seq_length != base.data.max_seq_length):
-        what.append("packing")
-    if global_batch(cfg) != global_batch(base):
-        what.append(f"a global batch of {global_batch(cfg)} (the config's {global_batch(base)})")
+    packs = cfg.data.packing != base.data.packing or \
+        (cfg.data.packing and cfg.data.max_seq_length != base.data.max_seq_length)
+    rows_kept = examples_per_row and cfg.data.packing and not base.data.packing and \
+        cfg.data.max_seq_length == base.data.max_seq_length
+    if rows_kept:
+        examples, given = global_batch(cfg) * examples_per_row, global_batch(base)
+        if abs(examples - given) > EXAMPLES_TOLERANCE * given:
+            what.append(f"packing {global_batch(cfg)} rows a step (about {examples:,.1f} "
+                        f"examples at {examples_per_row:.2f} a row, the config's {given}, more "
+                        f"than {EXAMPLES_TOLERANCE:.0%} apart)")
+    else:
+        if packs:
+            what.append("packing")
+        if global_batch(cfg) != global_batch(base):
+            what.append(f"a global batch of {global_batch(cfg)} (the config's "
+                        f"{global_batch(base)})")
     if not what:
         return ""
     how = (f"the optimizer steps of a run given in epochs (trainer.epochs={base.trainer.epochs})"
