@@ -50,9 +50,13 @@ def test_the_packing_hint_counts_the_rows_that_packing_makes():
     (16, 16, 4.1, (4, 4)),  # 16.4 examples a step: within the tolerance
     (2, 16, 4.0, (4, 2)),  # the config's micro batch divides the rows: kept
     (3, 15, 4.0, (4, 2)),  # 3.75 -> 4 rows; the largest divisor of 4 at most 3
-    (8, 8, 3.0, (3, 3)),  # 2.67 -> 3 rows
+    (8, 8, 3.0, (3, 3)),  # none within 10 % (6 or 9 examples): the nearest, 2.67 -> 3 rows
     (4, 4, 10.0, (1, 1)),  # under one row: one (step_content_change then refuses it)
     (4, 32, 1.0, (32, 4)),  # nothing packs: the config's rows
+    # of the rows within 10 %, the fewest micro-batches: 13 rows would be 13 micro-batches of
+    # one, 14 are 2 of 7; 22 would be 11 of 2, 21 are 3 of 7 (24, 3 of 8, is further)
+    (8, 16, 1.23, (14, 7)),
+    (8, 32, 1.45, (21, 7)),
 ])
 def test_the_packed_batch_holds_the_configs_examples_a_step(micro, global_, per_row, expected):
     cfg = sft(f"trainer.micro_batch_size={micro}", f"trainer.global_batch_size={global_}")
@@ -112,7 +116,8 @@ def test_a_hand_picked_packing_candidate_is_held_to_the_configs_examples_a_step(
                "accelerate.extra_candidates=['data.packing=true trainer.global_batch_size=4',"
                "'data.packing=true']", "accelerate.max_candidates=0")
     admitted, left_out, _ = candidates(base, CPU, memory_auto=False, packed=PackedRows(400, 100))
-    assert [a.candidate.label for a in admitted] == ["data.packing=true trainer.global_batch_size=4"]
+    assert [a.candidate.label for a in admitted] == [
+        "data.packing=true trainer.global_batch_size=4"]
     assert "about 64.0 examples" in {r["label"]: r["why"] for r in left_out}["data.packing=true"]
     assert hand_picked("data.packing=false", PackedRows(4, 1)).examples_per_row is None
 
@@ -126,16 +131,80 @@ def test_the_measurement_reads_the_packing_hint_and_epochs_allow_whole_examples_
     assert m.packed_rows == PackedRows(6000, 1462) and m.steps_per_epoch == 375
     assert summarize(REFERENCE, steps, 2, 10.0, 0, "no hint").packed_rows is None
 
-    def measured(label, per_epoch):
-        return Measurement(Candidate(label), "ok", 10.0, losses=[2.0] * 5, fixed_s=1.0,
-                           tokens_per_s=100.0, tokens_per_step=100.0,
-                           steps_per_epoch=per_epoch)
+    def measured(label, per_epoch, per_row=None):
+        return Measurement(Candidate(label, examples_per_row=per_row), "ok", 10.0,
+                           losses=[2.0] * 5, fixed_s=1.0, tokens_per_s=100.0,
+                           tokens_per_step=100.0, steps_per_epoch=per_epoch)
 
-    # an epoch of 375 steps: packing's 366 (whole examples a row) is its schedule, 94 not
-    verdicts = judge(measured("reference", 375), [measured("near", 366), measured("far", 94)],
+    # an epoch of 375 steps: packing's 366 (whole examples a row) is its schedule, 94 not; a
+    # candidate that does not pack (a data.max_seq_length that drops examples) gets no leeway
+    verdicts = judge(measured("reference", 375),
+                     [measured("near", 366, 4.1), measured("far", 94, 4.1),
+                      measured("not packing", 366)],
                      run_tokens=1e5, warmup_steps=2, tolerance=0.1)
-    assert [v.passed for v in verdicts] == [True, True, False]
+    assert [v.passed for v in verdicts] == [True, True, False, False]
     assert "(94 per epoch, the config as given 375)" in verdicts[2].why
+
+
+def _packed(label, losses, held_out, per_row=4.0):
+    return Measurement(Candidate(label, examples_per_row=per_row), "ok", 10.0, losses=losses,
+                       fixed_s=1.0, tokens_per_s=100.0, tokens_per_step=100.0,
+                       held_out_loss=held_out)
+
+
+@pytest.mark.parametrize("reference_held_out, candidate, passed, words", [
+    # rows grouped by length train easier examples first: the training loss is 30 % lower
+    # with the model no different; the held-out loss says so
+    (2.0, _packed("packing", [1.4] * 5, 2.01), True, "+0.5% of the reference's validation"),
+    (2.0, _packed("packing", [1.4] * 5, 2.5), False, "differs: +25.0% of the reference's valid"),
+    (2.0, _packed("packing", [1.4, float("nan")] * 2, 2.0), False, "not finite"),
+    (2.0, _packed("packing", [2.0] * 5, float("inf")), False, "not finite"),
+    # no validation split: the training losses, whatever they are
+    (None, _packed("packing", [1.4] * 5, None), False, "of the reference's mean loss"),
+    # a candidate that does not pack: its own batches are the reference's, the training losses
+    (2.0, _packed("bf16", [1.4] * 5, 2.0, per_row=None), False, "of the reference's mean loss"),
+])
+def test_packing_is_checked_on_the_held_out_loss(reference_held_out, candidate, passed, words):
+    reference = _packed("reference", [2.0] * 5, reference_held_out, per_row=None)
+    verdicts = judge(reference, [candidate], run_tokens=1e5, warmup_steps=2, tolerance=0.1)
+    assert verdicts[1].passed is passed and words in verdicts[1].loss_check, verdicts[1]
+
+
+def test_a_run_trains_the_packing_choice_with_the_command_lines_batch_sizes(monkeypatch,
+                                                                            tmp_path):
+    from rapidformer.tuning import run as tuning_run
+    from rapidformer.tuning import search as search_module
+
+    hint = ("task=sft: data.packing=true would lay the 400 training examples in 100 rows of at "
+            "most 256 tokens (4.00 a row)")
+
+    def measure(run_overrides, candidate, steps, warmup, limit, work):
+        rate = 5000.0 if candidate.label.startswith("packing") else 1000.0
+        rows = [{"loss": 2.0, "window_s": 1000 / rate, "tokens_per_s": rate}] * steps
+        m = summarize(candidate, rows, warmup, 4 + steps * 1000 / rate, 0, hint)
+        m.held_out_loss = 2.0
+        return m
+
+    monkeypatch.setattr(search_module, "measure", measure)
+    given = ["+recipe=llama_sft", "trainer.train_iters=50", "trainer.micro_batch_size=8",
+             "trainer.global_batch_size=16", "accelerate=auto", "accelerate.axes=[sequences]",
+             "accelerate.max_fraction=100", f"accelerate.cache_dir={tmp_path / 'cache'}",
+             f"trainer.output_dir={tmp_path / 'run'}"]
+    composed, _, cfg = settled(*given)
+    got = tuning_run.tuned_overrides(given, composed, cfg)
+    record = dict(tuning_run._pending)
+    tuning_run._pending.clear()
+    assert record["choice"]["label"] == "packing (4 rows a step)", record["table"]
+    assert [o.lstrip("+") for o in got[-3:]] == [
+        "data.packing=true", "trainer.global_batch_size=4", "trainer.micro_batch_size=4"]
+    assert "trainer.global_batch_size=16" not in got  # the choice's rows replace them
+    reference = next(r for r in record["rows"] if r["label"] == "reference")
+    assert reference["packed_rows"] == {"examples": 400, "rows": 100}
+    # the command line's data.packing=false is kept: the reference trains
+    composed, _, cfg = settled(*given, "data.packing=false")
+    got = tuning_run.tuned_overrides([*given, "data.packing=false"], composed, cfg)
+    assert tuning_run._pending["choice"]["label"] == "reference"
+    tuning_run._pending.clear()
 
 
 @pytest.mark.slow
@@ -157,3 +226,5 @@ def test_a_search_on_sft_data_measures_packing_at_the_configs_examples_a_step(tm
     # is faster on a CPU is the measurement's to say)
     assert packing["tokens_per_step"] == pytest.approx(reference["tokens_per_step"], rel=0.25)
     assert packing["time_to_result_s"] > 0
+    # checked on the validation loss (the synthetic chats have a validation split)
+    assert "validation loss" in packing["loss_check"] and reference["held_out_loss"] > 0

@@ -53,7 +53,7 @@ class SFTFinetuner(TaskFinetuner):
         self.bos_id = Renderer(tokenizer).bos_id  # the prompts begin as the training rows do
         collate = self.shape_batches(DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE,
                                                             return_tensors="pt"))
-        if not d.packing:  # what packing would make of them (accelerate=auto reads it)
+        if not d.packing and self.engine.rank == 0:  # accelerate=auto reads it (the log's)
             log.info("%s", packing_hint(encoded["train"], d.max_seq_length))
         # data.packing: several examples a row (the packed transform's rows and collate)
         train = self.engine.transforms.training_rows(encoded["train"])

@@ -56,6 +56,9 @@ class Measurement:
     steps_per_epoch: int | None = None
     # what data.packing=true would make of the training data (an unpacked SFT run logs it)
     packed_rows: PackedRows | None = None
+    # the validation loss of the evaluation at the child's end (None: no validation split):
+    # the loss check of a candidate whose steps train other examples (packing)
+    held_out_loss: float | None = None
     reason: str = ""
 
     def as_dict(self) -> dict:
@@ -65,7 +68,10 @@ class Measurement:
                 "fixed_s": round(self.fixed_s, 3),
                 "tokens_per_s": self.tokens_per_s, "rate_spread": round(self.rate_spread, 4),
                 "tokens_per_step": self.tokens_per_step,
-                "peak_mem_gb": self.peak_mem_gb, "reason": self.reason}
+                "peak_mem_gb": self.peak_mem_gb, "held_out_loss": self.held_out_loss,
+                "packed_rows": None if self.packed_rows is None else {
+                    "examples": self.packed_rows.examples, "rows": self.packed_rows.rows},
+                "reason": self.reason}
 
 
 def child_overrides(run_overrides: list[str], candidate: Candidate, steps: int,
@@ -152,12 +158,22 @@ def run_child(overrides: list[str], label: str, limit: float, log_path: Path
     return code, time.monotonic() - started, rss
 
 
-def read_steps(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss" in r and "window_s" in r]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "loss" in r and "window_s" in r]
+
+
+def held_out_loss(run_dir: Path) -> float | None:
+    """The last evaluation's validation loss in the child's metrics, if it has one."""
+    found = [r["validation/loss"] for r in read_metrics(run_dir)
+             if isinstance(r.get("validation/loss"), (int, float))]
+    return float(found[-1]) if found else None
 
 
 STEPS_PER_EPOCH = re.compile(r"training \d+ iterations \((\d+) per epoch")
@@ -219,6 +235,7 @@ def measure(run_overrides: list[str], candidate: Candidate, steps: int, warmup: 
         return Measurement(candidate, "crashed", wall,
                            reason=f"{len(got)} of {steps} steps logged: {tail}")
     m = summarize(candidate, got[:steps], warmup, wall, rss, text)
+    m.held_out_loss = held_out_loss(out_dir)
     if not all(math.isfinite(x) for x in m.losses):
         m.reason = "a loss was not finite"
     return m

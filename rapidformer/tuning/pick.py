@@ -4,7 +4,10 @@ Loss check: a candidate trains as the reference does when every step's loss is f
 mean of its losses over the measured steps (same seed, same batches: the reference's first
 steps) is within `tolerance` of the reference's mean, as a share of it. The mean, not each
 step: dropout masks and a different micro-batch split move single steps; a wrong setting
-(fp16 overflow, a bad kernel) moves all of them or gives NaN.
+(fp16 overflow, a bad kernel) moves all of them or gives NaN. A packing candidate's steps hold
+other examples (its rows group them by length), whose training loss differs by what they are:
+its check is the validation loss after the measured steps against the reference's (the same
+held-out examples), when both have one (held_out_check).
 
 Time to result of a candidate, for a run of `run_tokens` real tokens (a run given in epochs:
 the same tokens whatever the setting) or of `run_steps` steps (trainer.train_iters: packing
@@ -62,6 +65,25 @@ def loss_check(reference: list[float], losses: list[float], tolerance: float
     return True, f"ok: {words}"
 
 
+def held_out_check(reference: Measurement, m: Measurement, tolerance: float
+                   ) -> tuple[bool, str] | None:
+    """The loss check of a candidate whose steps train other examples than the reference's
+    (packing): its training losses finite, and its validation loss after the measured steps
+    within `tolerance` of the reference's; None: not such a candidate, or no validation loss
+    on both sides (the training losses' check then, which the examples' difficulty moves)."""
+    if not m.candidate.examples_per_row or reference.held_out_loss is None or \
+            m.held_out_loss is None:
+        return None
+    if not m.losses or not all(math.isfinite(x) for x in [*m.losses, m.held_out_loss]):
+        return False, "not finite"
+    ref, got = reference.held_out_loss, m.held_out_loss
+    change = (got - ref) / abs(ref) if ref else got - ref
+    words = f"{change:+.1%} of the reference's validation loss (its steps hold other examples)"
+    if abs(change) > tolerance:
+        return False, f"differs: {words} (tolerance {tolerance:.0%})"
+    return True, f"ok: {words}"
+
+
 # a candidate replaces the config as given only when it is this much sooner to the result, and
 # by more than the spread of the steps' rates (choose): a start-up's jitter or a noisy rate moves
 # a few percent, and a setting that gains less than that is not worth its risk
@@ -88,7 +110,8 @@ def judge(reference: Measurement, measured: list[Measurement], run_tokens: float
                                loss_check(reference.losses, m.losses, tolerance)[1],
                                None, f"{m.status}: {m.reason}"))
             continue
-        passed, words = loss_check(reference.losses, m.losses, tolerance)
+        passed, words = held_out_check(reference, m, tolerance) or \
+            loss_check(reference.losses, m.losses, tolerance)
         ttr = time_to_result(m, run_tokens, warmup_steps, run_steps)
         why = "" if passed else "loss check"
         if passed and ttr is None:
@@ -107,8 +130,10 @@ def other_epoch(reference: Measurement, m: Measurement, run_steps: int | None) -
     from rapidformer.tuning.space import EXAMPLES_TOLERANCE
 
     ref, got = reference.steps_per_epoch, m.steps_per_epoch
-    if run_steps is not None or ref is None or got is None or \
-            abs(got - ref) <= EXAMPLES_TOLERANCE * ref:
+    # only a packing candidate's rows of whole examples earn the tolerance; any other
+    # candidate whose epoch has other steps (a data.max_seq_length that drops examples) is out
+    within = EXAMPLES_TOLERANCE * ref if ref and m.candidate.examples_per_row else 0
+    if run_steps is not None or ref is None or got is None or abs(got - ref) <= within:
         return ""
     return (f"it changes the optimizer steps of a run given in epochs ({got} per epoch, the "
             f"config as given {ref}); give trainer.train_iters to compare")

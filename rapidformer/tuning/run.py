@@ -46,7 +46,8 @@ def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]
 
     from rapidformer.config.compose import check_overrides
     from rapidformer.tuning.search import search
-    from rapidformer.tuning.space import kept_overrides, pinned_changes, pins
+    from rapidformer.tuning.space import (PACKED_BATCH_KEYS, kept_overrides, packs,
+                                          pinned_changes, pins)
 
     if problems := refusals(cfg, multirun=False):
         raise InputError(problems[0])
@@ -63,7 +64,12 @@ def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]
         # the run log's command trains again into a new folder: this one is the run's own
         record = search(overrides, cfg, memory_auto, fresh=True)
     chosen = record["choice"]["overrides"]
-    if changed := pinned_changes(chosen, pins(overrides, memory_auto)):
+    pinned = pins(overrides, memory_auto)
+    if packs(chosen) and "data.packing" not in pinned:
+        # packing's batch in rows follows from the command line's examples a step
+        # (space.Setting.derived): as in the search, those keys pin nothing
+        pinned = {k: v for k, v in pinned.items() if k not in PACKED_BATCH_KEYS}
+    if changed := pinned_changes(chosen, pinned):
         # a search never chooses so (space.pins); a resumed run's record may have
         raise InputError(f"accelerate=auto: the choice {record['choice']['label']} "
                          f"({' '.join(chosen)}) changes {changed[0]}, which the command line "

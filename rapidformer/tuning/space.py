@@ -79,6 +79,16 @@ class PackedRows:
         return self.examples / max(self.rows, 1)
 
 
+# the batch keys a packing candidate sets from the config's own (Setting.derived): not pins
+PACKED_BATCH_KEYS = ("trainer.global_batch_size", "trainer.micro_batch_size")
+
+
+def packs(overrides) -> bool:
+    """Whether these overrides ((key, value) pairs or `key=value` strings) set data.packing=true."""
+    pairs = [tuple(o.split("=", 1)) if isinstance(o, str) else o for o in overrides]
+    return any(k.lstrip("+") == "data.packing" and _same(k, v, "true") for k, v in pairs)
+
+
 # a packed candidate's step holds the config's examples within this share (its rows hold
 # whole examples: 16 examples a step at 4.1 a row are 4 rows, 16.4 examples)
 EXAMPLES_TOLERANCE = 0.1
@@ -96,11 +106,20 @@ def packed_batch(cfg: RunConfig, per_row: float) -> tuple[int, int]:
 def packed_rows_a_step(examples: int, micro_batch: int, ranks: int, per_row: float
                        ) -> tuple[int, int]:
     """packed_batch on plain numbers: a step of `examples` over `ranks`, in rows of `per_row`
-    examples, with micro batches of at most `micro_batch` rows."""
-    per_rank = max(1, round(examples / per_row / ranks))
-    micro = max(size for size in range(1, min(micro_batch, per_rank) + 1)
-                if per_rank % size == 0)
-    return per_rank * ranks, micro
+    examples, with micro batches of at most `micro_batch` rows. Of the rows a rank within
+    EXAMPLES_TOLERANCE of the examples, those of the fewest micro-batches a step, then the
+    nearest (13 rows a step is 13 micro-batches of one; 12 or 14 are 2 of 6 or 7); none within
+    it: the nearest (step_content_change then says why it is out)."""
+    def micro(rows: int) -> int:
+        return max(size for size in range(1, min(micro_batch, rows) + 1) if rows % size == 0)
+
+    wanted = examples / per_row / ranks
+    nearest = max(1, round(wanted))
+    within = [rows for rows in range(1, 2 * nearest + 2)
+              if abs(rows * ranks * per_row - examples) <= EXAMPLES_TOLERANCE * examples]
+    per_rank = min(within, key=lambda rows: (rows // micro(rows), abs(rows - wanted))) \
+        if within else nearest
+    return per_rank * ranks, micro(per_rank)
 
 
 def _packing(cfg: RunConfig, packed: PackedRows | None) -> Setting:
@@ -114,7 +133,7 @@ def _packing(cfg: RunConfig, packed: PackedRows | None) -> Setting:
                    (("data.packing", "true"), ("trainer.global_batch_size", str(rows)),
                     ("trainer.micro_batch_size", str(micro))),
                    examples_per_row=packed.per_row,
-                   derived=("trainer.global_batch_size", "trainer.micro_batch_size"))
+                   derived=PACKED_BATCH_KEYS)
 
 
 def _bool(value: bool) -> str:
@@ -200,10 +219,8 @@ def hand_picked(text: str, packed: PackedRows | None = None) -> Candidate:
     from rapidformer.config.validate import extra_candidate_overrides
 
     overrides = extra_candidate_overrides(text)
-    packs = packed is not None and any(k.lstrip("+") == "data.packing" and _same(k, v, "true")
-                                       for k, v in overrides)
     return Candidate(text, overrides, hand_picked=True,
-                     examples_per_row=packed.per_row if packs else None)
+                     examples_per_row=packed.per_row if packed and packs(overrides) else None)
 
 
 def _option_section(group: str, option: str, current):
@@ -320,9 +337,10 @@ def step_content_change(base: RunConfig, cfg: RunConfig,
     if rows_kept:
         examples, given = global_batch(cfg) * examples_per_row, global_batch(base)
         if abs(examples - given) > EXAMPLES_TOLERANCE * given:
-            what.append(f"packing {global_batch(cfg)} rows a step (about {examples:,.1f} "
-                        f"examples at {examples_per_row:.2f} a row, the config's {given}, more "
-                        f"than {EXAMPLES_TOLERANCE:.0%} apart)")
+            rows = global_batch(cfg)
+            what.append(f"packing {rows} row{'' if rows == 1 else 's'} a step (about "
+                        f"{examples:,.1f} examples at {examples_per_row:.2f} a row, the "
+                        f"config's {given}, more than {EXAMPLES_TOLERANCE:.0%} apart)")
     else:
         if packs:
             what.append("packing")
