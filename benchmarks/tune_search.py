@@ -136,7 +136,8 @@ def examples_kept(extra: list[str], base: list[str], default_log: Path) -> list[
     examples, rows = int(found.group(1)), int(found.group(2))
     batch, micro = packed_rows_a_step(int(given["trainer.global_batch_size"]),
                                       int(given["trainer.micro_batch_size"]), 1, examples / rows)
-    return [*extra, f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={micro}"]
+    return [*extra, f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={micro}",
+            f"trainer.eval_micro_batch_size={given['trainer.micro_batch_size']}"]
 
 
 def row(workload: str, name: str, args_: list[str], work: Path, timeout: float) -> dict:

@@ -92,8 +92,10 @@ def test_the_packing_candidate_is_admitted_with_its_rows_and_pins_nothing_else()
                                        packed=PackedRows(400, 97))
     by_label = {a.candidate.label: a.candidate for a in admitted}
     packing = by_label["packing (4 rows a step)"]
+    # evaluation is not packed: it keeps the config's batch of examples
     assert dict(packing.overrides) == {"data.packing": "true", "trainer.global_batch_size": "4",
-                                       "trainer.micro_batch_size": "4"}
+                                       "trainer.micro_batch_size": "4",
+                                       "trainer.eval_micro_batch_size": "8"}
     assert packing.examples_per_row == pytest.approx(400 / 97)
     # never with another micro batch (both set it: the later would undo packing's rows)
     assert not [label for label in by_label if "packing" in label and "mbs=" in label]
@@ -195,8 +197,9 @@ def test_a_run_trains_the_packing_choice_with_the_command_lines_batch_sizes(monk
     record = dict(tuning_run._pending)
     tuning_run._pending.clear()
     assert record["choice"]["label"] == "packing (4 rows a step)", record["table"]
-    assert [o.lstrip("+") for o in got[-3:]] == [
-        "data.packing=true", "trainer.global_batch_size=4", "trainer.micro_batch_size=4"]
+    assert [o.lstrip("+") for o in got[-4:]] == [
+        "data.packing=true", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+        "trainer.eval_micro_batch_size=8"]
     assert "trainer.global_batch_size=16" not in got  # the choice's rows replace them
     reference = next(r for r in record["rows"] if r["label"] == "reference")
     assert reference["packed_rows"] == {"examples": 400, "rows": 100}

@@ -116,6 +116,7 @@ BOUNDS: dict[str, Bound] = {
     "trainer.epochs": Bound(1, null="trainer.train_iters decides", example="3"),
     "trainer.train_iters": Bound(1, null="trainer.epochs decides", example="1000"),
     "trainer.micro_batch_size": Bound(1, example="16"),
+    "trainer.eval_micro_batch_size": Bound(1, example="64", null="trainer.micro_batch_size"),
     "trainer.global_batch_size": Bound(1, null="trainer.micro_batch_size x data-parallel size",
                                        example="64"),
     "trainer.lr": Bound(0, example="2e-5", note="a typical fine-tuning lr is 2e-5"),

@@ -82,6 +82,8 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "scheduler.min_lr": ("scheduler.name", ("linear", "cosine")),
     "scheduler.decay_iters": ("scheduler.name", ("linear", "cosine")),
     "trainer.eval_iters": ("task.name", PRETRAINING_TASKS),
+    # a PreTrainer evaluates trainer.eval_iters global batches in training micro-batches
+    "trainer.eval_micro_batch_size": ("task.name", (*FINE_TUNING_TASKS, "sft")),
     "logger.project": ("logger.name", ("wandb", "mlflow")),
     "logger.run_name": ("logger.name", ("wandb", "mlflow")),
     "logger.mode": ("logger.name", ("wandb",)),

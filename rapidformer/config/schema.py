@@ -300,10 +300,10 @@ class TrainerConfig:
     # samples per optimizer step over all ranks; a multiple of micro batch x data-parallel size
     # (the rest is gradient accumulation). null: micro batch x data-parallel size
     global_batch_size: Optional[int] = None
+    eval_micro_batch_size: Optional[int] = None  # fine-tuning's evaluation; null: micro_batch_size
     lr: float = 2e-5
     weight_decay: float = 0.01
-    # 0 disables clipping (the norm is still computed and logged)
-    clip_grad: float = 1.0
+    clip_grad: float = 1.0  # 0 disables clipping (the norm is still computed and logged)
     seed: int = 42
     deterministic: bool = False
     # TF32 tensor cores for fp32 matmuls on GPUs. null: on with bf16/fp16 (the few fp32

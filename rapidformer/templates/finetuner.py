@@ -121,7 +121,9 @@ class Finetuner(TemplateLoop):
         Unshuffled (evaluation) on several processes: every example once over all ranks and
         the same number of batches on every rank, padding batches included (even_eval_batches)."""
         engine = self.engine
-        batch_size = batch_size or self.cfg.trainer.micro_batch_size
+        t = self.cfg.trainer
+        batch_size = batch_size or (t.micro_batch_size if shuffle else
+                                    t.eval_micro_batch_size or t.micro_batch_size)
         common = dict(collate_fn=collate_fn, num_workers=self.cfg.data.num_workers,
                       pin_memory=engine.device.type == "cuda")
         if engine.world_size > 1 and not shuffle:

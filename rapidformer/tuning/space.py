@@ -80,7 +80,8 @@ class PackedRows:
 
 
 # the batch keys a packing candidate sets from the config's own (Setting.derived): not pins
-PACKED_BATCH_KEYS = ("trainer.global_batch_size", "trainer.micro_batch_size")
+PACKED_BATCH_KEYS = ("trainer.global_batch_size", "trainer.micro_batch_size",
+                     "trainer.eval_micro_batch_size")
 
 
 def packs(overrides) -> bool:
@@ -129,9 +130,13 @@ def _packing(cfg: RunConfig, packed: PackedRows | None) -> Setting:
     if packed is None:
         return Setting("sequences", "packing", (("data.packing", "true"),))
     rows, micro = packed_batch(cfg, packed.per_row)
+    t = cfg.trainer
+    # evaluation is not packed: it keeps the config's batch of examples
+    evaluation = t.eval_micro_batch_size or t.micro_batch_size
     return Setting("sequences", f"packing ({rows} row{'' if rows == 1 else 's'} a step)",
                    (("data.packing", "true"), ("trainer.global_batch_size", str(rows)),
-                    ("trainer.micro_batch_size", str(micro))),
+                    ("trainer.micro_batch_size", str(micro)),
+                    ("trainer.eval_micro_batch_size", str(evaluation))),
                    examples_per_row=packed.per_row,
                    derived=PACKED_BATCH_KEYS)
 

@@ -250,7 +250,8 @@ def predict(run_dir: Path, input_path: Path, output_path: Path, choice: str | No
     target = pick_device(device or cfg.trainer.device)
     model.to(target).eval()
     job = predictors.Predicting(model, tokenizer, cfg, target,
-                                batch_size or cfg.trainer.micro_batch_size,
+                                batch_size or cfg.trainer.eval_micro_batch_size or
+                                cfg.trainer.micro_batch_size,
                                 label_names_of(model.config), top_k, max_new_tokens, num_beams)
     task = cfg.task.name
     with torch.inference_mode():
@@ -284,7 +285,8 @@ def predict_command(argv: list[str]) -> int:
                         help="last (default), best, a step_NNNNNNNN directory, or a Hugging Face "
                              "directory the run exported (RUN_DIR/hf_model)")
     parser.add_argument("--batch-size", type=_positive,
-                        help="rows per forward pass (default trainer.micro_batch_size)")
+                        help="rows per forward pass (default trainer.eval_micro_batch_size, "
+                             "else trainer.micro_batch_size)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
                         help="default: the run's trainer.device")
     parser.add_argument("--top-k", type=_positive, default=5,
