@@ -59,6 +59,19 @@ def run_here(argv: list[str], capsys, monkeypatch, tmp_path) -> tuple[int, str]:
     return code, printed.out + printed.err
 
 
+def run_in_process(argv: list[str], cwd: Path) -> None:
+    """`python -m rapidformer argv` in this process, from cwd, for a run that must succeed and
+    whose console is not checked: a fixture's reference run (run_here needs a test's capsys)."""
+    from rapidformer import __main__ as module_main
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        try:
+            module_main.main(argv)
+        except SystemExit as exc:
+            assert exc.code in (0, None), f"{argv}: exit code {exc.code}"
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

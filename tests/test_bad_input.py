@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rapidformer.checkpoint import store as checkpoint
-from tests.conftest import FAST, assert_ok, run_cli
+from tests.conftest import FAST, assert_ok, run_cli, run_in_process
 
 QUIET = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
 # the one error line of `rapidformer ...` and of `rapidformer-preprocess-data ...`
@@ -537,10 +537,11 @@ def results(run: Path) -> dict[str, str]:
 def finished_run(tmp_path_factory) -> Path:
     """A finished run with checkpoints and an export beside every bad command's own output
     directory; the cases that aim at it (a fresh run into it, a resume that cannot fit) name
-    it, and no case may change a byte of what it holds."""
+    it, and no case may change a byte of what it holds. Trained in this process: the bad
+    commands are the subject."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    assert_ok(run_cli([*FAST, "trainer.train_iters=2", "trainer.save_interval=1",
-                       f"trainer.output_dir={run}"], cwd=run.parent))
+    run_in_process([*FAST, "trainer.train_iters=2", "trainer.save_interval=1",
+                    f"trainer.output_dir={run}"], cwd=run.parent)
     return run
 
 

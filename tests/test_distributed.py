@@ -12,7 +12,8 @@ import time
 import pytest
 import yaml
 
-from tests.conftest import FAST, OFFLINE_ENV, assert_ok, free_port, run_cli, train_losses
+from tests.conftest import (FAST, OFFLINE_ENV, assert_ok, free_port, run_cli, run_in_process,
+                            train_losses)
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +24,10 @@ SMALL = [*FAST, "trainer.micro_batch_size=8", "trainer.global_batch_size=32", "t
 @pytest.fixture(scope="module")
 def single_process_losses(tmp_path_factory):
     """The reference: one process, same global batch (every strategy against one process, in
-    every precision, on 2 ranks started in-process: tests/test_strategies.py)."""
+    every precision, on 2 ranks started in-process: tests/test_strategies.py). In this process:
+    the launchers' processes are the subject, not this one's."""
     run = tmp_path_factory.mktemp("single_fp32")
-    assert_ok(run_cli([*SMALL, "precision=fp32", f"trainer.output_dir={run}"], cwd=run))
+    run_in_process([*SMALL, "precision=fp32", f"trainer.output_dir={run}"], cwd=run)
     return {"fp32": train_losses(run)}
 
 

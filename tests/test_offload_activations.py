@@ -166,12 +166,12 @@ def test_eval_of_an_offloaded_run_on_a_cpu_is_not_refused(tmp_path):
     import yaml
 
     from rapidformer.cli.verbs.evaluate import evaluate
-    from tests.conftest import assert_ok, run_cli
+    from tests.conftest import run_in_process
 
-    run = tmp_path / "run"
-    assert_ok(run_cli(["+recipe=llama_lora", "trainer.train_iters=2", "trainer.device=cpu",
-                       "trainer.checkpoint_activations=true", f"trainer.output_dir={run}",
-                       "data.synthetic_train_size=64", "data.synthetic_eval_size=16"], tmp_path))
+    run = tmp_path / "run"  # trained in this process: the evaluation is the subject
+    run_in_process(["+recipe=llama_lora", "trainer.train_iters=2", "trainer.device=cpu",
+                    "trainer.checkpoint_activations=true", f"trainer.output_dir={run}",
+                    "data.synthetic_train_size=64", "data.synthetic_eval_size=16"], tmp_path)
     config = yaml.safe_load((run / "config.yaml").read_text())
     # as the run on a GPU recorded it
     config["trainer"].update(device="auto", offload_activations=True)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_ok, read_metrics, run_cli, run_here, train_losses
+from tests.conftest import (assert_ok, read_metrics, run_cli, run_here, run_in_process,
+                            train_losses)
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.progress_bar=false", "trainer.tensorboard=false"]
@@ -81,7 +82,8 @@ def test_pretraining_resumes_with_the_same_next_samples(tmp_path, pretraining_da
 def test_two_processes_give_the_losses_of_one(tmp_path, pretraining_data):
     one, two = tmp_path / "one", tmp_path / "two"
     args = [*gpt_args(pretraining_data), "trainer.train_iters=6", "trainer.export_hf=false"]
-    assert_ok(run_cli([*args, f"trainer.output_dir={one}"], cwd=tmp_path))
+    # the one-process reference in this process: the launcher's processes are the subject
+    run_in_process([*args, f"trainer.output_dir={one}"], cwd=tmp_path)
     assert_ok(run_cli([*args, "launcher.nproc_per_node=2", f"trainer.output_dir={two}"],
                       cwd=tmp_path))
     a, b = train_losses(one), train_losses(two)
@@ -121,25 +123,35 @@ def test_seed_white_box_bert_pretrainer(tmp_path, pretraining_data):
     (lambda d: ["data.impl=lazy"], "megatron-core reads only mmap"),
     (lambda d: [f"data.path={d['gpt']}"], "made with another vocabulary"),
 ])
-def test_bad_pretraining_input_stops_with_one_message(tmp_path, pretraining_data, change, message):
-    result = run_cli([*bert_args(pretraining_data), "trainer.train_iters=2",
-                      f"trainer.output_dir={tmp_path / 'run'}", *change(pretraining_data)],
-                     cwd=tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert message in result.stderr and "Traceback" not in result.stderr
+def test_bad_pretraining_input_stops_with_one_message(tmp_path, pretraining_data, change, message,
+                                                      capsys, monkeypatch):
+    """In this process, as tests/test_bad_input.py's cases: the refusal is the subject."""
+    from tests.test_bad_input import call
+
+    monkeypatch.chdir(tmp_path)
+    code, stderr = call("rapidformer", [*bert_args(pretraining_data), "trainer.train_iters=2",
+                                        f"trainer.output_dir={tmp_path / 'run'}",
+                                        *change(pretraining_data)], capsys)
+    assert code == 2, stderr[-2000:]
+    assert message in stderr and "Traceback" not in stderr
 
 
 @pytest.mark.slow
-def test_activation_recompute_gives_the_same_losses(tmp_path, pretraining_data):
+def test_activation_recompute_gives_the_same_losses(tmp_path, pretraining_data, capsys,
+                                                    monkeypatch):
     """Recompute replays each layer in the backward pass (with its dropout masks): the same
-    losses as keeping the activations."""
+    losses as keeping the activations. In this process: the subject is the numerics, not the
+    CLI's process."""
     args = [*gpt_args(pretraining_data), "trainer.train_iters=6", "trainer.export_hf=false",
             "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
     plain, recompute = tmp_path / "plain", tmp_path / "recompute"
-    assert_ok(run_cli([*args, f"trainer.output_dir={plain}"], cwd=tmp_path))
-    result = assert_ok(run_cli([*args, "trainer.checkpoint_activations=true",
-                                f"trainer.output_dir={recompute}"], cwd=tmp_path))
-    assert "activation recompute: on" in result.stdout + result.stderr
+    printed = {}
+    for run, extra in ((plain, []), (recompute, ["trainer.checkpoint_activations=true"])):
+        code, printed[run] = run_here([*args, *extra, f"trainer.output_dir={run}"], capsys,
+                                      monkeypatch, tmp_path)
+        assert code == 0, printed[run][-3000:]
+    assert "activation recompute: on" in printed[recompute]
+    assert "activation recompute: on" not in printed[plain]
     a, b = train_losses(plain), train_losses(recompute)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     for step in a:

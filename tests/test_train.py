@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST, assert_ok, read_metrics, run_cli, run_here, train_losses
+from tests.conftest import (FAST, assert_ok, read_metrics, run_cli, run_here, run_in_process,
+                            train_losses)
 
 pytestmark = pytest.mark.slow
 
@@ -127,40 +128,55 @@ def test_hub_names_offline_give_one_clear_sentence(tmp_path, monkeypatch, capsys
 
 
 def test_bert_mrpc_recipe_on_local_data_and_config_model(tmp_path, pairs_dir):
-    run = tmp_path / "run"
-    assert_ok(run_cli(["+recipe=bert_mrpc", "model=bert_tiny", "data=pairs_local",
-                 f"data.path={pairs_dir}", "precision=bf16", "trainer.epochs=1",
-                 "trainer.progress_bar=false", f"trainer.output_dir={run}"], cwd=tmp_path))
+    run = tmp_path / "run"  # in this process: the recipe is the subject, not the CLI's process
+    run_in_process(["+recipe=bert_mrpc", "model=bert_tiny", "data=pairs_local",
+                    f"data.path={pairs_dir}", "precision=bf16", "trainer.epochs=1",
+                    "trainer.progress_bar=false", f"trainer.output_dir={run}"], cwd=tmp_path)
     assert (run / "hf_model" / "config.json").is_file()
     assert json.loads((run / "hf_model" / "config.json").read_text())["num_hidden_layers"] == 2
 
 
-def test_missing_data_and_missing_column_fail_clearly(tmp_path, pairs_dir):
-    missing = run_cli(["data=pairs_local", f"data.path={tmp_path / 'nowhere'}"], cwd=tmp_path)
-    assert missing.returncode == 2
-    assert "data directory not found" in missing.stderr and "Traceback" not in missing.stderr
-    column = run_cli(["data=pairs_local", f"data.path={pairs_dir}", "data.label_column=target"],
-                     cwd=tmp_path)
-    assert column.returncode == 2
-    assert "no column 'target' (data.label_column)" in column.stderr
+def test_missing_data_and_missing_column_fail_clearly(tmp_path, pairs_dir, capsys,
+                                                       monkeypatch):
+    """In this process, as tests/test_bad_input.py's cases: the refusal is the subject."""
+    from tests.test_bad_input import call
+
+    monkeypatch.chdir(tmp_path)
+    code, stderr = call("rapidformer", ["data=pairs_local", f"data.path={tmp_path / 'nowhere'}"],
+                        capsys)
+    assert code == 2
+    assert "data directory not found" in stderr and "Traceback" not in stderr
+    code, stderr = call("rapidformer", ["data=pairs_local", f"data.path={pairs_dir}",
+                                        "data.label_column=target"], capsys)
+    assert code == 2
+    assert "no column 'target' (data.label_column)" in stderr
 
 
 COMPILE_ARGS = [*FAST, "trainer.train_iters=3", "trainer.export_hf=false"]
 
 
+# in this process: the subject is what graph=compile computes, not the CLI's process (a
+# subprocess per run paid the imports again)
 @pytest.fixture(scope="module")
 def eager_losses(tmp_path_factory) -> dict:
     run = tmp_path_factory.mktemp("eager")
-    assert_ok(run_cli([*COMPILE_ARGS, f"trainer.output_dir={run}"], cwd=run))
+    run_in_process([*COMPILE_ARGS, f"trainer.output_dir={run}"], cwd=run)
     return train_losses(run)
 
 
 @pytest.mark.parametrize("scope,log", [("blocks", "2 transformer blocks compiled (regional)"),
                                        ("auto", "the whole model compiled")])
-def test_compile_gives_the_eager_losses(tmp_path, scope, log, eager_losses):
-    result = assert_ok(run_cli([*COMPILE_ARGS, "graph=compile", f"graph.scope={scope}",
-                                f"trainer.output_dir={tmp_path / 'compiled'}"], cwd=tmp_path))
-    assert f"graph=compile: {log}" in result.stdout + result.stderr
+def test_compile_gives_the_eager_losses(tmp_path, scope, log, eager_losses, capsys,
+                                        monkeypatch):
+    torch._dynamo.reset()  # a fresh compile, as in a process of its own: no graphs of others
+    try:
+        code, printed = run_here([*COMPILE_ARGS, "graph=compile", f"graph.scope={scope}",
+                                  f"trainer.output_dir={tmp_path / 'compiled'}"], capsys,
+                                 monkeypatch, tmp_path)
+    finally:
+        torch._dynamo.reset()  # and none left to the next tests of this process
+    assert code == 0, printed[-3000:]
+    assert f"graph=compile: {log}" in printed
     eager, compiled = eager_losses, train_losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2, 3}
     for step in eager:
@@ -174,24 +190,28 @@ USER_SCRIPT = (REPO / "examples" / "finetuner_user_script.py").read_text()
 def test_white_box_user_script(tmp_path, pairs_dir, tiny_pretrained):
     script = tmp_path / "my_finetuner.py"
     script.write_text(textwrap.dedent(USER_SCRIPT))
-    run = tmp_path / "run"
-    assert_ok(run_cli([f"user_script={script}", "model=hf", f"model.name_or_path={tiny_pretrained}",
-                 "data=pairs_local", f"data.path={pairs_dir}", "data.max_seq_length=64",
-                 *FAST, f"trainer.output_dir={run}"], cwd=tmp_path))
+    run = tmp_path / "run"  # in this process: the script's use of the engine is the subject
+    run_in_process([f"user_script={script}", "model=hf", f"model.name_or_path={tiny_pretrained}",
+                    "data=pairs_local", f"data.path={pairs_dir}", "data.max_seq_length=64",
+                    *FAST, f"trainer.output_dir={run}"], cwd=tmp_path)
     evals = [m for m in read_metrics(run) if "validation/accuracy" in m]
     assert evals and evals[-1]["validation/seen"] == 64
     assert (run / "hf_model" / "config.json").is_file()
     assert train_losses(run)
 
 
-def test_user_script_that_builds_no_engine(tmp_path):
+def test_user_script_that_builds_no_engine(tmp_path, capsys, monkeypatch):
+    """In this process, as tests/test_bad_input.py's cases: the refusal is the subject."""
+    from tests.test_bad_input import call
+
     script = tmp_path / "empty.py"
     script.write_text("print('hello')\n")
-    result = run_cli([f"user_script={script}", *FAST], cwd=tmp_path)
-    assert result.returncode == 2
-    assert "finished without creating a RapidformerEngine" in result.stderr
-    missing = run_cli([f"user_script={tmp_path / 'nope.py'}", *FAST], cwd=tmp_path)
-    assert missing.returncode == 2 and "no such file" in missing.stderr
+    monkeypatch.chdir(tmp_path)
+    code, stderr = call("rapidformer", [f"user_script={script}", *FAST], capsys)
+    assert code == 2
+    assert "finished without creating a RapidformerEngine" in stderr
+    code, stderr = call("rapidformer", [f"user_script={tmp_path / 'nope.py'}", *FAST], capsys)
+    assert code == 2 and "no such file" in stderr
 
 
 def test_console_script_forwards_hydra_arguments(tmp_path):

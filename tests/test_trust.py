@@ -19,7 +19,7 @@ from rapidformer.checkpoint import store as checkpoint
 from rapidformer.checkpoint.state import read_state
 from rapidformer.cli.verbs.verify import verify_command
 from rapidformer.templates.finetuner import TrainState, continue_epoch
-from tests.conftest import FAST, OFFLINE_ENV, train_losses
+from tests.conftest import FAST, OFFLINE_ENV, run_in_process, train_losses
 from tests.test_bad_input import call
 
 QUICK = [*FAST, "trainer.export_hf=false"]
@@ -79,13 +79,11 @@ def test_resume_with_fewer_steps_per_epoch_finishes(tmp_path, capsys, deadline):
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory) -> Path:
     """A finished run with checkpoints at steps 2 and 3 (a model whose optimizer state is over
-    1 MiB, the size above which files used to go unhashed)."""
+    1 MiB, the size above which files used to go unhashed). Trained in this process: what is
+    found in its files is the subject."""
     run = tmp_path_factory.mktemp("saved") / "run"
-    result = subprocess.run([sys.executable, "-m", "rapidformer", *SAVED, "trainer.train_iters=3",
-                             "trainer.save_interval=1", f"trainer.output_dir={run}"],
-                            env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_process([*SAVED, "trainer.train_iters=3", "trainer.save_interval=1",
+                    f"trainer.output_dir={run}"], cwd=run.parent)
     return run
 
 

@@ -357,16 +357,13 @@ def test_verify_of_an_interrupted_save_says_so(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory) -> Path:
-    """A finished run with checkpoints at steps 2 and 3 (trainer.keep_last=2)."""
-    run = tmp_path_factory.mktemp("saved") / "run"
-    import subprocess
-    import sys
+    """A finished run with checkpoints at steps 2 and 3 (trainer.keep_last=2), trained in this
+    process: the entry points that read it are the subject."""
+    from tests.conftest import run_in_process
 
-    from tests.conftest import OFFLINE_ENV
-    result = subprocess.run([sys.executable, "-m", "rapidformer", *QUICK, "trainer.train_iters=3",
-                             f"trainer.output_dir={run}"], env={**os.environ, **OFFLINE_ENV},
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path_factory.mktemp("saved") / "run"
+    run_in_process([*QUICK, "trainer.train_iters=3", f"trainer.output_dir={run}"],
+                   cwd=run.parent)
     return run
 
 
