@@ -717,14 +717,14 @@ def test_a_search_stopped_by_a_signal_kills_its_child_and_removes_its_folder(tmp
 @pytest.mark.slow
 def test_a_search_trains_with_its_choice_and_a_second_run_uses_the_cache(tmp_path):
     store = tmp_path / "cache"
-    args = ["accelerate=auto", *SEARCH, "accelerate.max_candidates=2",
+    args = ["accelerate=auto", *SEARCH, "accelerate.max_candidates=1",
             "accelerate.axes=[sequences,micro_batch_size]"]
     first = assert_ok(run_cli([*args, f"trainer.output_dir={tmp_path / 'run1'}"], tmp_path,
                               env={"RAPIDFORMER_TUNING_CACHE": str(store)}))
     record = json.loads((tmp_path / "run1" / "tuning.json").read_text())
     assert not record["cached"] and record["search_s"] > 0
     measured_rows = [r for r in record["rows"] if "status" in r]
-    assert [r["label"] for r in measured_rows] == ["reference", "unpad", "unpad mbs=16"]
+    assert [r["label"] for r in measured_rows] == ["reference", "unpad"]
     assert all(r["status"] == "ok" and r["passed"] for r in measured_rows), record["table"]
     chosen = record["choice"]
     # the run trained with the choice, and its config records it
