@@ -117,9 +117,11 @@ class Finetuner(TemplateLoop):
 
     def build_data_loader(self, dataset, shuffle: bool = False, collate_fn=None,
                           batch_size: int | None = None):
-        """A loader over this rank's share of `dataset` whose batches arrive on the device.
-        Unshuffled (evaluation) on several processes: every example once over all ranks and
-        the same number of batches on every rank, padding batches included (even_eval_batches)."""
+        """A loader over this rank's share of `dataset` whose batches arrive on the device, of
+        `batch_size` rows, else trainer.micro_batch_size shuffled (training) and
+        trainer.eval_micro_batch_size (else the micro batch) unshuffled (evaluation).
+        Unshuffled on several processes: every example once over all ranks and the same number
+        of batches on every rank, padding batches included (even_eval_batches)."""
         engine = self.engine
         t = self.cfg.trainer
         batch_size = batch_size or (t.micro_batch_size if shuffle else
