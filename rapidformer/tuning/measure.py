@@ -12,7 +12,6 @@ of the steps' rates after the warm-up, with their spread (summarize).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -23,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rapidformer.observability.records import read_metrics
 from rapidformer.tuning.space import Candidate, PackedRows
 
 # settings of the run that a measurement replaces (its own directory, length, records)
@@ -158,20 +158,13 @@ def run_child(overrides: list[str], label: str, limit: float, log_path: Path
     return code, time.monotonic() - started, rss
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def training_steps(records: list[dict]) -> list[dict]:
+    return [r for r in records if "loss" in r and "window_s" in r]
 
 
-def read_steps(run_dir: Path) -> list[dict]:
-    return [r for r in read_metrics(run_dir) if "loss" in r and "window_s" in r]
-
-
-def held_out_loss(run_dir: Path) -> float | None:
+def held_out_loss(records: list[dict]) -> float | None:
     """The last evaluation's validation loss in the child's metrics, if it has one."""
-    found = [r["validation/loss"] for r in read_metrics(run_dir)
+    found = [r["validation/loss"] for r in records
              if isinstance(r.get("validation/loss"), (int, float))]
     return float(found[-1]) if found else None
 
@@ -218,7 +211,8 @@ def measure(run_overrides: list[str], candidate: Candidate, steps: int, warmup: 
     code, wall, rss = run_child(overrides, candidate.label, limit, log_path)
     text = log_path.read_text(errors="replace")
     tail = _last_error(text)
-    got = read_steps(out_dir)
+    records = read_metrics(out_dir)
+    got = training_steps(records)
     if code is None:
         # where the time went: a child past its steps was evaluating (the whole validation and
         # test sets, as the run does at its end)
@@ -235,7 +229,7 @@ def measure(run_overrides: list[str], candidate: Candidate, steps: int, warmup: 
         return Measurement(candidate, "crashed", wall,
                            reason=f"{len(got)} of {steps} steps logged: {tail}")
     m = summarize(candidate, got[:steps], warmup, wall, rss, text)
-    m.held_out_loss = held_out_loss(out_dir)
+    m.held_out_loss = held_out_loss(records)
     if not all(math.isfinite(x) for x in m.losses):
         m.reason = "a loss was not finite"
     return m

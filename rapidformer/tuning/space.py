@@ -123,6 +123,10 @@ def packed_rows_a_step(examples: int, micro_batch: int, ranks: int, per_row: flo
     return per_rank * ranks, micro(per_rank)
 
 
+def _rows(count: int) -> str:
+    return f"{count} row{'' if count == 1 else 's'}"
+
+
 def _packing(cfg: RunConfig, packed: PackedRows | None) -> Setting:
     """data.packing=true: with the training data's packed rows known, the config's examples a
     step in fewer rows (packed_batch); without, packing alone (which step_content_change
@@ -133,7 +137,7 @@ def _packing(cfg: RunConfig, packed: PackedRows | None) -> Setting:
     t = cfg.trainer
     # evaluation is not packed: it keeps the config's batch of examples
     evaluation = t.eval_micro_batch_size or t.micro_batch_size
-    return Setting("sequences", f"packing ({rows} row{'' if rows == 1 else 's'} a step)",
+    return Setting("sequences", f"packing ({_rows(rows)} a step)",
                    (("data.packing", "true"), ("trainer.global_batch_size", str(rows)),
                     ("trainer.micro_batch_size", str(micro)),
                     ("trainer.eval_micro_batch_size", str(evaluation))),
@@ -335,19 +339,18 @@ def step_content_change(base: RunConfig, cfg: RunConfig,
     Packing whose rows a step hold the config's examples a step (`examples_per_row` known,
     within EXAMPLES_TOLERANCE) trains the config's steps on as many examples: it may run."""
     what = []
-    packs = cfg.data.packing != base.data.packing or \
+    packing_changed = cfg.data.packing != base.data.packing or \
         (cfg.data.packing and cfg.data.max_seq_length != base.data.max_seq_length)
     rows_kept = examples_per_row and cfg.data.packing and not base.data.packing and \
         cfg.data.max_seq_length == base.data.max_seq_length
     if rows_kept:
         examples, given = global_batch(cfg) * examples_per_row, global_batch(base)
         if abs(examples - given) > EXAMPLES_TOLERANCE * given:
-            rows = global_batch(cfg)
-            what.append(f"packing {rows} row{'' if rows == 1 else 's'} a step (about "
+            what.append(f"packing {_rows(global_batch(cfg))} a step (about "
                         f"{examples:,.1f} examples at {examples_per_row:.2f} a row, the "
                         f"config's {given}, more than {EXAMPLES_TOLERANCE:.0%} apart)")
     else:
-        if packs:
+        if packing_changed:
             what.append("packing")
         if global_batch(cfg) != global_batch(base):
             what.append(f"a global batch of {global_batch(cfg)} (the config's "
