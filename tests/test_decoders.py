@@ -66,6 +66,27 @@ def test_llama_pretrains_on_mmap_data_and_exports_a_llama(tmp_path, pretraining_
     assert c.tie_word_embeddings is False
 
 
+EMULATED_FP8 = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_skip_small=false"]
+
+
+@pytest.mark.parametrize("template", ["pretraining", "training"])
+def test_a_float8_run_says_fp8_where_it_starts(template, tmp_path, pretraining_data, capsys,
+                                               monkeypatch):
+    """The start line names the setting the user gave, not only its autocast dtype (it said
+    precision=bf16 on a precision=fp8 run)."""
+    from tests.conftest import run_here
+
+    given = [*llama_args(pretraining_data), "trainer.train_iters=2"] \
+        if template == "pretraining" else \
+        ["data.synthetic_train_size=64", "trainer.train_iters=2", "trainer.epochs=null",
+         "trainer.device=cpu", *QUIET]
+    code, printed = run_here([*given, *EMULATED_FP8, f"trainer.output_dir={tmp_path / 'run'}"],
+                             capsys, monkeypatch, tmp_path)
+    assert code == 0, printed[-2000:]
+    assert f"{template} 2 iterations" in printed and \
+        "precision=fp8 (bf16 autocast), device=cpu" in printed, printed[-2000:]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 does not divide "
                                       "model.num_attention_heads=4"),

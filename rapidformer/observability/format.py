@@ -22,3 +22,11 @@ def format_value(value) -> str:
 def format_metrics(metrics: dict) -> str:
     """`name=value, name=value` in the dict's order."""
     return ", ".join(f"{k}={format_value(v)}" for k, v in metrics.items())
+
+
+def precision_label(precision) -> str:
+    """The precision setting as the command line names it; fp8 trains the layers it does not
+    convert under its autocast dtype, so the label names both ("fp8 (bf16 autocast)")."""
+    if precision.name == precision.dtype:
+        return precision.name
+    return f"{precision.name} ({precision.dtype} autocast)"

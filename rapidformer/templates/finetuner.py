@@ -14,7 +14,7 @@ from rapidformer.config.validate import best_without_evaluations
 from rapidformer.data.sampler import ResumableSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import DataLoader
-from rapidformer.observability.format import format_metrics
+from rapidformer.observability.format import format_metrics, precision_label
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.observability.records import NO_EVALUATION
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
@@ -299,7 +299,7 @@ class EpochCourse(Course):
         engine, cfg = self.finetuner.engine, self.finetuner.cfg
         log.info("training %d iterations (%d per epoch, %d micro-batches of %d per step), "
                  "precision=%s, device=%s", total_iters, self.steps_per_epoch,
-                 engine.accumulation, cfg.trainer.micro_batch_size, cfg.precision.dtype,
+                 engine.accumulation, cfg.trainer.micro_batch_size, precision_label(cfg.precision),
                  engine.device)
         if not self.eval_loaders:
             log.warning("%s", WITHOUT_VALIDATION)

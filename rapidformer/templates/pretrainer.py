@@ -18,7 +18,7 @@ from rapidformer.config.validate import best_without_evaluations
 from rapidformer.data.sampler import PretrainingBatchSampler
 from rapidformer.errors import ConfigError, InputError, RapidformerError
 from rapidformer.runtime.loader_workers import DataLoader
-from rapidformer.observability.format import format_value
+from rapidformer.observability.format import format_value, precision_label
 from rapidformer.observability.metrics import MetricsSink
 from rapidformer.checkpoint.resume import past_the_end, stopped_early
 from rapidformer.templates.contract import check_overrides, loss_problem, model_problem, provided
@@ -197,7 +197,7 @@ class SampleCourse(Course):
         engine, cfg = self.pretrainer.engine, self.pretrainer.cfg
         log.info("pretraining %d iterations from iteration %d (%d micro-batches of %d per "
                  "process per iteration), precision=%s, device=%s", total_iters, state.step,
-                 engine.accumulation, cfg.trainer.micro_batch_size, cfg.precision.dtype,
+                 engine.accumulation, cfg.trainer.micro_batch_size, precision_label(cfg.precision),
                  engine.device)
 
     def advance(self, state: PretrainState) -> Advanced:
