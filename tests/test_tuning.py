@@ -225,7 +225,7 @@ def test_an_extra_candidate_no_run_could_take_stops_before_any_measurement(monke
     "optim.fused=off",  # Hydra reads off as a string (YAML 1.1 would read False)
     "trainer.tf32=null graph.mode=null",  # null (the measurement's own keys are refused)
     "graph=compile +graph.options.max_autotune=true", "graph.options={max_autotune:true}",
-    "data.pad_to=[16,32]", "trainer.lr=1e-4", "kernels=none", "precision=bf16",
+    "data.pad_to=[16,32]", "trainer.deterministic=true", "kernels=none", "precision=bf16",
     # (a Megatron split, data.split=98,1,1, is the run's data: refused, by its key and not as a
     # sweep, in tests/test_tuning_review.py)
 ])
@@ -632,24 +632,26 @@ SEARCH = ["data.synthetic_train_size=800", "data.synthetic_eval_size=64", "train
 
 @pytest.mark.slow
 def test_a_crashing_a_hanging_and_a_diverging_candidate_cost_themselves_only(tmp_path):
-    faults = {"trainer.seed=7": "crash", "trainer.seed=8": "hang"}
+    faults = {"trainer.tf32=true": "crash", "trainer.deterministic=true": "hang",
+              "data.num_workers=0": "diverge"}
     result = assert_ok(run_cli(
         ["tune", "--json", *SEARCH, "accelerate.max_candidates=0",
          "accelerate.candidate_timeout_s=25", f"accelerate.cache_dir={tmp_path / 'cache'}",
          # the budget, not the run's length, bounds this search (a loaded machine's 25 s hang
          # would otherwise spend a budget of max_fraction x a run of seconds)
          "accelerate.max_fraction=100000", "accelerate.budget_s=600",
-         "accelerate.extra_candidates=['trainer.lr=1000','trainer.seed=7','trainer.seed=8']"],
+         "accelerate.extra_candidates=['data.num_workers=0','trainer.tf32=true',"
+         "'trainer.deterministic=true']"],
         tmp_path, module="rapidformer.cli",
         env={"RAPIDFORMER_TUNING_FAULTS": json.dumps(faults)}))
     record = json.loads(result.stdout)
     rows = {r["label"]: r for r in record["rows"]}
-    assert rows["trainer.seed=7"]["status"] == "crashed"
-    assert "injected crash" in rows["trainer.seed=7"]["reason"]
-    assert rows["trainer.seed=8"]["status"] == "timeout"
-    assert not rows["trainer.lr=1000"]["passed"]
-    assert rows["trainer.lr=1000"]["status"] == "diverged" or \
-        "differs" in rows["trainer.lr=1000"]["loss_check"]
+    assert rows["trainer.tf32=true"]["status"] == "crashed"
+    assert "injected crash" in rows["trainer.tf32=true"]["reason"]
+    assert rows["trainer.deterministic=true"]["status"] == "timeout"
+    diverging = rows["data.num_workers=0"]  # trained at trainer.lr=1000
+    assert not diverging["passed"]
+    assert diverging["status"] == "diverged" or "differs" in diverging["loss_check"]
     assert record["choice"]["label"] == "reference" and record["choice"]["overrides"] == []
     assert rows["reference"]["passed"] and rows["reference"]["tokens_per_s"] > 0
 

@@ -113,6 +113,24 @@ def test_the_packing_candidate_is_admitted_with_its_rows_and_pins_nothing_else()
         {r["label"]: r["why"] for r in left_out}["packing (1 row a step)"]
 
 
+@pytest.mark.parametrize("examples, rows, tried", [
+    (200, 200, False),  # every example fills a row: packing would train the config's rows
+    (200, 199, False),  # 16 examples at 1.005 a row are 16 rows still
+    (200, 150, True),   # 1.33 a row: 12 rows a step
+])
+def test_packing_that_would_not_cut_the_rows_is_not_measured(examples, rows, tried):
+    base = sft("trainer.micro_batch_size=8", "trainer.global_batch_size=16",
+               "accelerate.axes=[sequences]")
+    admitted, left_out, _ = candidates(base, CPU, memory_auto=False,
+                                       packed=PackedRows(examples, rows))
+    measured = [a.candidate.label for a in admitted if "packing" in a.candidate.label]
+    assert bool(measured) == tried, (measured, left_out)
+    if not tried:
+        assert {r["label"]: r["why"] for r in left_out}["packing (16 rows a step)"] == (
+            f"not tried: packing lays the training examples {examples / rows:.2f} a row: the "
+            f"config's 16 examples a step would take as many rows, as they do unpacked")
+
+
 def test_a_hand_picked_packing_candidate_is_held_to_the_configs_examples_a_step():
     base = sft("trainer.micro_batch_size=4", "trainer.global_batch_size=16",
                "accelerate.extra_candidates=['data.packing=true trainer.global_batch_size=4',"

@@ -297,9 +297,53 @@ def test_tune_refuses_a_run_s_flags_with_one_message(monkeypatch, capsys, flags)
 ])
 def test_an_extra_candidate_no_measurement_sees_is_refused_before_measuring(monkeypatch, extra,
                                                                              key):
-    refused = refused_before_measuring(monkeypatch, f"['trainer.seed=7','{extra}']")
+    refused = refused_before_measuring(monkeypatch, f"['precision=bf16','{extra}']")
     assert len(refused.problems) == 1
     assert refused.problems[0].startswith(f"accelerate.extra_candidates '{extra}': {key}")
+
+
+@pytest.mark.parametrize("extra, key", [
+    # a model of one layer and inputs cut to 8 tokens each passed the loss check and won
+    ("model.num_layers=1 model.hidden_size=32 model.num_attention_heads=2",
+     "model.num_layers, model.hidden_size and model.num_attention_heads"),
+    ("data.max_seq_length=8", "data.max_seq_length"),
+    ("trainer.lr=1e-3", "trainer.lr"), ("trainer.seed=7", "trainer.seed"),
+    ("trainer.clip_grad=1.0", "trainer.clip_grad"), ("scheduler=constant", "scheduler"),
+    ("optim.beta2=0.95", "optim.beta2"), ("model=llama_tiny", "model"),
+    ("peft=lora", "peft"), ("precision=bf16 task.num_labels=3", "task.num_labels"),
+])
+def test_an_extra_candidate_that_changes_what_the_run_computes_is_refused(monkeypatch, extra,
+                                                                           key):
+    refused = refused_before_measuring(monkeypatch, f"['precision=bf16','{extra}']")
+    from rapidformer.tuning.search import HOW_KEYS
+
+    one = " and " not in key
+    assert refused.problems == [
+        f"accelerate.extra_candidates '{extra}': {key} change{'s' if one else ''} what the run "
+        f"computes (its model, data, objective or optimization), not how: every candidate "
+        f"trains the config's, and the first steps' loss cannot tell another one apart; set "
+        f"{'it' if one else 'them'} on the command line. A candidate sets the groups "
+        f"precision, graph, kernels, memory, parallelism and the keys {', '.join(HOW_KEYS)}"]
+
+
+def test_an_extra_candidate_that_sets_a_key_twice_is_refused(monkeypatch):
+    # its label named bf16 and it trained fp32
+    refused = refused_before_measuring(monkeypatch, "['precision=bf16 precision=fp32']")
+    assert refused.problems == [
+        "accelerate.extra_candidates 'precision=bf16 precision=fp32': it sets precision 2 times "
+        "(its label would name a value it does not measure); set it once"]
+
+
+@pytest.mark.parametrize("extra", [
+    "graph=compile graph.mode=max-autotune", "memory=zero2", "kernels=none",
+    "trainer.micro_batch_size=16", "trainer.checkpoint_activations=true trainer.unpad=true",
+    "data.group_by_length=true data.num_workers=1", "optim.fused=off", "trainer.tf32=true",
+    "model.attn_implementation=eager", "+graph.options.max_autotune=true"])
+def test_an_extra_candidate_of_how_the_run_computes_is_taken(extra):
+    from rapidformer.tuning.search import check_extra_candidates
+
+    _, _, cfg = settled("accelerate=auto", f"accelerate.extra_candidates=[\"{extra}\"]")
+    check_extra_candidates(cfg)
 
 
 # 10. the cache key's gaps
@@ -328,6 +372,9 @@ def test_the_source_the_cpu_and_xdg_cache_home_are_in_the_key(tmp_path, monkeypa
     if hasattr(__import__("os"), "sched_getaffinity"):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
         assert cache.hardware("cpu")["usable"] == 1
+    # OMP_NUM_THREADS=1 in front of a command: the same cores, other threads, another key
+    monkeypatch.setattr("torch.get_num_threads", lambda: 1)
+    assert cache.hardware("cpu")["threads"] == 1
     _, _, cfg = settled("accelerate=auto")
     monkeypatch.delenv("RAPIDFORMER_TUNING_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -92,10 +92,12 @@ def hardware(device_kind: str) -> dict:
     if device_kind == "cuda":
         return {"kind": "cuda", "name": torch.cuda.get_device_name(0),
                 "count": torch.cuda.device_count(), "cuda": torch.version.cuda}
-    # the cores this process may use (taskset, a container's cpuset), not only the machine's
+    # the cores this process may use (taskset, a container's cpuset), not only the machine's,
+    # and the threads torch computes with (OMP_NUM_THREADS): the children inherit both
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {"kind": "cpu", "name": platform.processor() or platform.machine(),
-            "model": cpu_model(), "count": os.cpu_count(), "usable": usable}
+            "model": cpu_model(), "count": os.cpu_count(), "usable": usable,
+            "threads": torch.get_num_threads()}
 
 
 # settings that change where a run writes and what it logs, not what a search measures or

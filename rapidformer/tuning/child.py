@@ -3,9 +3,10 @@
 
 Test hook (documented in docs/tuning.md, used by tests/test_tuning.py): when the environment
 variable RAPIDFORMER_TUNING_FAULTS maps this child's candidate (RAPIDFORMER_TUNING_CANDIDATE,
-set by the parent to the candidate's label) to a fault, as JSON {"label": "crash" | "hang"},
-the child raises before training ("crash") or sleeps until it is killed ("hang"), standing
-for a candidate that fails or hangs only at run time. Unset, it is the CLI and nothing else.
+set by the parent to the candidate's label) to a fault, as JSON {"label": "crash" | "hang" |
+"diverge"}, the child raises before training ("crash"), sleeps until it is killed ("hang") or
+trains at trainer.lr=1000 ("diverge"), standing for a candidate that fails, hangs or blows up
+(fp16 overflow, a bad kernel) only at run time. Unset, it is the CLI and nothing else.
 """
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ def main() -> None:
     if fault == "hang":
         while True:
             time.sleep(60)
-    if fault is not None:
-        raise ValueError(f"RAPIDFORMER_TUNING_FAULTS: no fault {fault!r} (crash or hang)")
+    if fault not in (None, "diverge"):
+        raise ValueError(f"RAPIDFORMER_TUNING_FAULTS: no fault {fault!r} (crash, hang or "
+                         f"diverge)")
     # the CLI as `rapidformer run OVERRIDES...` runs it (by module name: the
     # tuning package is below the CLI, which imports it)
-    sys.argv = ["rapidformer", "run", *sys.argv[1:]]
+    sys.argv = ["rapidformer", "run", *sys.argv[1:],
+                *(["trainer.lr=1000"] if fault == "diverge" else [])]
     runpy.run_module("rapidformer.cli.console", run_name="__main__", alter_sys=True)
 
 

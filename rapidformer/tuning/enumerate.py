@@ -26,7 +26,7 @@ from rapidformer.config.schema import RunConfig
 from rapidformer.tuning.admit import Admission, admit
 from rapidformer.tuning.priors import Context, expected_time, reference_time, relative_factor
 from rapidformer.tuning.space import (PackedRows, Setting, axis_settings, combine,
-                                      hand_picked, overlapping, pinned_changes)
+                                      gains_nothing, hand_picked, overlapping, pinned_changes)
 
 # combinations examined at most (each asked of the refusal pass), and refused ones listed
 EXAMINED = 400
@@ -71,6 +71,9 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
         for setting in axis_settings(cfg, axis, packed):
             if changed := pinned_changes(setting.chosen_overrides(), pinned):
                 held.setdefault(changed[0], []).append(setting.label)
+                continue
+            if why := gains_nothing(cfg, setting):
+                out.append({"label": setting.label, "why": f"not tried: {why}"})
                 continue
             prior = relative_factor(setting, ctx, cfg)
             if prior is None:

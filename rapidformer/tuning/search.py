@@ -170,6 +170,19 @@ RUN_KEYS = ("trainer.epochs", "trainer.train_iters", "trainer.eval_iters", "data
             "data.synthetic_eval_size", "data.synthetic_seed", "data.synthetic_lengths")
 
 
+# what a hand-picked candidate may set: how the run computes, not what. The model, its data
+# and their length, the objective and the optimization are the config's, which every candidate
+# trains: a few steps' mean loss inside the warm-up cannot tell a smaller model, inputs cut to 8
+# tokens or another clipping from the config (each passed the loss check and won)
+HOW_GROUPS = ("precision", "graph", "kernels", "memory", "parallelism")
+HOW_KEYS = ("trainer.micro_batch_size", "trainer.global_batch_size",
+            "trainer.eval_micro_batch_size", "trainer.unpad", "trainer.checkpoint_activations",
+            "trainer.offload_activations", "trainer.recompute_granularity", "trainer.tf32",
+            "trainer.deterministic", "data.packing", "data.group_by_length", "data.pad_to",
+            "data.num_workers", "data.impl", "data.mmap_warmup", "model.attn_implementation",
+            "optim.fused", "peft.fused", "peft.base_dtype", "task.mlm_head")
+
+
 def unmeasurable(key: str) -> str:
     """Why a hand-picked candidate may not set `key`, or ""."""
     if key in RUN_KEYS:
@@ -183,29 +196,49 @@ def unmeasurable(key: str) -> str:
     return ""
 
 
+def computes_otherwise(keys: list[str]) -> str:
+    """Why a hand-picked candidate may not set those of `keys` (keys the CLI takes) that are
+    what the run computes, or "": HOW_GROUPS and HOW_KEYS are how it computes."""
+    what = [key for key in keys if key.split(".")[0] not in HOW_GROUPS and key not in HOW_KEYS]
+    if not what:
+        return ""
+    named = what[0] if len(what) == 1 else f"{', '.join(what[:-1])} and {what[-1]}"
+    return (f"{named} change{'s' if len(what) == 1 else ''} what the run computes (its "
+            f"model, data, objective or optimization), not how: every candidate trains the "
+            f"config's, and the first steps' loss cannot tell another one apart; set "
+            f"{'it' if len(what) == 1 else 'them'} on the command line. A candidate sets the "
+            f"groups {', '.join(HOW_GROUPS)} and the keys {', '.join(HOW_KEYS)}")
+
+
 def check_extra_candidates(cfg: RunConfig) -> None:
     """accelerate.extra_candidates that no run could take (an unknown key or option, a value
-    of the wrong type) or whose value no measurement sees (a key of the run's length or data,
-    RUN_KEYS, or one the measurement sets, MEASUREMENT_KEYS) stop the search before it measures
-    anything, all named at once; one that this run's settings refuse (a micro batch the global
-    batch is no multiple of) is a row of the table, as the search's own candidates are."""
+    of the wrong type, a key set twice), whose value no measurement sees (a key of the run's
+    length or data, RUN_KEYS, or one the measurement sets, MEASUREMENT_KEYS) or that change
+    what the run computes (a key outside HOW_GROUPS and HOW_KEYS: the model's shape, the
+    learning rate) stop the search before it measures anything, all named at once; one that
+    this run's settings refuse (a micro batch the global batch is no multiple of) is a row of
+    the table, as the search's own candidates are."""
     from rapidformer.config.compose import check_overrides
     from rapidformer.tuning.space import apply, hand_picked
 
     problems = []
     for text in cfg.accelerate.extra_candidates:
         candidate = hand_picked(text)
-        found = [why for key, _ in candidate.overrides if (why := unmeasurable(key.lstrip("+~")))]
-        if found:
-            problems += [f"accelerate.extra_candidates '{text}': {why}" for why in found]
-            continue
-        try:
-            check_overrides(candidate.override_list())
-            apply(cfg, candidate)
-        except ConfigError as exc:
-            problems += [f"accelerate.extra_candidates '{text}': {p}" for p in exc.problems]
-        except KeyError:  # a key the typed check cannot apply (a free mapping's): the child's
-            pass
+        given = [key.lstrip("+~") for key, _ in candidate.overrides]
+        keys = list(dict.fromkeys(given))
+        found = [why for key in keys if (why := unmeasurable(key))]
+        found += [f"it sets {key} {given.count(key)} times (its label would name a value it "
+                  f"does not measure); set it once" for key in keys if given.count(key) > 1]
+        if not found:
+            try:
+                check_overrides(candidate.override_list())
+                apply(cfg, candidate)
+            except ConfigError as exc:
+                found = exc.problems
+            except KeyError:  # a key the typed check cannot apply (a free mapping's): the child's
+                pass
+        found = found or [why for why in [computes_otherwise(keys)] if why]
+        problems += [f"accelerate.extra_candidates '{text}': {why}" for why in found]
     if problems:
         raise ConfigError(problems)
 

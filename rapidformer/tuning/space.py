@@ -145,6 +145,17 @@ def _packing(cfg: RunConfig, packed: PackedRows | None) -> Setting:
                    derived=PACKED_BATCH_KEYS)
 
 
+def gains_nothing(cfg: RunConfig, setting: Setting) -> str:
+    """Why the search's packing setting is not worth a measurement (its step would be as many
+    rows as the config's: each example fills a row of its own), or ""."""
+    if setting.examples_per_row is None or \
+            packed_batch(cfg, setting.examples_per_row)[0] < global_batch(cfg):
+        return ""
+    return (f"packing lays the training examples {setting.examples_per_row:.2f} a row: the "
+            f"config's {global_batch(cfg)} examples a step would take as many rows, as they do "
+            f"unpacked")
+
+
 def _bool(value: bool) -> str:
     return "true" if value else "false"
 
