@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from rapidformer.errors import Preempted
+from rapidformer.errors import InputError, Preempted
 from rapidformer.tuning import cache
 from rapidformer.tuning.admit import Admission
 from rapidformer.tuning.enumerate import candidates
@@ -160,7 +160,7 @@ def cli_settled(*overrides: str):
     return composed, *settle(composed, "(run directory)")
 
 
-def test_an_auto_run_that_resumes_reuses_its_recorded_choice(monkeypatch, tmp_path):
+def test_an_auto_run_that_resumes_reuses_its_recorded_choice(monkeypatch, tmp_path, capsys):
     from rapidformer.tuning import run as tuning_run
     from rapidformer.tuning import search as search_module
 
@@ -175,8 +175,15 @@ def test_an_auto_run_that_resumes_reuses_its_recorded_choice(monkeypatch, tmp_pa
     composed, _, cfg = cli_settled(*given)
     got = tuning_run.tuned_overrides(given, composed, cfg)
     assert got[-1] == "++trainer.unpad=true" and got[:-1] == given
+    assert "training on with the choice its tuning.json records, unpad (no search)" in \
+        capsys.readouterr().err
     tuning_run.write_record(str(run))  # said in the log, not written again
     assert (run / "tuning.json").stat().st_mtime_ns == before.st_mtime_ns
+    # a command line that sets what the choice changes is refused, and nothing said before
+    composed, _, pinned = cli_settled(*given, "trainer.unpad=false")
+    with pytest.raises(InputError, match="changes trainer.unpad=false, which the command line"):
+        tuning_run.tuned_overrides([*given, "trainer.unpad=false"], composed, pinned)
+    assert "training on" not in capsys.readouterr().err
     # a fresh run into another folder searches
     composed, _, fresh = cli_settled(*given[:2], f"trainer.output_dir={tmp_path / 'new'}",
                                      "trainer.resume=auto")

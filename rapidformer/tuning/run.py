@@ -3,6 +3,7 @@ directory is claimed, and the record written into that directory once it is."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import InputError
@@ -75,6 +76,11 @@ def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]
                          f"({' '.join(chosen)}) changes {changed[0]}, which the command line "
                          f"sets; {_where(record)}. Leave {changed[0]} out, or run without "
                          f"accelerate=auto")
+    if record.get("resumed"):  # said once the choice is known to apply
+        from rapidformer.tuning.search import say
+
+        say(f"resuming {Path(record['resumed']).parent}: training on with the choice its "
+            f"{Path(record['resumed']).name} records, {record['choice']['label']} (no search)")
     _pending.update(record)
     # as the command line's own: keys no option's YAML holds become ++key=value; the user's
     # keys the choice sets again or whose group it switches go, as in its measurement
@@ -93,7 +99,6 @@ def recorded_choice(cfg: RunConfig, overrides: list[str] = ()) -> dict | None:
     again (with the choice's overrides now on the command line, another key) would replace
     its record."""
     import json
-    from pathlib import Path
 
     from rapidformer.config.compose import override_key
 
@@ -119,10 +124,6 @@ def recorded_choice(cfg: RunConfig, overrides: list[str] = ()) -> dict | None:
                          f"the choice {choice['label']}, which its config.yaml did not train "
                          f"with ({differs}): the record is another run's; resume without "
                          f"accelerate=auto and with the settings of its config.yaml")
-    from rapidformer.tuning.search import say
-
-    say(f"resuming {path.parent}: training on with the choice its {path.name} records, "
-        f"{choice['label']} (no search)")
     return {**record, "resumed": str(path)}
 
 
