@@ -76,14 +76,16 @@ def test_a_float8_run_says_fp8_where_it_starts(template, tmp_path, pretraining_d
     precision=bf16 on a precision=fp8 run)."""
     from tests.conftest import run_here
 
-    given = [*llama_args(pretraining_data), "trainer.train_iters=2"] \
+    given = [*llama_args(pretraining_data), "trainer.eval_iters=1"] \
         if template == "pretraining" else \
-        ["data.synthetic_train_size=64", "trainer.train_iters=2", "trainer.epochs=null",
+        ["data.synthetic_train_size=32", "data.synthetic_eval_size=8", "trainer.epochs=null",
          "trainer.device=cpu", *QUIET]
-    code, printed = run_here([*given, *EMULATED_FP8, f"trainer.output_dir={tmp_path / 'run'}"],
+    code, printed = run_here([*given, *EMULATED_FP8, "trainer.train_iters=1",
+                              "trainer.export_hf=false", "trainer.save_last=false",
+                              f"trainer.output_dir={tmp_path / 'run'}"],
                              capsys, monkeypatch, tmp_path)
     assert code == 0, printed[-2000:]
-    assert f"{template} 2 iterations" in printed and \
+    assert f"{template} 1 iterations" in printed and \
         "precision=fp8 (bf16 autocast), device=cpu" in printed, printed[-2000:]
 
 
