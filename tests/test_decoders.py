@@ -69,6 +69,21 @@ def test_llama_pretrains_on_mmap_data_and_exports_a_llama(tmp_path, pretraining_
 EMULATED_FP8 = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_skip_small=false"]
 
 
+@pytest.mark.parametrize("given, label", [
+    (["precision=fp8"], "fp8 (bf16 autocast)"), (["precision=bf16"], "bf16"),
+    (["precision=fp32"], "fp32"), (["precision=fp16"], "fp16"),
+    (["precision=fp32", "precision.dtype=bf16"], "bf16"),  # what it computes in
+])
+def test_the_precision_label_is_what_a_run_computes_in(given, label):
+    from omegaconf import OmegaConf
+
+    from rapidformer.config.validate import build_run_config
+    from rapidformer.observability.format import precision_label
+
+    raw = OmegaConf.to_container(compose(given), resolve=True)
+    assert precision_label(build_run_config(raw, check=False).precision) == label
+
+
 @pytest.mark.parametrize("template", ["pretraining", "training"])
 def test_a_float8_run_says_fp8_where_it_starts(template, tmp_path, pretraining_data, capsys,
                                                monkeypatch):

@@ -246,12 +246,16 @@ def _main(argv: list[str] | None, held: dict) -> None:
             if run_cfg.accelerate.name == "auto" and not (prints_only or dry_run):
                 # the measured search (rapidformer/tuning/): its choice joins the overrides, so
                 # the run and its config.yaml are the chosen settings
-                from rapidformer.tuning.run import tuned_overrides
+                from rapidformer.tuning.run import choice_settled, tuned_overrides
 
                 overrides = tuned_overrides(overrides, composed, run_cfg)
-                composed = compose(overrides, default_recipe=False)
-                _, run_cfg = settle(composed, "(run directory)", environment=True,
-                                    writes_to=output_dir)
+
+                def with_choice():
+                    chosen = compose(overrides, default_recipe=False)
+                    return chosen, settle(chosen, "(run directory)", environment=True,
+                                          writes_to=output_dir)[1]
+
+                composed, run_cfg = choice_settled(with_choice)
             if run_cfg.trainer.dry_run and not prints_only:
                 from rapidformer.cli.verbs.inspect import print_plan
 

@@ -25,8 +25,8 @@ def format_metrics(metrics: dict) -> str:
 
 
 def precision_label(precision) -> str:
-    """The precision setting as the command line names it; fp8 trains the layers it does not
-    convert under its autocast dtype, so the label names both ("fp8 (bf16 autocast)")."""
-    if precision.name == precision.dtype:
-        return precision.name
-    return f"{precision.name} ({precision.dtype} autocast)"
+    """The precision a run computes in: its autocast dtype, and for fp8, which trains the
+    layers it does not convert under that dtype, both ("fp8 (bf16 autocast)")."""
+    if precision.name == "fp8":
+        return f"fp8 ({precision.dtype} autocast)"
+    return precision.dtype

@@ -5,8 +5,8 @@ what it logs (IGNORED), which of them the command line pins (space.pins: a value
 equal to the default is not searched over), the size and modification time of the files its
 settings name on this machine (PATH_KEYS: data, model, tokenizer, chat template, user script; a
 folder's subfolders included, not what runs write there; each prefix of a Megatron blend), the
-number of ranks, the hardware (device kind and name, how many; a CPU's model and the cores this
-process may use) and the library versions (torch, transformers, rapidformer and the optional
+number of ranks, the hardware (device kind and name, how many; a CPU's model, the cores this
+process may use and torch's threads) and the library versions (torch, transformers, rapidformer and the optional
 accelerator libraries), with a fingerprint of rapidformer's own source files (an editable
 install keeps its version number however its code changes). A change in any of them searches
 again. One JSON file per key under accelerate.cache_dir, else $RAPIDFORMER_TUNING_CACHE, else
@@ -27,8 +27,9 @@ from pathlib import Path
 from rapidformer.config.schema import RunConfig
 
 # 2: every setting in the key, the files' state; 3: PATH_KEYS, subfolders; 4: the pins, a
-# blend's prefixes, the source fingerprint, the CPU's model and affinity
-FORMAT = 4
+# blend's prefixes, the source fingerprint, the CPU's model and affinity; 5: torch's threads,
+# and a choice made under a changing load is not kept (tuning/confirm.py)
+FORMAT = 5
 LIBRARIES = ("torch", "transformers", "rapidformer", "deepspeed", "liger_kernel", "torchao",
              "peft", "megatron-core", "flash_attn")
 

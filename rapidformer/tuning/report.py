@@ -3,7 +3,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+
+
+def say(text: str) -> None:
+    """Progress on stderr (the search runs before the run's log exists)."""
+    print(f"rapidformer: tuning: {text}", file=sys.stderr, flush=True)
+
+
+def warn(text: str) -> None:
+    print(f"rapidformer: warning: {text}", file=sys.stderr, flush=True)
 
 
 def _num(value, fmt: str) -> str:

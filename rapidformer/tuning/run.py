@@ -76,15 +76,33 @@ def tuned_overrides(overrides: list[str], composed, cfg: RunConfig) -> list[str]
                          f"({' '.join(chosen)}) changes {changed[0]}, which the command line "
                          f"sets; {_where(record)}. Leave {changed[0]} out, or run without "
                          f"accelerate=auto")
-    if record.get("resumed"):  # said once the choice is known to apply
-        from rapidformer.tuning.search import say
-
-        say(f"resuming {Path(record['resumed']).parent}: training on with the choice its "
-            f"{Path(record['resumed']).name} records, {record['choice']['label']} (no search)")
     _pending.update(record)
     # as the command line's own: keys no option's YAML holds become ++key=value; the user's
     # keys the choice sets again or whose group it switches go, as in its measurement
     return [*kept_overrides(overrides, chosen), *check_overrides(chosen)]
+
+
+def choice_settled(settle_with_choice):
+    """`settle_with_choice()` (the run's config composed and settled with the choice's
+    overrides), its problems naming the choice as their source, and a resumed run's line once
+    they are none: the choice is the run's only then."""
+    from rapidformer.errors import ConfigError
+
+    record = _pending
+    try:
+        settled = settle_with_choice()
+    except ConfigError as exc:
+        where = f"recorded in {record['resumed']}" if record.get("resumed") else \
+            f"cached in {record['cache_file']}" if record.get("cached") else "this search's"
+        raise ConfigError([*exc.problems, f"{' '.join(record['choice']['overrides'])} is "
+                                          f"accelerate=auto's choice "
+                                          f"{record['choice']['label']}, {where}"]) from None
+    if record.get("resumed"):
+        from rapidformer.tuning.search import say
+
+        say(f"resuming {Path(record['resumed']).parent}: training on with the choice its "
+            f"{Path(record['resumed']).name} records, {record['choice']['label']} (no search)")
+    return settled
 
 
 def _where(record: dict) -> str:

@@ -15,7 +15,7 @@
         stopped at the budget's end less that or accelerate.candidate_timeout_s)
     verdicts (tuning/pick.py), the fastest to the result that passes the loss check; when it
         is not the config as given, the config is measured again and the sooner of its two
-        measurements is the reference (_confirmed: a load change between children)
+        measurements is the reference (tuning/confirm.py: a load change between children)
     the record (tuning.json's content), stored in the cache
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ import os
 import shlex
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,22 +32,15 @@ from pathlib import Path
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, ConfigError, InputError, Preempted
 from rapidformer.tuning import cache, report
+from rapidformer.tuning.confirm import confirmed
 from rapidformer.tuning.enumerate import candidates
 from rapidformer.tuning.measure import (MEASUREMENT_KEYS, TRAINED_ALL, Measurement, Stopped,
                                        check_stop, measure, signalled)
 from rapidformer.tuning.pick import choose, judge, time_to_result
+from rapidformer.tuning.report import say, warn
 from rapidformer.tuning.space import REFERENCE, pins, touched_pins
 
 FORMAT = 1
-
-
-def say(text: str) -> None:
-    """Progress on stderr (the search runs before the run's log exists)."""
-    print(f"rapidformer: tuning: {text}", file=sys.stderr, flush=True)
-
-
-def warn(text: str) -> None:
-    print(f"rapidformer: warning: {text}", file=sys.stderr, flush=True)
 
 
 # where a run writes and what it resumes: a training run's reproducing command leaves them out
@@ -134,7 +126,8 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool,
             say(f"cached result {where / (key + '.json')}: {hit['choice']['label']} (no search; "
                 f"accelerate.cache=false searches again)")
             chosen = hit["choice"]["overrides"]
-            return {**hit, "cached": True, "command": command(run_overrides, chosen, fresh)}
+            return {**hit, "cached": True, "cache_file": str(where / (key + ".json")),
+                    "command": command(run_overrides, chosen, fresh)}
         if unusable:
             say(f"searching again: {unusable} (it is replaced)")
     started = time.monotonic()
@@ -154,6 +147,8 @@ def search(run_overrides: list[str], cfg: RunConfig, memory_auto: bool,
                   command=command(run_overrides, record["choice"]["overrides"], fresh))
     if not record["measured"]:  # nothing to keep: another run's budget may measure
         warn(record["warning"])
+    elif a.cache and record.get("unsteady"):
+        say("the result is not cached: the machine's load changed during the search")
     elif a.cache:
         stored, why_not = cache.store(where, key, record)
         if stored is None:
@@ -177,12 +172,14 @@ RUN_KEYS = ("trainer.epochs", "trainer.train_iters", "trainer.eval_iters", "data
 # trains: a few steps' mean loss inside the warm-up cannot tell a smaller model, inputs cut to 8
 # tokens or another clipping from the config (each passed the loss check and won)
 HOW_GROUPS = ("precision", "graph", "kernels", "memory", "parallelism")
+# (data.group_by_length is not: it trains other examples in each step, whose first steps' loss
+# matched the config's, and it cost 2.5 points of validation accuracy)
 HOW_KEYS = ("trainer.micro_batch_size", "trainer.global_batch_size",
             "trainer.eval_micro_batch_size", "trainer.unpad", "trainer.checkpoint_activations",
             "trainer.offload_activations", "trainer.recompute_granularity", "trainer.tf32",
-            "trainer.deterministic", "data.packing", "data.group_by_length", "data.pad_to",
-            "data.num_workers", "data.impl", "data.mmap_warmup", "model.attn_implementation",
-            "optim.fused", "peft.fused", "peft.base_dtype", "task.mlm_head")
+            "trainer.deterministic", "data.packing", "data.pad_to", "data.num_workers",
+            "data.impl", "data.mmap_warmup", "model.attn_implementation", "optim.fused",
+            "peft.fused", "peft.base_dtype", "task.mlm_head", "task.lm_head")
 
 
 def unmeasurable(key: str) -> str:
@@ -204,12 +201,13 @@ def computes_otherwise(keys: list[str]) -> str:
     what = [key for key in keys if key.split(".")[0] not in HOW_GROUPS and key not in HOW_KEYS]
     if not what:
         return ""
-    named = what[0] if len(what) == 1 else f"{', '.join(what[:-1])} and {what[-1]}"
-    return (f"{named} change{'s' if len(what) == 1 else ''} what the run computes (its "
-            f"model, data, objective or optimization), not how: every candidate trains the "
-            f"config's, and the first steps' loss cannot tell another one apart; set "
-            f"{'it' if len(what) == 1 else 'them'} on the command line. A candidate sets the "
-            f"groups {', '.join(HOW_GROUPS)} and the keys {', '.join(HOW_KEYS)}")
+    one = len(what) == 1
+    named = what[0] if one else f"{', '.join(what[:-1])} and {what[-1]}"
+    return (f"{named} {'is' if one else 'are'} not how the run computes: a candidate changes "
+            f"only that (the groups {', '.join(HOW_GROUPS)}, and the batch, sequence, "
+            f"recompute and kernel keys docs/tuning.md lists), and trains the config's model, "
+            f"data, objective and optimization, which the first steps' loss cannot tell apart "
+            f"from others; set {'it' if one else 'them'} on the command line")
 
 
 def check_extra_candidates(cfg: RunConfig) -> None:
@@ -220,6 +218,8 @@ def check_extra_candidates(cfg: RunConfig) -> None:
     learning rate) stop the search before it measures anything, all named at once; one that
     this run's settings refuse (a micro batch the global batch is no multiple of) is a row of
     the table, as the search's own candidates are."""
+    from dataclasses import replace
+
     from rapidformer.config.compose import check_overrides
     from rapidformer.tuning.space import apply, hand_picked
 
@@ -231,15 +231,19 @@ def check_extra_candidates(cfg: RunConfig) -> None:
         found = [why for key in keys if (why := unmeasurable(key))]
         found += [f"it sets {key} {given.count(key)} times (its label would name a value it "
                   f"does not measure); set it once" for key in keys if given.count(key) > 1]
-        if not found:
-            try:
-                check_overrides(candidate.override_list())
-                apply(cfg, candidate)
-            except ConfigError as exc:
-                found = exc.problems
-            except KeyError:  # a key the typed check cannot apply (a free mapping's): the child's
-                pass
-        found = found or [why for why in [computes_otherwise(keys)] if why]
+        # the others are checked as the CLI checks them (a misspelt key is unknown, not "what"),
+        # then against what a candidate may set
+        rest = tuple(o for o in candidate.overrides if not unmeasurable(o[0].lstrip("+~")))
+        try:
+            check_overrides([f"{key}={value}" for key, value in rest])
+            apply(cfg, replace(candidate, overrides=rest))
+        except ConfigError as exc:
+            found += exc.problems
+            rest = ()
+        except KeyError:  # a key the typed check cannot apply (a free mapping's): the child's
+            pass
+        if why := computes_otherwise(list(dict.fromkeys(key.lstrip("+~") for key, _ in rest))):
+            found.append(why)
         problems += [f"accelerate.extra_candidates '{text}': {why}" for why in found]
     if problems:
         raise ConfigError(problems)
@@ -340,7 +344,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         f"about {estimated:,.0f} s; search budget {budget:,.0f} s (accelerate.budget_s="
         f"{a.budget_s:g}, max_fraction={a.max_fraction:g})")
     left = budget - (time.monotonic() - started)
-    # a candidate that would replace the config has it measured again first (_confirmed): a
+    # a candidate that would replace the config has it measured again first (confirmed): a
     # measurement is room for two
     truncated = left < 2 * ref.wall_s
     if truncated:
@@ -385,15 +389,18 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         budget_stopped |= measured[-1].status == "timeout" and left < a.candidate_timeout_s
     verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance, run_steps)
     best = choose(verdicts)
-    again_row = []
+    again_row, unsteady = [], ""
     if best.label != REFERENCE.label:
         check_stop()
-        ref, again_row = _confirmed(run_overrides, cfg, ref, best.label, work,
-                                    budget - (time.monotonic() - started),
-                                    lambda m: time_to_result(m, run_tokens, a.warmup_steps,
-                                                             run_steps))
+        ref, again_row, unsteady = confirmed(
+            cfg, ref, best.label, budget - (time.monotonic() - started),
+            lambda candidate, limit: measure(run_overrides, candidate, a.steps, a.warmup_steps,
+                                             limit, work),
+            lambda m: time_to_result(m, run_tokens, a.warmup_steps, run_steps))
         verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance, run_steps)
-        best = choose(verdicts)
+        best = verdicts[0] if unsteady else choose(verdicts)
+        if unsteady:
+            warn(f"accelerate=auto: {unsteady}")
     chosen = next(m for m in [ref, *measured] if m.candidate.label == best.label)
     rows = []
     for m, v in zip([ref, *measured], verdicts):
@@ -406,43 +413,13 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     search_s = time.monotonic() - started
     say(f"chose {best.label} after {search_s:,.0f} s")
     return {"search_s": round(search_s, 3), "budget_s": round(budget, 3), "measured": True,
+            "unsteady": unsteady or None,
             "truncated": cut if truncated or skipped or budget_stopped else None,
             "run_steps": steps, "run_tokens": run_tokens,
             "choice": {"label": best.label, "overrides": chosen.candidate.override_list(),
                        "time_to_result_s": best.time_to_result_s},
             "reference_time_to_result_s": verdicts[0].time_to_result_s,
             "rows": rows, "table": report.table(rows)}
-
-
-def _confirmed(run_overrides, cfg: RunConfig, ref: Measurement, winner: str, work: Path,
-               left: float, time_of) -> tuple[Measurement, list[dict]]:
-    """The reference as candidates are held to, once `winner` would replace it: the config as
-    given measured again, and the sooner of its two measurements (a machine busier during the
-    first, on a CPU another job, made the config as given look slower than it is: an identical
-    setting won by 4x and was cached); with the other as a row of the table."""
-    from dataclasses import replace
-
-    a = cfg.accelerate
-    say(f"{winner} would replace the config as given: measuring the config as given again "
-        f"(the machine's load may have changed since its first measurement)")
-    again = measure(run_overrides, replace(REFERENCE, label=f"{REFERENCE.label} ({AGAIN})"),
-                    a.steps, a.warmup_steps,
-                    min(a.candidate_timeout_s, max(left, ref.wall_s)), work)
-    first_s = time_of(ref)
-    again_s = time_of(again) if again.status == "ok" and not again.reason else None
-    sooner = again_s is not None and first_s is not None and again_s < first_s
-    other, other_s = (ref, first_s) if sooner else (again, again_s)
-    why = (f"the config as given, {'first' if sooner else 'measured again'}: the sooner of its "
-           f"two measurements is the reference row, which candidates must beat")
-    if again_s is None:
-        why = (f"the config as given, measured again: {again.status}"
-               f"{': ' + again.reason if again.reason else ''}; its first measurement stands")
-    row = {**other.as_dict(), "label": f"{REFERENCE.label} ({'first' if sooner else AGAIN})",
-           "time_to_result_s": None if other_s is None else round(other_s, 3), "why": why}
-    return (replace(again, candidate=REFERENCE) if sooner else ref), [row]
-
-
-AGAIN = "measured again"
 
 
 def _unmeasured(cfg: RunConfig, ref: Measurement, started: float) -> dict:
