@@ -94,6 +94,21 @@ def test_the_tuning_benchmark_judges_the_choice_it_was_served():
     zero = rows()
     zero[0]["loss_at_end"] = 0.0
     assert verdict(zero)["complete"]  # no division by a zero loss
+    # an auto row its limit cut after the search: judged on the search's own seconds
+    from tune_search import searched
+
+    cut = rows()
+    cut[2] = {"row": "auto", "error": "ran past its 260 s limit", "wall_s": 260.0,
+              **searched("rapidformer: tuning: measuring unpad\n"
+                         "rapidformer: tuning: chose unpad after 1,171 s\nstep 1 ...")}
+    assert cut[2]["search_s"] == 1171.0 and cut[2]["choice"] == "unpad"
+    judged = verdict(cut)
+    assert judged["complete"] and not judged["search_under_5_min"]
+    assert judged["auto_with_search_vs_default_wall"] is None
+    assert not verdict([*rows()[:2], {"row": "auto", "error": "crashed"}, rows()[3]])["complete"]
+    no_seconds = rows()
+    del no_seconds[2]["search_s"]
+    assert not verdict(no_seconds)["search_under_5_min"]
 
 
 def test_a_workload_measured_in_two_calls_is_judged_on_both(tmp_path):
