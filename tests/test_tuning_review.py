@@ -204,6 +204,18 @@ def test_an_auto_run_that_resumes_reuses_its_recorded_choice(monkeypatch, tmp_pa
         tuning_run.tuned_overrides(given[:2], composed, fresh)
 
 
+def test_a_refusal_of_the_config_as_given_is_not_blamed_on_the_choice():
+    from rapidformer.tuning import run as tuning_run
+
+    tuning_run._pending.update({"choice": {"label": "reference", "overrides": []}})
+    try:
+        with pytest.raises(ConfigError) as refused:
+            tuning_run.choice_settled(lambda: (_ for _ in ()).throw(ConfigError(["x is bad"])))
+        assert refused.value.problems == ["x is bad"]
+    finally:
+        tuning_run._pending.clear()
+
+
 # 5. a search cut short by its budget, cached, and a later run with a larger budget
 
 def _admitted(*labels):
@@ -519,7 +531,8 @@ def test_a_noisier_faster_candidate_does_not_hide_a_steady_sooner_one():
 
 # 11. the config as given measured again before a candidate replaces it
 
-def _search_with(monkeypatch, tmp_path, rates: dict, budget: float = 300, again=None):
+def _search_with(monkeypatch, tmp_path, rates: dict, budget: float = 300, again=None,
+                 extra=()):
     """A search of the reference and one candidate "a" at these rates on a fake clock;
     `again`: what becomes of the reference's second take ("timeout", "diverged losses")."""
     from dataclasses import replace
@@ -534,6 +547,11 @@ def _search_with(monkeypatch, tmp_path, rates: dict, budget: float = 300, again=
         m = clocked(run_overrides, candidate, steps, warmup, limit, work)
         if candidate.label == "reference (measured again)" and again == "timeout":
             m = Measurement(candidate, "timeout", limit, reason="still running: stopped")
+        if again == "budget" and candidate.label == "a":  # its whole 16 s: 12 s are left
+            m = replace(m, wall_s=limit)
+        if again == "budget" and candidate.label == "reference (measured again)" and \
+                1.1 * m.wall_s > limit:  # a machine a tenth slower than for the first take
+            m = Measurement(candidate, "timeout", limit, reason="still running: stopped")
         if candidate.label == "reference (measured again)" and again == "diverged losses":
             m = replace(m, losses=[x * 30 for x in m.losses])  # finite, and far off
         now[0] += m.wall_s
@@ -543,7 +561,7 @@ def _search_with(monkeypatch, tmp_path, rates: dict, budget: float = 300, again=
     monkeypatch.setattr(search_module, "candidates", lambda *a, **k: _admitted("a"))
     monkeypatch.setattr(search_module.time, "monotonic", lambda: now[0])
     overrides = ["accelerate=auto", "accelerate.max_fraction=100",
-                 f"accelerate.budget_s={budget}", f"accelerate.cache_dir={tmp_path}"]
+                 f"accelerate.budget_s={budget}", f"accelerate.cache_dir={tmp_path}", *extra]
     _, _, cfg = settled(*overrides)
     record = search_module.search(overrides, cfg, memory_auto=False)
     return record, {r["label"]: r for r in record["rows"]}, calls
@@ -576,10 +594,30 @@ def test_a_load_that_changes_the_reference_3x_keeps_the_config_and_caches_nothin
         "the config as given measured 1,000 and then 3,000 real tokens/s (67% apart): the "
         "machine's load changed during the search")
     assert rows["reference (first)"]["why"] == record["unsteady"]
+    assert rows["a"]["why"] == "not trusted: the machine's load changed during the search"
+    assert record["unsteady"].endswith("raise accelerate.load_tolerance=0.2)")
     assert not list(tmp_path.glob("*.json"))
     err = capsys.readouterr().err
     assert "rapidformer: warning: accelerate=auto: the config as given measured" in err
     assert "the result is not cached: the machine's load changed during the search" in err
+    # a machine known to be noisy: a larger tolerance trusts the sooner take
+    record, rows, _ = _search_with(monkeypatch, tmp_path / "noisy", {
+        "reference": 1000, "a": 5000, "reference (measured again)": 3000},
+        extra=["accelerate.load_tolerance=1.0"])
+    assert record["choice"]["label"] == "a" and record["unsteady"] is None
+
+
+def test_an_unsteady_search_says_so_in_tune_s_summary(monkeypatch, tmp_path, capsys):
+    from rapidformer.cli.verbs.tune import tune_command
+    from rapidformer.tuning import search as search_module
+
+    record = {"table": "|", "choice": {"label": "reference", "overrides": []},
+              "search_s": 26.0, "budget_s": 300.0, "command": "python -m rapidformer",
+              "unsteady": "the config as given measured 1 and then 3 real tokens/s"}
+    monkeypatch.setattr(search_module, "search", lambda *a, **k: record)
+    assert tune_command(["accelerate.cache=false"]) == 0
+    assert "choice: reference (search 26 s of 300 s budget; the machine's load changed during " \
+           "it: no gain trusted, nothing cached)" in capsys.readouterr().out
 
 
 def test_a_candidate_sooner_than_both_measurements_of_the_reference_is_chosen(monkeypatch,
@@ -610,6 +648,16 @@ def test_a_second_take_that_fails_leaves_the_first_standing(monkeypatch, tmp_pat
     assert rows["reference (measured again)"]["why"] == (
         f"the config as given, measured again: {why}; its first measurement stands")
     assert not rows["reference (measured again)"]["passed"]
+
+
+def test_a_second_take_the_budget_stops_marks_the_search_cut(monkeypatch, tmp_path):
+    # "a" takes its whole 16 s: the second take has the 12 s the first took, and needs 13.2
+    record, rows, calls = _search_with(monkeypatch, tmp_path, {"reference": 1000, "a": 3000},
+                                       budget=40, again="budget")
+    assert calls[2][0] == "reference (measured again)"
+    assert record["truncated"]["by"] == "accelerate.budget_s"  # a larger budget searches again
+    assert rows["reference (measured again)"]["why"].startswith(
+        "the config as given, measured again: timeout")
 
 
 def test_the_budget_keeps_room_for_the_reference_s_second_take(monkeypatch, tmp_path):

@@ -133,6 +133,8 @@ BOUNDS: dict[str, Bound] = {
     "accelerate.candidate_timeout_s": Bound(0, low_open=True, example="180"),
     "accelerate.loss_tolerance": Bound(0, low_open=True, example="0.1",
                                        note="a share of the reference's mean loss"),
+    "accelerate.load_tolerance": Bound(0, example="0.2",
+                                       note="a share of the faster of the config's two rates"),
     "trainer.eval_interval": Bound(1, null="evaluate at the end of every epoch", example="100"),
     "trainer.eval_iters": Bound(0, example="10", note="0: no evaluation"),
     "trainer.save_interval": Bound(1, null="save at the end of every epoch", example="1000"),

@@ -95,6 +95,7 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "accelerate.warmup_steps": ("accelerate.name", ("auto",)),
     "accelerate.candidate_timeout_s": ("accelerate.name", ("auto",)),
     "accelerate.loss_tolerance": ("accelerate.name", ("auto",)),
+    "accelerate.load_tolerance": ("accelerate.name", ("auto",)),
     "accelerate.axes": ("accelerate.name", ("auto",)),
     "accelerate.cache_dir": ("accelerate.name", ("auto",)),
     "accelerate.cache": ("accelerate.name", ("auto",)),

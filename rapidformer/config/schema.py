@@ -181,7 +181,8 @@ class DataConfig:
     # the length a fine-tuning batch is padded to: longest (its longest row), max
     # (max_seq_length), N (the next multiple of N), or a list of bucket lengths (the smallest that
     # fits; max_seq_length is the last). auto: longest in eager mode; with graph=compile the next
-    # multiple of 16, so that a compiled model meets few shapes (rapidformer/data/lengths.py). With trainer.unpad the packed row's tokens are rounded up to a multiple instead
+    # multiple of 16, so that a compiled model meets few shapes (rapidformer/data/lengths.py);
+    # with trainer.unpad the packed row's tokens are rounded up to a multiple instead
     pad_to: Union[int, Literal["auto", "longest", "max"], list[int]] = "auto"
     num_workers: int = 0
     # --- Megatron pretraining data (data.source=megatron) ---
@@ -455,18 +456,19 @@ class AccelerateConfig:
     # the search's limit (s), and its most share of the run's estimated length (may pass 1)
     budget_s: float = 300.0
     max_fraction: float = 0.1
-    # candidates measured besides the reference (the config as given), steps each, the first
-    # warmup_steps (compile, graph capture) timed apart; a child past the timeout is stopped
+    # candidates measured besides the reference (the config as given), steps each, warmup_steps
+    # (compile, graph capture) timed apart; a child past the timeout is stopped
     max_candidates: int = 6
     steps: int = 8
     warmup_steps: int = 3
     candidate_timeout_s: float = 180.0
-    # a candidate's mean loss over its steps may differ from the reference's by this share
+    # a candidate's mean loss over its steps may differ from the reference's by this share;
+    # the config's two measurements' rates, beyond their spreads, before the load is unsteady
     loss_tolerance: float = 0.1
+    load_tolerance: float = 0.2
     # the axes searched; the others keep the config's values
     axes: list[str] = field(default_factory=lambda: list(TUNING_AXES))
-    # results by model, data, hardware, versions (null: $RAPIDFORMER_TUNING_CACHE or
-    # ~/.cache/rapidformer/tuning)
+    # results by model, data, hardware, versions (null: $RAPIDFORMER_TUNING_CACHE, ~/.cache/..)
     cache_dir: Optional[str] = None
     cache: bool = True
     # hand-picked candidates, each a string of overrides
@@ -490,10 +492,8 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)
-    # a white-box script that subclasses a template (the seed's --user-script)
-    user_script: Optional[str] = None
-    # the recipe's own name, for the record
-    recipe: Optional[str] = None
+    user_script: Optional[str] = None  # a white-box script subclassing a template (--user-script)
+    recipe: Optional[str] = None  # the recipe's own name, for the record
 
 
 GROUPS = ("task", "model", "data", "precision", "memory", "parallelism", "graph", "kernels",

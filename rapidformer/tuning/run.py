@@ -92,8 +92,11 @@ def choice_settled(settle_with_choice):
     try:
         settled = settle_with_choice()
     except ConfigError as exc:
+        if not record["choice"]["overrides"]:  # the config as given: nothing of the choice's
+            raise
         where = f"recorded in {record['resumed']}" if record.get("resumed") else \
-            f"cached in {record['cache_file']}" if record.get("cached") else "this search's"
+            f"cached in {record['cache_file']} (accelerate.cache=false searches again)" \
+            if record.get("cached") else "chosen by this search"
         raise ConfigError([*exc.problems, f"{' '.join(record['choice']['overrides'])} is "
                                           f"accelerate=auto's choice "
                                           f"{record['choice']['label']}, {where}"]) from None

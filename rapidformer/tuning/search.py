@@ -392,11 +392,14 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     again_row, unsteady = [], ""
     if best.label != REFERENCE.label:
         check_stop()
-        ref, again_row, unsteady = confirmed(
+        confirmation = confirmed(
             cfg, ref, best.label, budget - (time.monotonic() - started),
             lambda candidate, limit: measure(run_overrides, candidate, a.steps, a.warmup_steps,
                                              limit, work),
             lambda m: time_to_result(m, run_tokens, a.warmup_steps, run_steps))
+        ref, again_row, unsteady = (confirmation.reference, confirmation.rows,
+                                    confirmation.unsteady)
+        budget_stopped |= confirmation.budget_stopped
         verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance, run_steps)
         best = verdicts[0] if unsteady else choose(verdicts)
         if unsteady:
@@ -408,7 +411,10 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
                      "estimate_gb": estimates.get(v.label), "loss_check": v.loss_check,
                      "time_to_result_s": None if v.time_to_result_s is None
                      else round(v.time_to_result_s, 3),
-                     "passed": v.passed, "chosen": v.label == best.label, "why": v.why})
+                     "passed": v.passed, "chosen": v.label == best.label,
+                     "why": v.why or ("not trusted: the machine's load changed during the "
+                                      "search" if unsteady and v.passed and m is not ref
+                                      else "")})
     rows += again_row + skipped + left_out
     search_s = time.monotonic() - started
     say(f"chose {best.label} after {search_s:,.0f} s")

@@ -5,7 +5,8 @@ table and the command line that trains with the choice, and trains nothing. The 
 cached as the run's search is, so this verb again, or the run of the same command with
 accelerate=auto, does not search again; the printed command trains with the choice without one.
 A budget too short for the config as given's own measurement prints that table, says so, and
-exits 0: the printed command is then the config as given (nothing cached). A run's flags
+exits 0: the printed command is then the config as given (nothing cached), as after a search
+whose two measurements of the config as given say the load changed. A run's flags
 (--cfg, -m/--multirun, --hydra-help, ...) are refused: the verb takes overrides, --config-dir
 and --json only.
 """
@@ -80,7 +81,9 @@ def tune_command(argv: list[str]) -> int:
     how = "cached" if record.get("cached") else \
         "no measurement: accelerate.budget_s ended before the config as given's own did; " \
         "nothing cached" if record.get("measured") is False else \
-        f"search {record['search_s']:.0f} s of {record['budget_s']:.0f} s budget"
+        f"search {record['search_s']:.0f} s of {record['budget_s']:.0f} s budget" + (
+            "; the machine's load changed during it: no gain trusted, nothing cached"
+            if record.get("unsteady") else "")
     print(f"\nchoice: {record['choice']['label']} ({how})")
     print(record["command"])
     return 0
