@@ -294,3 +294,11 @@ def test_the_size_check_reads_the_reason(tmp_path):
     empty.write_text('"""A module. Over 500 lines:"""\n' + body)
     assert _too_long(plain) == 502 and _too_long(empty) == 502 and _too_long(reasoned) is None
     assert _too_long(plain, limit=502) is None
+
+
+def test_the_longest_first_test_files_exist():
+    # a renamed file would silently start last again (tests/conftest.py LONGEST_FIRST)
+    from tests.conftest import LONGEST_FIRST
+
+    here = Path(__file__).resolve().parent
+    assert [name for name in LONGEST_FIRST if not (here / name).is_file()] == []
