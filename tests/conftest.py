@@ -21,7 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # the longest files first (by their summed durations on 2 cores): under `--dist loadfile` a
 # worker takes a whole file, and a long one that starts last keeps its worker busy while the
-# other has nothing left (CI's parallel lane; the order is by the files' summed durations)
+# other has nothing left (CI's parallel lane)
 LONGEST_FIRST = ("test_doc_commands.py", "test_tuning.py", "test_strategies.py",
                  "test_distributed.py", "test_train.py", "test_tasks.py", "test_parallel.py",
                  "test_megatron_llama.py", "test_pretraining.py", "test_quiet_console.py",

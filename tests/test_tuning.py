@@ -603,17 +603,26 @@ def test_a_search_is_refused_under_an_outside_launcher(monkeypatch):
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_stop_signal_is_not_taken_for_a_candidate_s_failure_and_an_ignored_one_stays_so(
         signum):
+    import os
     import signal
 
+    from rapidformer.tuning.measure import Stopped, check_stop
     from rapidformer.tuning.search import _stop_signals_recorded
 
     sent = getattr(signal, signum)
     # a shell without job control starts its `&` jobs with SIGINT ignored, and pytest then
     # inherits it so: the first half needs the signal handled, as a terminal's shell leaves it
     inherited = signal.signal(sent, signal.default_int_handler)
-    before = signal.getsignal(sent)
     try:
-        _recorded_and_put_back(sent, before)
+        before = signal.getsignal(sent)
+        with pytest.raises(Stopped):
+            with _stop_signals_recorded():
+                os.kill(os.getpid(), sent)  # recorded, not raised inside whatever runs
+                try:
+                    check_stop()
+                except Exception:  # noqa: BLE001 - a candidate's broad except
+                    pytest.fail("a stop signal was taken for a failure")
+        assert signal.getsignal(sent) is before  # put back
     finally:
         signal.signal(sent, inherited)
     interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup ignores SIGHUP
@@ -622,23 +631,6 @@ def test_a_stop_signal_is_not_taken_for_a_candidate_s_failure_and_an_ignored_one
             assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, interrupt)
-
-
-def _recorded_and_put_back(sent, before):
-    import os
-    import signal
-
-    from rapidformer.tuning.measure import Stopped, check_stop
-    from rapidformer.tuning.search import _stop_signals_recorded
-
-    with pytest.raises(Stopped):
-        with _stop_signals_recorded():
-            os.kill(os.getpid(), sent)  # recorded, not raised inside whatever runs
-            try:
-                check_stop()
-            except Exception:  # noqa: BLE001 - a candidate's broad except
-                pytest.fail("a stop signal was taken for a failure")
-    assert signal.getsignal(sent) is before  # put back
 
 
 # a search on a CPU: the quickstart's tiny BERT on 800 pairs, 5 steps a candidate
