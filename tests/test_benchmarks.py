@@ -132,3 +132,18 @@ def test_a_workload_measured_in_two_calls_is_judged_on_both(tmp_path):
     judged = verdict(before + auto)
     assert judged["complete"] and judged["within_5_percent"] and judged["not_slower_than_default"]
     assert judged["choice_vs_fastest_wall"] == 1.02
+
+
+def test_the_tuning_benchmarks_llama_rows_are_configs_the_cli_accepts(tmp_path):
+    """Each row of the LoRA SFT workload, at its GPU shape, passes the config checks: a
+    hand-picked row the CLI refuses (LoRA with fp8, say) measures nothing."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from tune_search import HAND_PICKED, workload_args
+
+    from rapidformer.config.compose import compose
+    from rapidformer.preflight import settle
+
+    base = [*workload_args("llama_sft", tmp_path, smoke=False), "trainer.device=cpu"]
+    for extra in ([], ["accelerate=auto"], *HAND_PICKED["llama_sft"].values()):
+        cfg = settle(compose([*base, *extra]), str(tmp_path / "out"))[1]
+        assert cfg.model.init_dtype == "bf16" and cfg.peft.name == "lora"

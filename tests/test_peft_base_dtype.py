@@ -58,6 +58,45 @@ def test_the_frozen_base_dtype_table(weights, precision, base_dtype, frozen):
     assert _dtypes(model) == ({frozen}, {torch.float32})
 
 
+class _Vocab:
+    """What the builder reads of a tokenizer: its size and special tokens."""
+    pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@pytest.mark.parametrize("init_dtype, precision, frozen", [
+    ("bf16", "bf16", torch.bfloat16),  # as a published bf16 checkpoint: auto holds it in bf16
+    ("fp32", "bf16", torch.float32),
+    ("bf16", "fp32", torch.float32),
+])
+def test_model_init_dtype_makes_the_config_built_base_a_bf16_checkpoints(init_dtype, precision,
+                                                                           frozen):
+    from rapidformer.models.hf import build_task_model
+    from rapidformer.transforms.lora import attach
+
+    cfg = _cfg(f"precision={precision}", f"model.init_dtype={init_dtype}")
+    model = build_task_model(cfg.model, "sft", _Vocab(64))
+    weights = [t for t in model.parameters() if t.is_floating_point()]
+    assert {t.dtype for t in weights} == {torch.float32}  # fp32 masters either way
+    rounded = all(torch.equal(t, t.to(torch.bfloat16).float()) for t in weights)
+    assert rounded == (init_dtype == "bf16")
+    model, _ = attach(model, cfg)
+    assert _dtypes(model) == ({frozen}, {torch.float32})
+
+
+def test_model_init_dtype_is_refused_where_nothing_reads_it():
+    with pytest.raises(ConfigError, match="model.init_dtype"):
+        _cfg("model=hf", "model.name_or_path=some/model", "model.init_dtype=bf16")
+    with pytest.raises(ConfigError, match="model.init_dtype=bf16 with model=megatron_gpt"):
+        settle(compose(["model=megatron_gpt", "task=causal_lm", "trainer.device=cpu",
+                        "model.init_dtype=bf16"]), "out")
+
+
 def test_modules_trained_in_full_stay_fp32_masters_beside_a_bf16_base():
     model, _ = _attach(_bf16_valued(tiny_llama()), "precision=bf16",
                        "peft.modules_to_save=[lm_head]")

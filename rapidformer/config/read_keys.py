@@ -25,6 +25,7 @@ USED_ONLY_WITH: dict[str, tuple[str, tuple[str, ...]]] = {
     "task.binary_head": ("task.name", ("bert_pretraining",)),
     "model.name_or_path": ("model.source", ("pretrained",)),
     "model.embedding_rows": ("model.source", ("config",)),
+    "model.init_dtype": ("model.source", ("config",)),
     "data.subset": ("data.source", ("hub",)),
     "data.format": ("data.source", ("local", "synthetic")),
     "data.quoting": ("data.source", ("local", "synthetic")),

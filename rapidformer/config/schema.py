@@ -93,6 +93,10 @@ class ModelConfig:
     attention_dropout: float = 0.1
     # std of the random initial weights of a config-built model
     initializer_range: float = 0.02
+    # config-built models: the values the random weights start from; bf16 rounds them to bf16,
+    # as a checkpoint published in bf16 holds them (most LLMs), so peft.base_dtype=auto keeps
+    # the frozen base in bf16 as it does for such a checkpoint; the run still trains fp32 masters
+    init_dtype: Literal["fp32", "bf16"] = "fp32"
     # config-built models: the vocabulary size of the WordPiece tokenizer trained on the data
     vocab_size: Optional[int] = 2000
     # config-built models: the rows of the input embeddings and the output layer; null: one per

@@ -88,6 +88,10 @@ def check_values(cfg: RunConfig) -> list[str]:
         p.append(f"task=sft fine-tunes a Hugging Face causal LM; model={m.name} (model.arch="
                  f"{m.arch}) is not one: use model=llama_tiny, model=gpt2_tiny, or a pretrained "
                  f"decoder with model=hf model.name_or_path=DIR")
+    if m.init_dtype != "fp32" and m.is_megatron:
+        p.append(f"model.init_dtype={m.init_dtype} with model={m.name}: megatron-core models "
+                 f"start from their own fp32 initialization here (not built for them); leave "
+                 f"model.init_dtype=fp32, or start from a bf16 checkpoint with model.init_from_hf")
     if m.init_from_hf and m.arch not in ("megatron_gpt", "megatron_llama"):
         p.append(f"model.init_from_hf={m.init_from_hf} with model.arch={m.arch}: only "
                  f"model=megatron_gpt starts from a Hugging Face GPT-2 checkpoint; use "

@@ -90,7 +90,18 @@ def build_task_model(m: ModelConfig, task: str, tokenizer, **extra):
     except ValueError as exc:
         raise InputError(f"model.arch={m.arch} is not a Hugging Face model type this version of "
                          f"transformers knows ({exc}); use e.g. model.arch=bert") from exc
-    return auto.from_config(config, attn_implementation=m.attn_implementation)
+    return initialized(auto.from_config(config, attn_implementation=m.attn_implementation), m)
+
+
+def initialized(model, m: ModelConfig):
+    """A config-built model with its random weights at model.init_dtype's values (held in the
+    training dtype, as a bf16 checkpoint is once loaded)."""
+    if m.init_dtype == "bf16":
+        with torch.no_grad():
+            for t in model.parameters():
+                if t.is_floating_point():
+                    t.copy_(t.to(torch.bfloat16))
+    return model
 
 
 def embedding_rows(m: ModelConfig, tokens: int) -> int:
@@ -208,7 +219,7 @@ def build_pretraining_model(m: ModelConfig, task: str, tokenizer, binary_head: b
                          f"model.arch={m.arch} is neither (use model=gpt2_tiny, gpt2_small, "
                          f"llama_tiny or llama_1b, or a pretrained causal LM with model=hf)")
     config._attn_implementation = m.attn_implementation
-    return auto.from_config(config, attn_implementation=m.attn_implementation)
+    return initialized(auto.from_config(config, attn_implementation=m.attn_implementation), m)
 
 
 def training_without_kv_cache(model) -> bool:
