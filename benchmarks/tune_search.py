@@ -205,29 +205,38 @@ def verdict(rows: list[dict]) -> dict:
                                    r.get("search_s") is not None), None)
     chosen, default = ok.get("auto-cached"), ok.get("default")
     picked = [r for name, r in ok.items() if name not in (*AUTO_ROWS, "default")]
-    if auto is None or chosen is None or default is None or not picked:
+    # a default that ran out of GPU memory (an unpacked batch the card cannot hold): nothing
+    # is slower than it, and the loss is held to the fastest hand-picked row's
+    no_fit = next((r["error"] for r in rows if r["row"] == "default" and
+                   "out of GPU memory" in r.get("error", "")), None)
+    if auto is None or chosen is None or (default is None and not no_fit) or not picked:
         return {"complete": False}
     if not chosen.get("cached") or chosen.get("choice") != auto.get("choice"):
         # auto-cached trained something the search did not pick: no verdict on the choice
         return {"complete": False, "why": "auto-cached was not served the search's choice "
                                           "from the cache"}
     best = min(picked, key=lambda r: r["wall_s"])
-    loss_change = abs(chosen["loss_at_end"] - default["loss_at_end"]) / \
-        max(abs(default["loss_at_end"]), 1e-9)
+    held_to = default or best
+    loss_change = abs(chosen["loss_at_end"] - held_to["loss_at_end"]) / \
+        max(abs(held_to["loss_at_end"]), 1e-9)
     same = auto.get("choice") == "reference"  # the default's own configuration
     return {"complete": True, "choice": auto.get("choice"),
             "fastest_hand_picked": best["row"],
             "choice_vs_fastest_wall": round(chosen["wall_s"] / best["wall_s"], 3),
-            "choice_vs_default_wall": round(chosen["wall_s"] / default["wall_s"], 3),
+            "choice_vs_default_wall": None if no_fit else
+            round(chosen["wall_s"] / default["wall_s"], 3),
+            "default_did_not_fit": no_fit,
             "within_5_percent": chosen["wall_s"] <= 1.05 * best["wall_s"],
             # the default's configuration is not slower than itself: two runs of it differ by
             # the machine's noise only
-            "not_slower_than_default": same or chosen["wall_s"] <= default["wall_s"],
-            "loss_change_vs_default": round(loss_change, 3),
+            "not_slower_than_default": bool(no_fit) or same or
+            chosen["wall_s"] <= default["wall_s"],
+            "loss_change_vs_default" if default else "loss_change_vs_fastest_hand_picked":
+            round(loss_change, 3),
             "at_equal_loss": loss_change <= LOSS_TOLERANCE,
             "search_s": auto.get("search_s"),
             "search_under_5_min": auto.get("search_s") is not None and auto["search_s"] <= 300,
-            "auto_with_search_vs_default_wall": None if "error" in auto else
+            "auto_with_search_vs_default_wall": None if "error" in auto or no_fit else
             round(auto["wall_s"] / default["wall_s"], 3)}
 
 

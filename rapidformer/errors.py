@@ -9,12 +9,14 @@ import os
 from typing import NamedTuple
 
 # exit codes: 2 for bad input (config, data, paths), 3 for a feature not available here,
-# 4 for a run whose loss stopped being finite, 74 (EX_IOERR) for a run that could not write its
+# 4 for a run whose loss stopped being finite, 5 for a run out of GPU memory, 74 (EX_IOERR) for
+# a run that could not write its
 # checkpoint or run directory (disk full, read-only), 75 (EX_TEMPFAIL) for a run stopped by
 # SIGTERM/SIGINT after writing a resumable checkpoint
 EXIT_BAD_INPUT = 2
 EXIT_NOT_AVAILABLE = 3
 EXIT_DIVERGED = 4
+EXIT_OUT_OF_MEMORY = 5
 EXIT_WRITE_FAILED = 74
 EXIT_PREEMPTED = 75
 
@@ -119,3 +121,27 @@ class NonFiniteLoss(RapidformerError):
     """The loss was NaN or infinite for trainer.max_nonfinite_steps steps in a row."""
 
     exit_code = EXIT_DIVERGED
+
+
+class OutOfMemory(RapidformerError):
+    """The device ran out of memory during the run (torch.OutOfMemoryError)."""
+
+    exit_code = EXIT_OUT_OF_MEMORY
+
+
+def out_of_memory(exc: BaseException) -> OutOfMemory | None:
+    """The error to report for a device out of memory, with what lowers a run's memory; None
+    for any other error. torch raises OutOfMemoryError (older code paths a RuntimeError that
+    says "CUDA out of memory")."""
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if type(exc).__name__ != "OutOfMemoryError" and "CUDA out of memory" not in said:
+        return None
+    said = said.split(". Of the allocated", 1)[0].split(" Including non-PyTorch", 1)[0]
+    return OutOfMemory(
+        f"out of GPU memory ({said.rstrip('. ')}). `rapidformer plan` with the same settings "
+        f"gives each memory mode's estimate for a micro batch at data.max_seq_length, the "
+        f"longest a run meets; what lowers it: memory=auto (a mode the plan says fits), "
+        f"trainer.checkpoint_activations=true, a smaller trainer.micro_batch_size (its "
+        f"trainer.global_batch_size kept), a shorter data.max_seq_length, precision=bf16, and "
+        f"for task=sft data.packing=true; accelerate=auto measures them. The run's complete "
+        f"checkpoints are untouched: trainer.resume=auto continues from the newest")

@@ -91,6 +91,15 @@ def test_the_tuning_benchmark_judges_the_choice_it_was_served():
     assert not verdict(rows(cached=False))["complete"]
     assert not verdict(rows(choice="reference"))["complete"]  # not what the search picked
     assert not verdict(rows(chosen_loss=4.0))["at_equal_loss"]
+    # a default the card cannot hold: nothing is slower, the loss held to the fastest row's
+    oom = rows()
+    oom[0] = {"row": "default", "error": "rapidformer: error: out of GPU memory (CUDA out of "
+                                         "memory. Tried to allocate 15.66 GiB)"}
+    judged = verdict(oom)
+    assert judged["complete"] and judged["not_slower_than_default"] and judged["at_equal_loss"]
+    assert judged["loss_change_vs_fastest_hand_picked"] == round(0.01 / 0.61, 3)
+    oom[0]["error"] = "ran past its 260 s limit"
+    assert not verdict(oom)["complete"]  # a default cut by its limit says nothing
     zero = rows()
     zero[0]["loss_at_end"] = 0.0
     assert verdict(zero)["complete"]  # no division by a zero loss

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from rapidformer.cli.hydra_args import split_argv
 from rapidformer.errors import (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, Preempted, RapidformerError,
-                                debug_enabled, refused_write)
+                                debug_enabled, out_of_memory, refused_write)
 from rapidformer.runtime.outside_loop import StoppedOutsideLoop, signal_number, stops_outside_loop
 
 log = logging.getLogger("rapidformer")
@@ -132,7 +132,8 @@ def hydra_entry(cfg: DictConfig):
         # a stop signal ends a sweep too: its SystemExit passes Hydra's job runner
         sys.exit(exc.exit_code)
     except Exception as exc:
-        refused = refused_write(exc)  # a full disk outside a checkpoint's write
+        # a full disk outside a checkpoint's write; the device out of memory
+        refused = refused_write(exc) or out_of_memory(exc)
         if refused is not None and hydra_cfg.mode != RunMode.MULTIRUN and not debug_enabled():
             report(refused)
             if held:

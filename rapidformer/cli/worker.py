@@ -12,7 +12,7 @@ import yaml
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.config.validate import build_run_config
-from rapidformer.errors import Preempted, RapidformerError, debug_enabled
+from rapidformer.errors import Preempted, RapidformerError, debug_enabled, out_of_memory
 from rapidformer.factory import run
 from rapidformer.runtime.fast_exit import install as exit_fast
 from rapidformer.runtime.launch import die_with_launcher, is_collective_timeout, resume_after_restart
@@ -66,6 +66,9 @@ def _run_worker(cfg: RunConfig, run_dir: Path, resolved: dict, rank: int) -> Non
         print(f"rapidformer: {kind} (rank {rank}): {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except Exception as exc:
+        if (oom := out_of_memory(exc)) is not None and not debug_enabled():
+            print(f"rapidformer: error (rank {rank}): {oom}", file=sys.stderr)
+            sys.exit(oom.exit_code)
         if debug_enabled() or not is_collective_timeout(exc):
             raise
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -91,25 +91,21 @@ class ModelConfig:
     rope_theta: float = 10000.0
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
-    # std of the random initial weights of a config-built model
+    # a config-built model's random weights: their std, and their values (bf16: rounded as a
+    # bf16 checkpoint's, which peft.base_dtype=auto holds in bf16; fp32 masters train either way)
     initializer_range: float = 0.02
-    # config-built models: the values the random weights start from; bf16 rounds them to bf16,
-    # as a checkpoint published in bf16 holds them (most LLMs), so peft.base_dtype=auto keeps
-    # the frozen base in bf16 as it does for such a checkpoint; the run still trains fp32 masters
     init_dtype: Literal["fp32", "bf16"] = "fp32"
     # config-built models: the vocabulary size of the WordPiece tokenizer trained on the data
     vocab_size: Optional[int] = 2000
-    # config-built models: the rows of the input embeddings and the output layer; null: one per
-    # token of the tokenizer; more keeps rows no token uses, as a real model's vocabulary does
-    # beside a smaller tokenizer (Llama 3: 128256), so the output layer costs what it costs there
+    # config-built models: the embeddings' and output layer's rows; null: one per token; more
+    # keeps rows no token uses, as Llama 3's 128256 beside a smaller tokenizer
     embedding_rows: Optional[int] = None
     # null: the pretrained model's own tokenizer, or one trained on the training split for a
     # config-built model; else a tokenizer directory or a WordPiece vocab.txt
     tokenizer: Optional[str] = None
     lowercase: bool = True
     # pretraining: the tokenizer the Megatron data was made with (preprocess_data's
-    # --tokenizer-type); model.tokenizer is its vocab file (or tokenizer dir for
-    # HuggingFaceTokenizer), merge_file the GPT-2 merges
+    # --tokenizer-type); model.tokenizer its vocab file (or dir), merge_file GPT-2's merges
     tokenizer_type: Optional[Literal["BertWordPieceLowerCase", "BertWordPieceCase",
                                      "GPT2BPETokenizer", "HuggingFaceTokenizer"]] = None
     merge_file: Optional[str] = None

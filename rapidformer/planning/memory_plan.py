@@ -236,6 +236,12 @@ def _megatron_estimate(shape: ModelShape, cfg: RunConfig, mode: Mode,
     return Estimate(mode, int(states), int(activations), 0)
 
 
+def gb(value: float) -> str:
+    """Bytes as GB with the digits that tell two estimates apart (a tiny model's too)."""
+    value /= GB
+    return f"{value:.1f}" if abs(value) >= 1 else f"{value:.3f}"
+
+
 def usable_bytes(capacity: int) -> int:
     return int(capacity * (1 - RESERVE_FRACTION)) - RESERVE_BYTES
 
@@ -322,3 +328,23 @@ def choose_mode(cfg: RunConfig) -> Mode:
     log.info("memory=auto: %s (estimated %.1f GB per GPU of %.1f GB, %s)", chosen.mode.label(),
              chosen.total / GB, capacity / GB, source)
     return chosen.mode
+
+
+def over_device(cfg: RunConfig) -> str:
+    """A warning for a run whose own memory mode the plan says does not fit its device (a
+    mode given by hand: memory=auto picked one that does), or "". The run still starts: the
+    plan sizes a micro batch at data.max_seq_length, and data shorter than that may fit."""
+    capacity, source = device_capacity(cfg)
+    if capacity is None:
+        return ""
+    mode = Mode(cfg.memory.name, cfg.memory.offload_optimizer, cfg.memory.offload_params,
+                cfg.trainer.checkpoint_activations)
+    needed = estimate(model_shape(cfg), cfg, mode).total
+    if needed <= usable_bytes(capacity):
+        return ""
+    return (f"the memory plan estimates {gb(needed)} GB per GPU for memory mode "
+            f"{mode.label()} with trainer.micro_batch_size={cfg.trainer.micro_batch_size} at "
+            f"data.max_seq_length={cfg.data.max_seq_length}, over the "
+            f"{gb(usable_bytes(capacity))} GB usable of {gb(capacity)} GB ({source}): the run "
+            f"may run out of memory at its longest batches; memory=auto picks a mode that fits (`rapidformer plan` with the same "
+            f"settings shows each mode's estimate)")

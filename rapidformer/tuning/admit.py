@@ -14,7 +14,15 @@ import torch
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import ConfigError
-from rapidformer.tuning.space import Candidate, apply, step_content_change
+from rapidformer.tuning.space import REFERENCE, Candidate, apply, step_content_change
+
+
+# what makes the config as given fit, where the plan says it does not (a search needs it to
+# train its measured steps: each candidate's loss is checked against them)
+FITTING = ("Make it fit: memory=auto (the plan picks a mode that does), "
+           "trainer.checkpoint_activations=true, or a smaller trainer.micro_batch_size with "
+           "trainer.global_batch_size kept; `rapidformer plan` with the same settings shows "
+           "each mode's estimate")
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,7 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
           memory_auto: bool) -> Admission:
     """The candidate with its problems (none: it may run) and its memory estimate."""
     from rapidformer.planning.memory_plan import (GB, Mode, choose_mode, device_capacity,
-                                                  estimate, usable_bytes)
+                                                  estimate, gb, usable_bytes)
     from rapidformer.planning.model_shape import model_shape
 
     try:
@@ -89,6 +97,13 @@ def admit(base: RunConfig, candidate: Candidate, device: torch.device,
     if not problems and cfg.memory.name != "auto":
         needed = estimate(model_shape(cfg), cfg, mode, capacity is not None).total
         if capacity is not None and needed > usable_bytes(capacity):
-            problems.append(f"the memory plan estimates {needed / GB:.1f} GB per device, over "
-                            f"the {usable_bytes(capacity) / GB:.1f} GB usable")
+            problems.append(f"the memory plan estimates {gb(needed)} GB per device, over "
+                            f"the {gb(usable_bytes(capacity))} GB usable")
     return Admission(candidate, tuple(problems), None if needed is None else needed / GB)
+
+
+def reference_overflow(cfg: RunConfig, device: torch.device, memory_auto: bool) -> str:
+    """Why the config as given does not fit the device by the memory plan, the check every
+    candidate gets (admit), or "". Its measured steps may still fit where the run's longest
+    batches do not: the plan sizes a micro batch at data.max_seq_length."""
+    return "; ".join(admit(cfg, REFERENCE, device, memory_auto).problems)

@@ -43,13 +43,15 @@ def context(cfg: RunConfig, device: torch.device) -> Context:
 
 def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
                run_s: float | None = None, pinned: dict[str, str] | None = None,
-               packed: PackedRows | None = None
+               packed: PackedRows | None = None, reference_fits: bool = True
                ) -> tuple[list[Admission], list[dict], dict[str, float]]:
     """(the admitted candidates with their estimates, in measuring order; rows of those left
     out: label, prior, why; each admitted label's prior). `run_s`: the training time of the run
     with the config as given, when known (the order is then by expected time to result).
     `pinned`: what the command line sets (space.pins): no candidate changes it. `packed`:
-    what packing makes of the training data (the reference's measurement), when known."""
+    what packing makes of the training data (the reference's measurement), when known.
+    `reference_fits`: False where the config as given does not fit the device (search.
+    reference_overflow): no candidate is then left out for being no sooner than it."""
     a = cfg.accelerate
     pinned = pinned or {}
     ctx = context(cfg, device)
@@ -88,7 +90,7 @@ def candidates(cfg: RunConfig, device: torch.device, memory_auto: bool,
     out += [{"label": " / ".join(labels), "why": f"not tried: {_pinned_words(given)}"}
             for given, labels in held.items()]  # once for each pinned override
     combos, slower = [], []
-    given = None if run_s is None else reference_time(ctx, cfg, run_s)
+    given = None if run_s is None or not reference_fits else reference_time(ctx, cfg, run_s)
     for choice in itertools.product(*[[None, *kept] for kept in axes]):
         picked = [c for c in choice if c is not None]
         if not picked or overlapping([s for s, _ in picked]):

@@ -36,6 +36,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def no_passing(verdicts, not_measured: list[dict]) -> str:
+    """What became of each candidate, where none passed: why it failed or was not measured."""
+    said = [f"{v.label}: {v.why or v.loss_check}" for v in verdicts]
+    said += [f"{r['label']}: {r['why']}" for r in not_measured]
+    return "; ".join(said) or "no candidate"
+
+
 def write(run_dir: str | Path, record: dict) -> Path:
     """tuning.json in the run directory, written whole (a temporary file renamed)."""
     path = Path(run_dir) / "tuning.json"

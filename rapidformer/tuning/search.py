@@ -27,17 +27,19 @@ import shutil
 import signal
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, ConfigError, InputError, Preempted
 from rapidformer.tuning import cache, report
+from rapidformer.tuning.admit import FITTING, reference_overflow
 from rapidformer.tuning.confirm import confirmed
 from rapidformer.tuning.enumerate import candidates
 from rapidformer.tuning.measure import (MEASUREMENT_KEYS, TRAINED_ALL, Measurement, Stopped,
                                        check_stop, measure, signalled)
 from rapidformer.tuning.pick import choose, judge, time_to_result
-from rapidformer.tuning.report import say, warn
+from rapidformer.tuning.report import no_passing, say, warn
 from rapidformer.tuning.space import REFERENCE, pins, touched_pins
 
 FORMAT = 1
@@ -218,7 +220,6 @@ def check_extra_candidates(cfg: RunConfig) -> None:
     learning rate) stop the search before it measures anything, all named at once; one that
     this run's settings refuse (a micro batch the global batch is no multiple of) is a row of
     the table, as the search's own candidates are."""
-    from dataclasses import replace
 
     from rapidformer.config.compose import check_overrides
     from rapidformer.tuning.space import apply, hand_picked
@@ -306,11 +307,22 @@ def _stop_signals_recorded():
 def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work: Path,
                  started: float, pinned: dict[str, str] | None = None) -> dict:
     a = cfg.accelerate
+    # the config as given, held to the memory plan as each candidate is: one that does not fit
+    # stays the baseline of the loss check and the rates, never the choice
+    too_big = reference_overflow(cfg, device, memory_auto)
+    if too_big:
+        say(f"the config as given does not fit this device ({too_big}): it is measured as the "
+            f"baseline only")
     say(f"measuring the reference (the config as given) for {a.steps} steps")
     ref = measure(run_overrides, REFERENCE, a.steps, a.warmup_steps,
                   min(a.candidate_timeout_s, a.budget_s), work)
-    if ref.status == "timeout" and a.budget_s < a.candidate_timeout_s:
+    if ref.status == "timeout" and a.budget_s < a.candidate_timeout_s and not too_big:
         return _unmeasured(cfg, ref, started)  # the budget, not the config, cut it
+    if too_big and (ref.status != "ok" or ref.reason):
+        raise InputError(f"accelerate=auto: the config as given does not fit this device "
+                         f"({too_big}) and did not train its {a.steps} measured steps "
+                         f"({ref.status}: {ref.reason}); the search checks every candidate's "
+                         f"loss against it. {FITTING}")
     if ref.status == "timeout":
         evaluating = TRAINED_ALL in ref.reason
         raise InputError(f"accelerate=auto: the config as given did not finish its measurement "
@@ -345,8 +357,14 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         f"{a.budget_s:g}, max_fraction={a.max_fraction:g})")
     left = budget - (time.monotonic() - started)
     # a candidate that would replace the config has it measured again first (confirmed): a
-    # measurement is room for two
-    truncated = left < 2 * ref.wall_s
+    # measurement is room for two; a config that does not fit is replaced by any that passes
+    truncated = left < (1 if too_big else 2) * ref.wall_s
+    if truncated and too_big:
+        raise InputError(f"accelerate=auto: the config as given does not fit this device "
+                         f"({too_big}), and the search's budget left no room to measure a "
+                         f"setting that does ({max(left, 0.0):,.0f} s left, a measurement takes "
+                         f"about {ref.wall_s:,.0f} s): raise accelerate.budget_s (and "
+                         f"accelerate.max_fraction), or {FITTING[0].lower()}{FITTING[1:]}")
     if truncated:
         admitted, priors = [], {}
         left_text, takes, took, whole = seconds(left, ref.wall_s, ref.wall_s, budget)
@@ -364,7 +382,8 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     else:
         admitted, left_out, priors = candidates(cfg, device, memory_auto,
                                                 run_s=run_tokens / ref.tokens_per_s,
-                                                pinned=pinned, packed=ref.packed_rows)
+                                                pinned=pinned, packed=ref.packed_rows,
+                                                reference_fits=not too_big)
         check_stop()
         say(f"{len(admitted)} candidates besides the reference, {len(left_out)} left out; "
             f"{a.steps} steps each ({a.warmup_steps} warm-up)")
@@ -373,14 +392,15 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     budget_stopped = False  # a child the budget's end stopped (not its own time limit)
     estimates = {adm.candidate.label: adm.estimate_gb for adm in admitted}
     for adm in admitted:
-        # what is left once the reference's second take is kept aside
-        left = budget - (time.monotonic() - started) - ref.wall_s
+        # what is left once the reference's second take is kept aside (none where the config
+        # does not fit: any candidate that passes replaces it)
+        left = budget - (time.monotonic() - started) - (0 if too_big else ref.wall_s)
         if left < ref.wall_s:
             left_text, takes = seconds(max(left, 0.0), ref.wall_s)
+            beside = "" if too_big else " beside the reference's second take"
             skipped.append({"label": adm.candidate.label, "prior": priors.get(adm.candidate.label),
-                            "why": f"not measured: {left_text} of the search's budget left "
-                                   f"beside the reference's second take, a measurement takes "
-                                   f"about {takes}"})
+                            "why": f"not measured: {left_text} of the search's budget "
+                                   f"left{beside}, a measurement takes about {takes}"})
             continue
         check_stop()
         say(f"measuring {adm.candidate.label}")
@@ -388,9 +408,16 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
                                 min(a.candidate_timeout_s, left), work))
         budget_stopped |= measured[-1].status == "timeout" and left < a.candidate_timeout_s
     verdicts = judge(ref, measured, run_tokens, a.warmup_steps, a.loss_tolerance, run_steps)
+    if too_big:
+        verdicts[0] = replace(verdicts[0], passed=False,
+                              why=f"does not fit: {too_big}; measured as the baseline only")
+        if not any(v.passed for v in verdicts):
+            raise InputError(f"accelerate=auto: the config as given does not fit this device "
+                             f"({too_big}), and no measured candidate fits and trains as it "
+                             f"does ({no_passing(verdicts[1:], skipped + left_out)}). {FITTING}")
     best = choose(verdicts)
     again_row, unsteady = [], ""
-    if best.label != REFERENCE.label:
+    if best.label != REFERENCE.label and not too_big:
         check_stop()
         confirmation = confirmed(
             cfg, ref, best.label, budget - (time.monotonic() - started),

@@ -1,0 +1,79 @@
+"""A run whose device runs out of memory mid-run: one message with torch's words, the memory
+plan's command and what lowers a run's memory, exit code 5, status.json "failed", and no
+traceback (RAPIDFORMER_DEBUG=1 keeps it)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rapidformer.errors import out_of_memory
+from tests.conftest import FAST
+from tests.test_bad_input import call
+
+TORCH_WORDS = ("CUDA out of memory. Tried to allocate 15.66 GiB. GPU 0 has a total capacity of "
+               "79.19 GiB of which 3.12 GiB is free. Including non-PyTorch memory, this process "
+               "has 76.06 GiB memory in use. Of the allocated memory 74.1 GiB is allocated by "
+               "PyTorch")
+
+
+@pytest.mark.parametrize("exc, found", [
+    (torch.OutOfMemoryError(TORCH_WORDS), True),
+    (RuntimeError(TORCH_WORDS), True),  # older paths raise a RuntimeError with torch's words
+    (RuntimeError("shape mismatch"), False),
+    (ValueError(""), False),
+])
+def test_what_is_taken_for_out_of_memory(exc, found):
+    error = out_of_memory(exc)
+    assert (error is not None) == found
+    if found:
+        said = str(error)
+        assert said.startswith("out of GPU memory (CUDA out of memory. Tried to allocate "
+                               "15.66 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                               "3.12 GiB is free)")
+        assert "rapidformer plan" in said and "memory=auto" in said
+        assert "trainer.checkpoint_activations=true" in said and error.exit_code == 5
+
+
+def test_a_run_out_of_memory_ends_with_one_message_and_exit_code_5(tmp_path, capsys,
+                                                                     monkeypatch):
+    from rapidformer.templates.finetuner import Finetuner
+
+    calls = []
+    step = Finetuner._forward_step
+
+    def runs_out(self, batches, model):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError(TORCH_WORDS)
+        return step(self, batches, model)
+
+    monkeypatch.setattr(Finetuner, "_forward_step", runs_out)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    code, stderr = call("rapidformer", [*FAST, f"trainer.output_dir={run}"], capsys)
+    assert code == 5, stderr
+    assert "rapidformer: error: out of GPU memory (CUDA out of memory. Tried to allocate" in stderr
+    assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and "out of GPU memory" in status["error"]
+
+
+@pytest.mark.parametrize("memory_gb, warned", [(1.6, True), (80.0, False), (None, False)])
+def test_a_run_whose_mode_the_plan_says_does_not_fit_is_warned_at_its_start(memory_gb, warned):
+    """1.6 GB less the reserve leaves about 20 MB, under the tiny BERT's estimate at a micro
+    batch of 32 x 128 tokens; without a GPU or memory.device_memory_gb nothing is known."""
+    from rapidformer.config.compose import compose
+    from rapidformer.planning.memory_plan import over_device
+    from rapidformer.preflight import settle
+
+    given = [] if memory_gb is None else [f"memory.device_memory_gb={memory_gb}"]
+    cfg = settle(compose(["trainer.device=cpu", "data.max_seq_length=128",
+                          "trainer.micro_batch_size=32", *given]), "out")[1]
+    said = over_device(cfg)
+    assert bool(said) == warned
+    if warned:
+        assert said.startswith("the memory plan estimates 0.0") and "memory mode none" in said
+        assert "over the 0.020 GB usable of 1.6 GB (memory.device_memory_gb)" in said
+        assert "memory=auto picks a mode that fits" in said

@@ -1,0 +1,89 @@
+"""accelerate=auto where the config as given does not fit the device by the memory plan (a run
+whose measured steps fit and whose longest batches do not): it stays the baseline of the loss
+check and the rates, never the choice; any candidate that fits and passes replaces it without
+a second take of it; where none can, one message says how to make it fit."""
+from __future__ import annotations
+
+import pytest
+
+from rapidformer.errors import InputError
+from rapidformer.tuning import search as search_module
+from rapidformer.tuning.measure import summarize
+from tests.test_tuning import fake_measure, settled
+
+# 1.6 GB less the 5 % and 1.5 GB reserve leaves about 20 MB: a micro batch of 32 at length 128
+# does not fit the tiny BERT, 16 does (tests/test_tuning.py's memory plan test); the micro batch
+# is the search's to change (not on the command line)
+TOO_BIG = ["accelerate=auto", "accelerate.cache=false", "memory.device_memory_gb=1.6",
+           "data.max_seq_length=128", "trainer.global_batch_size=32",
+           "accelerate.axes=[micro_batch_size]", "accelerate.max_fraction=100"]
+
+
+def _search(monkeypatch, measure, *extra: str) -> dict:
+    monkeypatch.setattr(search_module, "measure", measure)
+    overrides = [*TOO_BIG, *extra]
+    return search_module.search(overrides, settled(*overrides)[2], memory_auto=False)
+
+
+@pytest.mark.parametrize("rate", [900.0, 1000.0, 3000.0])  # slower, as fast, faster
+def test_a_candidate_that_fits_replaces_a_config_that_does_not_whatever_its_rate(monkeypatch,
+                                                                                   rate):
+    taken = []
+    fake = fake_measure({"reference": 1000.0, "mbs=16": rate})
+
+    def measure(run_overrides, candidate, *args):
+        taken.append(candidate.label)
+        return fake(run_overrides, candidate, *args)
+
+    record = _search(monkeypatch, measure)
+    rows = {r["label"]: r for r in record["rows"]}
+    assert record["choice"]["label"] == "mbs=16"
+    assert record["choice"]["overrides"] == ["trainer.micro_batch_size=16",
+                                             "trainer.global_batch_size=32"]
+    assert not rows["reference"]["passed"] and not rows["reference"]["chosen"]
+    assert rows["reference"]["why"].startswith("does not fit: the memory plan estimates")
+    assert taken == ["reference", "mbs=16"]  # no second take of a config that cannot win
+
+
+def test_a_config_that_does_not_fit_with_no_candidate_that_passes_says_how_to_fit(monkeypatch):
+    fake = fake_measure({"reference": 1000.0, "mbs=16": 2000.0})
+
+    def diverging(run_overrides, candidate, steps, warmup, limit, work):
+        m = fake(run_overrides, candidate, steps, warmup, limit, work)
+        if candidate.label == "mbs=16":
+            m.losses = [x * 3 for x in m.losses]
+        return m
+
+    with pytest.raises(InputError) as caught:
+        _search(monkeypatch, diverging)
+    said = str(caught.value)
+    assert "the config as given does not fit this device (the memory plan estimates" in said
+    assert "mbs=16: loss check" in said and "memory=auto" in said
+
+
+def test_a_budget_with_no_room_for_a_setting_that_fits_is_an_error_not_the_config(monkeypatch):
+    # the reference's measurement takes 5 s of a 6 s budget: nothing that fits can be measured
+    with pytest.raises(InputError, match="left no room to measure a setting that does .* "
+                                         "raise accelerate.budget_s .* make it fit: memory=auto"):
+        _search(monkeypatch, fake_measure({"reference": 1000.0}, wall_s=5.0),
+                "accelerate.budget_s=6")
+
+
+def test_a_config_that_does_not_fit_and_runs_out_of_memory_in_its_measurement(monkeypatch):
+    def oom(run_overrides, candidate, steps, warmup, limit, work):
+        m = summarize(candidate, [], warmup, 3.0, 1, "CUDA out of memory")
+        m.status, m.reason = "oom", "CUDA out of memory. Tried to allocate 16.00 GiB"
+        return m
+
+    with pytest.raises(InputError, match="does not fit this device .* did not train its 8 "
+                                         "measured steps \\(oom: CUDA out of memory"):
+        _search(monkeypatch, oom)
+
+
+def test_a_config_that_fits_keeps_its_second_take_and_can_stay_the_choice(monkeypatch):
+    overrides = [o for o in TOO_BIG if not o.startswith("memory.device_memory_gb")]
+    monkeypatch.setattr(search_module, "measure",
+                        fake_measure({"reference": 1000.0, "mbs=16": 900.0}))
+    record = search_module.search(overrides, settled(*overrides)[2], memory_auto=False)
+    assert record["choice"]["label"] == "reference"
+    assert {r["label"]: r for r in record["rows"]}["reference"]["passed"]
