@@ -143,5 +143,6 @@ def out_of_memory(exc: BaseException) -> OutOfMemory | None:
         f"longest a run meets; what lowers it: memory=auto (a mode the plan says fits), "
         f"trainer.checkpoint_activations=true, a smaller trainer.micro_batch_size (its "
         f"trainer.global_batch_size kept), a shorter data.max_seq_length, precision=bf16, and "
-        f"for task=sft data.packing=true; accelerate=auto measures them. The run's complete "
-        f"checkpoints are untouched: trainer.resume=auto continues from the newest")
+        f"for task=sft data.packing=true; accelerate=auto measures them (in evaluation: a "
+        f"smaller trainer.eval_micro_batch_size, which the plan does not size). The run's "
+        f"complete checkpoints are untouched: trainer.resume=auto continues from the newest")

@@ -23,10 +23,6 @@ def run(cfg: RunConfig, run_dir: str, resolved: dict):
     this process, or in one worker per device."""
     from rapidformer.runtime.launch import launch_workers, needs_workers, shutdown_process_group
 
-    from rapidformer.planning.memory_plan import over_device
-
-    if warning := over_device(cfg):
-        log.warning(warning)
     if needs_workers(cfg):
         return launch_workers(cfg, Path(run_dir), resolved)
     activate(cfg, run_dir, resolved)

@@ -183,3 +183,16 @@ def test_fingerprint_positions_stay_inside_large_embeddings(numel):
     positions = sample_positions(numel)
     assert positions.min() == 0 and positions.max() == numel - 1
     assert len(positions) == min(numel, FINGERPRINT_SAMPLES)
+
+
+def test_the_memory_plan_counts_a_bf16_valued_config_built_base_as_bf16():
+    from rapidformer.planning.memory_plan import Mode, estimate
+    from rapidformer.planning.model_shape import model_shape
+
+    def states(*overrides: str) -> float:
+        cfg = _cfg("precision=bf16", "model.embedding_rows=4096", *overrides)
+        return estimate(model_shape(cfg), cfg, Mode("none"), True).model_states
+
+    rounded, asked, fp32 = (states("model.init_dtype=bf16"), states("peft.base_dtype=bf16"),
+                            states())
+    assert rounded == asked < fp32

@@ -58,13 +58,15 @@ def test_a_config_that_does_not_fit_with_no_candidate_that_passes_says_how_to_fi
         _search(monkeypatch, diverging)
     said = str(caught.value)
     assert "the config as given does not fit this device (the memory plan estimates" in said
-    assert "mbs=16: loss check" in said and "memory=auto" in said
+    assert "mbs=16: loss check" in said
+    # at 1.6 GB no memory mode fits (rapidformer plan says so): not memory=auto, then
+    assert "make it fit: no memory mode fits this device by the plan: lower" in said
 
 
 def test_a_budget_with_no_room_for_a_setting_that_fits_is_an_error_not_the_config(monkeypatch):
     # the reference's measurement takes 5 s of a 6 s budget: nothing that fits can be measured
     with pytest.raises(InputError, match="left no room to measure a setting that does .* "
-                                         "raise accelerate.budget_s .* make it fit: memory=auto"):
+                                         "raise accelerate.budget_s .* make it fit: no memory"):
         _search(monkeypatch, fake_measure({"reference": 1000.0}, wall_s=5.0),
                 "accelerate.budget_s=6")
 
@@ -72,12 +74,72 @@ def test_a_budget_with_no_room_for_a_setting_that_fits_is_an_error_not_the_confi
 def test_a_config_that_does_not_fit_and_runs_out_of_memory_in_its_measurement(monkeypatch):
     def oom(run_overrides, candidate, steps, warmup, limit, work):
         m = summarize(candidate, [], warmup, 3.0, 1, "CUDA out of memory")
-        m.status, m.reason = "oom", "CUDA out of memory. Tried to allocate 16.00 GiB"
+        m.status, m.reason = "out_of_memory", "CUDA out of memory. Tried to allocate 16.00 GiB"
         return m
 
-    with pytest.raises(InputError, match="does not fit this device .* did not train its 8 "
-                                         "measured steps \\(oom: CUDA out of memory"):
+    with pytest.raises(InputError, match="does not fit this device .* ran out of memory in its "
+                                         "8 measured steps \\(CUDA out of memory"):
         _search(monkeypatch, oom)
+
+
+def test_a_budget_that_cuts_a_config_that_does_not_fit_says_so(monkeypatch):
+    def cut(run_overrides, candidate, steps, warmup, limit, work):
+        m = summarize(candidate, [], warmup, limit, 0, "")
+        m.status, m.reason = "timeout", f"still running after {limit:.0f} s (after 2 of 8 steps)"
+        return m
+
+    with pytest.raises(InputError, match="accelerate.budget_s=3 ended before the config as "
+                                         "given finished .* does not fit this device .* raise "
+                                         "accelerate.budget_s"):
+        _search(monkeypatch, cut, "accelerate.budget_s=3")
+
+
+def test_a_config_that_does_not_fit_and_diverges_is_told_so_not_to_fit(monkeypatch):
+    def diverged(run_overrides, candidate, steps, warmup, limit, work):
+        m = summarize(candidate, [], warmup, 3.0, 0, "")
+        m.status, m.reason = "diverged", "exit code 4: rapidformer: error: the loss was NaN"
+        return m
+
+    with pytest.raises(InputError) as caught:
+        _search(monkeypatch, diverged)
+    said = str(caught.value)
+    assert "did not train 8 steps (diverged: exit code 4" in said
+    assert "(it also does not fit this device: the memory plan estimates" in said
+    assert "Run it without accelerate=auto to see why" in said
+
+
+@pytest.mark.parametrize("code, logged, status", [
+    (4, "rapidformer: warning: ... the run's longest batches may not fit\n", "diverged"),
+    (4, "torch.OutOfMemoryError: CUDA out of memory\n", "diverged"),  # the exit code decides
+    (5, "rapidformer: error: out of GPU memory (CUDA out of memory. Tried ...)\n",
+     "out_of_memory"),
+    (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n",
+     "out_of_memory"),
+    (1, "the memory plan estimates 9 GB per device: may run out of memory\n", "crashed"),
+])
+def test_a_child_s_failure_is_told_by_its_exit_code_then_torch_s_words(monkeypatch, tmp_path,
+                                                                      code, logged, status):
+    from rapidformer.tuning import measure as measuring
+    from rapidformer.tuning.space import REFERENCE
+
+    def failed(overrides, label, limit, log_path):
+        log_path.write_text(logged)
+        return code, 1.0, 0
+
+    monkeypatch.setattr(measuring, "run_child", failed)
+    assert measuring.measure(["+recipe=quickstart"], REFERENCE, 4, 1, 30.0,
+                             tmp_path).status == status
+
+
+def test_the_advice_to_fit_names_memory_auto_only_where_a_mode_fits():
+    from rapidformer.planning.memory_plan import fitting_advice
+
+    def advice(gb: float) -> str:
+        return fitting_advice(settled("memory.device_memory_gb=" + str(gb),
+                                      "data.max_seq_length=128")[2])
+
+    assert advice(80).startswith("memory=auto picks a mode that fits")
+    assert advice(1.6).startswith("no memory mode fits this device by the plan")
 
 
 def test_a_config_that_fits_keeps_its_second_take_and_can_stay_the_choice(monkeypatch):

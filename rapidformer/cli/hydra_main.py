@@ -84,6 +84,7 @@ def hydra_entry(cfg: DictConfig):
     from hydra.types import RunMode
 
     from rapidformer.factory import run
+    from rapidformer.planning.memory_plan import over_device
     from rapidformer.preflight import settle
     from rapidformer.cli.multirun import job_row
     from rapidformer.cli.summary import print_summary
@@ -108,6 +109,8 @@ def hydra_entry(cfg: DictConfig):
                      held=held, hydra_job=hydra_cfg.job.name):
             write_run_records(run_dir, resolved, run_cfg, held)
             log.info("run directory: %s", run_dir)
+            if held and (warning := over_device(run_cfg)):
+                log.warning(warning)
             result = run(run_cfg, run_dir, resolved)
             if held:
                 record_status(run_dir, *finished_or_stopped(Path(run_dir)))

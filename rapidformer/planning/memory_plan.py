@@ -131,18 +131,20 @@ def _peft_states(shape: ModelShape, cfg: RunConfig, facts: StateBytes, data_para
     """Model states under peft=lora/qlora: the frozen base's weights alone (no gradients, no
     optimizer state), the adapters trained in full as the strategy holds a trained parameter.
     The base is in bf16 under precision=bf16 where peft.base_dtype makes it so (bf16, or
-    qlora's) and fp32 otherwise (auto is bf16 only for a bf16 checkpoint's values, unknown
-    before loading it: counted fp32); qlora's block weights in 4 bits. Adapters: rank r on
-    every attention and MLP projection (4 of hidden x hidden, 3 of hidden x ffn: an upper bound
-    for fewer targets), and the modules peft.modules_to_save trains in full. Activations are
-    counted as without peft (its dropout keeps a little more, peft.fused less)."""
+    qlora's, or a config-built model.init_dtype=bf16 base) and fp32 otherwise (auto is bf16
+    only for a bf16 checkpoint's values, unknown before loading it: counted fp32); qlora's
+    block weights in 4 bits. Adapters: rank r on every attention and MLP projection (4 of
+    hidden x hidden, 3 of hidden x ffn: an upper bound for fewer targets), and the modules
+    peft.modules_to_save trains in full. Activations are counted as without peft (its dropout
+    keeps a little more, peft.fused less)."""
     from rapidformer.accelerators.base import PARAMETERS
 
     p = cfg.peft
     # as transforms/lora_layers.py's frozen_base_dtype decides it; a strategy that holds its
     # weights in 16 bits (DeepSpeed under bf16) holds the frozen base so too
     bf16 = cfg.precision.dtype == "bf16" and p.base_dtype != "fp32" and \
-        (p.base_dtype == "bf16" or p.name == "qlora")
+        (p.base_dtype == "bf16" or p.name == "qlora" or
+         (cfg.model.source == "config" and cfg.model.init_dtype == "bf16"))
     held = min(2 if bf16 else 4, facts.weights)
     blocks = shape.layers * shape.block_parameters
     rest = max(shape.parameters - blocks, 0)  # embeddings, head, final norm
@@ -333,18 +335,45 @@ def choose_mode(cfg: RunConfig) -> Mode:
 def over_device(cfg: RunConfig) -> str:
     """A warning for a run whose own memory mode the plan says does not fit its device (a
     mode given by hand: memory=auto picked one that does), or "". The run still starts: the
-    plan sizes a micro batch at data.max_seq_length, and data shorter than that may fit."""
+    plan sizes a micro batch at data.max_seq_length, and data shorter than that may fit. Not
+    for a user_script (its model and data are its own), and never an error: a plan that
+    cannot be made says nothing."""
     capacity, source = device_capacity(cfg)
-    if capacity is None:
+    if capacity is None or cfg.user_script:
         return ""
+    m = cfg.model
+    if m.source == "config" and m.embedding_rows is None and not cfg.task.is_pretraining:
+        # the vocabulary training builds holds at most model.vocab_size entries: planned at
+        # that bound rather than trained on the data a second time
+        cfg = replace(cfg, model=replace(m, embedding_rows=m.vocab_size))
     mode = Mode(cfg.memory.name, cfg.memory.offload_optimizer, cfg.memory.offload_params,
                 cfg.trainer.checkpoint_activations)
-    needed = estimate(model_shape(cfg), cfg, mode).total
+    try:
+        needed = estimate(model_shape(cfg), cfg, mode).total
+    except Exception as exc:  # noqa: BLE001 - a warning's plan must not stop a run
+        log.debug("no memory plan for the start's warning: %s", exc)
+        return ""
     if needed <= usable_bytes(capacity):
         return ""
-    return (f"the memory plan estimates {gb(needed)} GB per GPU for memory mode "
+    return (f"the memory plan estimates {gb(needed)} GB per device for memory mode "
             f"{mode.label()} with trainer.micro_batch_size={cfg.trainer.micro_batch_size} at "
             f"data.max_seq_length={cfg.data.max_seq_length}, over the "
-            f"{gb(usable_bytes(capacity))} GB usable of {gb(capacity)} GB ({source}): the run "
-            f"may run out of memory at its longest batches; memory=auto picks a mode that fits (`rapidformer plan` with the same "
-            f"settings shows each mode's estimate)")
+            f"{gb(usable_bytes(capacity))} GB usable of {gb(capacity)} GB ({source}): the run's "
+            f"longest batches may not fit; {fitting_advice(cfg)}")
+
+
+def fitting_advice(cfg: RunConfig) -> str:
+    """What makes a config fit: memory=auto where some mode fits the device, else what is
+    left (the plan's own words where none does)."""
+    try:
+        estimates, capacity, _ = plan(cfg, model_shape(cfg))
+    except Exception:  # noqa: BLE001 - advice without the plan's answer
+        estimates, capacity = [], None
+    if capacity is not None and estimates and choose(estimates, capacity) is None:
+        return ("no memory mode fits this device by the plan: lower "
+                "trainer.micro_batch_size (trainer.global_batch_size kept) or "
+                "data.max_seq_length, or use more GPUs (`rapidformer plan` with the same "
+                "settings shows each mode's estimate)")
+    return ("memory=auto picks a mode that fits (or trainer.checkpoint_activations=true, or "
+            "a smaller trainer.micro_batch_size with trainer.global_batch_size kept; "
+            "`rapidformer plan` with the same settings shows each mode's estimate)")

@@ -17,14 +17,6 @@ from rapidformer.errors import ConfigError
 from rapidformer.tuning.space import REFERENCE, Candidate, apply, step_content_change
 
 
-# what makes the config as given fit, where the plan says it does not (a search needs it to
-# train its measured steps: each candidate's loss is checked against them)
-FITTING = ("Make it fit: memory=auto (the plan picks a mode that does), "
-           "trainer.checkpoint_activations=true, or a smaller trainer.micro_batch_size with "
-           "trainer.global_batch_size kept; `rapidformer plan` with the same settings shows "
-           "each mode's estimate")
-
-
 @dataclass(frozen=True)
 class Admission:
     candidate: Candidate  # with the memory plan's overrides added under memory=auto

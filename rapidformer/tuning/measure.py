@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rapidformer.errors import EXIT_DIVERGED, EXIT_OUT_OF_MEMORY
 from rapidformer.observability.records import read_metrics
 from rapidformer.tuning.space import Candidate, PackedRows
 
@@ -34,7 +35,10 @@ MEASUREMENT_KEYS = ("trainer.train_iters", "trainer.epochs", "trainer.log_interv
                     "trainer.early_stopping_patience", "trainer.best_metric")
 NONFINITE = "the loss was NaN or infinite"  # templates/loop.py's stop
 TRAINED_ALL = "its steps were trained"
-OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+# torch's words for a device out of memory, and the run's own message (errors.out_of_memory);
+# a line that only mentions memory (the run's start warning of the plan) is not one
+OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of GPU memory|"
+                 r"(MPS|XPU|HIP) backend out of memory|HIP out of memory")
 
 
 @dataclass
@@ -221,7 +225,10 @@ def measure(run_overrides: list[str], candidate: Candidate, steps: int, warmup: 
         return Measurement(candidate, "timeout", wall,
                            reason=f"still running after {limit:.0f} s ({where}): stopped")
     if code != 0:
-        status = "out_of_memory" if OOM.search(text) else \
+        # the run's own exit codes first: a stop for a non-finite loss is a divergence
+        # whatever its log mentions
+        status = "diverged" if code == EXIT_DIVERGED else \
+            "out_of_memory" if code == EXIT_OUT_OF_MEMORY or OOM.search(text) else \
             "diverged" if NONFINITE in text else "crashed"
         return Measurement(candidate, status, wall, losses=[float(r["loss"]) for r in got],
                            reason=f"exit code {code}: {tail}")

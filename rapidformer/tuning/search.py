@@ -33,7 +33,8 @@ from pathlib import Path
 from rapidformer.config.schema import RunConfig
 from rapidformer.errors import EXIT_PREEMPTED, ConfigError, InputError, Preempted
 from rapidformer.tuning import cache, report
-from rapidformer.tuning.admit import FITTING, reference_overflow
+from rapidformer.planning.memory_plan import fitting_advice
+from rapidformer.tuning.admit import reference_overflow
 from rapidformer.tuning.confirm import confirmed
 from rapidformer.tuning.enumerate import candidates
 from rapidformer.tuning.measure import (MEASUREMENT_KEYS, TRAINED_ALL, Measurement, Stopped,
@@ -316,13 +317,19 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     say(f"measuring the reference (the config as given) for {a.steps} steps")
     ref = measure(run_overrides, REFERENCE, a.steps, a.warmup_steps,
                   min(a.candidate_timeout_s, a.budget_s), work)
-    if ref.status == "timeout" and a.budget_s < a.candidate_timeout_s and not too_big:
+    if ref.status == "timeout" and a.budget_s < a.candidate_timeout_s:
+        if too_big:  # the budget cut it, and the config as given cannot be the choice
+            raise InputError(f"accelerate=auto: accelerate.budget_s={a.budget_s:g} ended before "
+                             f"the config as given finished its {a.steps} measured steps "
+                             f"[{ref.reason}], and it does not fit this device ({too_big}), so "
+                             f"it cannot be the choice either: raise accelerate.budget_s, or "
+                             f"make it fit: {fitting_advice(cfg)}")
         return _unmeasured(cfg, ref, started)  # the budget, not the config, cut it
-    if too_big and (ref.status != "ok" or ref.reason):
+    if too_big and ref.status == "out_of_memory":
         raise InputError(f"accelerate=auto: the config as given does not fit this device "
-                         f"({too_big}) and did not train its {a.steps} measured steps "
-                         f"({ref.status}: {ref.reason}); the search checks every candidate's "
-                         f"loss against it. {FITTING}")
+                         f"({too_big}) and ran out of memory in its {a.steps} measured steps "
+                         f"({ref.reason}); the search checks every candidate's loss against "
+                         f"it: make it fit: {fitting_advice(cfg)}")
     if ref.status == "timeout":
         evaluating = TRAINED_ALL in ref.reason
         raise InputError(f"accelerate=auto: the config as given did not finish its measurement "
@@ -332,9 +339,10 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
                          f"raise them, or " + ("evaluate on smaller validation and test sets"
                                                if evaluating else "lower accelerate.steps"))
     if ref.status != "ok" or ref.reason:
+        also = f" (it also does not fit this device: {too_big})" if too_big else ""
         raise InputError(f"accelerate=auto: the config as given did not train "
-                         f"{a.steps} steps ({ref.status}: {ref.reason}); the search checks every "
-                         f"candidate against it. Run it without accelerate=auto to see why")
+                         f"{a.steps} steps ({ref.status}: {ref.reason}){also}; the search checks "
+                         f"every candidate against it. Run it without accelerate=auto to see why")
     if not ref.tokens_per_s:
         raise InputError(
             "accelerate=auto: the config as given trained its measured steps, but its batches "
@@ -364,7 +372,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
                          f"({too_big}), and the search's budget left no room to measure a "
                          f"setting that does ({max(left, 0.0):,.0f} s left, a measurement takes "
                          f"about {ref.wall_s:,.0f} s): raise accelerate.budget_s (and "
-                         f"accelerate.max_fraction), or {FITTING[0].lower()}{FITTING[1:]}")
+                         f"accelerate.max_fraction), or make it fit: {fitting_advice(cfg)}")
     if truncated:
         admitted, priors = [], {}
         left_text, takes, took, whole = seconds(left, ref.wall_s, ref.wall_s, budget)
@@ -414,7 +422,8 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         if not any(v.passed for v in verdicts):
             raise InputError(f"accelerate=auto: the config as given does not fit this device "
                              f"({too_big}), and no measured candidate fits and trains as it "
-                             f"does ({no_passing(verdicts[1:], skipped + left_out)}). {FITTING}")
+                             f"does ({no_passing(verdicts[1:], skipped + left_out)}); make it "
+                             f"fit: {fitting_advice(cfg)}")
     best = choose(verdicts)
     again_row, unsteady = [], ""
     if best.label != REFERENCE.label and not too_big:
