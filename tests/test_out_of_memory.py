@@ -100,3 +100,20 @@ def test_the_start_s_warning_never_stops_a_run(monkeypatch):
 
     monkeypatch.setattr(memory_plan, "model_shape", unplannable)
     assert memory_plan.over_device(cfg) == ""
+
+
+@pytest.mark.parametrize("given, warned", [
+    (["memory.device_memory_gb=1.6"], True),
+    # memory=auto's mode was held to the plan (at 1.619 GB the plan's mode fits): no warning
+    (["memory=auto", "memory.device_memory_gb=1.619"], False),
+])
+def test_the_start_warns_once_about_a_mode_given_by_hand(tmp_path, capsys, monkeypatch, given,
+                                                         warned):
+    monkeypatch.chdir(tmp_path)
+    code, stderr = call("rapidformer", [*FAST, "trainer.epochs=null", "trainer.train_iters=1",
+                                        "data.max_seq_length=128", "trainer.micro_batch_size=32",
+                                        *given,
+                                        f"trainer.output_dir={tmp_path / 'run'}"], capsys)
+    assert code == 0, stderr
+    logged = (tmp_path / "run" / "rapidformer.log").read_text()
+    assert logged.count("longest batches may not fit") == (1 if warned else 0)

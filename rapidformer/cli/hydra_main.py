@@ -14,7 +14,7 @@ from pathlib import Path
 
 import hydra
 import yaml
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rapidformer.cli.hydra_args import split_argv
 from rapidformer.errors import (EXIT_BAD_INPUT, EXIT_NOT_AVAILABLE, Preempted, RapidformerError,
@@ -109,7 +109,10 @@ def hydra_entry(cfg: DictConfig):
                      held=held, hydra_job=hydra_cfg.job.name):
             write_run_records(run_dir, resolved, run_cfg, held)
             log.info("run directory: %s", run_dir)
-            if held and (warning := over_device(run_cfg)):
+            # a mode memory=auto or accelerate=auto picked was held to the plan already
+            picked = OmegaConf.select(cfg, "memory.name") == "auto" or \
+                run_cfg.accelerate.name == "auto"
+            if held and not picked and (warning := over_device(run_cfg)):
                 log.warning(warning)
             result = run(run_cfg, run_dir, resolved)
             if held:

@@ -333,19 +333,15 @@ def choose_mode(cfg: RunConfig) -> Mode:
 
 
 def over_device(cfg: RunConfig) -> str:
-    """A warning for a run whose own memory mode the plan says does not fit its device (a
-    mode given by hand: memory=auto picked one that does), or "". The run still starts: the
+    """A warning for a run whose own memory mode, given by hand, the plan says does not fit its
+    device, or "" (the caller skips memory=auto's and accelerate=auto's: the plan admitted
+    theirs). The run still starts: the
     plan sizes a micro batch at data.max_seq_length, and data shorter than that may fit. Not
     for a user_script (its model and data are its own), and never an error: a plan that
     cannot be made says nothing."""
     capacity, source = device_capacity(cfg)
     if capacity is None or cfg.user_script:
         return ""
-    m = cfg.model
-    if m.source == "config" and m.embedding_rows is None and not cfg.task.is_pretraining:
-        # the vocabulary training builds holds at most model.vocab_size entries: planned at
-        # that bound rather than trained on the data a second time
-        cfg = replace(cfg, model=replace(m, embedding_rows=m.vocab_size))
     mode = Mode(cfg.memory.name, cfg.memory.offload_optimizer, cfg.memory.offload_params,
                 cfg.trainer.checkpoint_activations)
     try:
