@@ -149,3 +149,30 @@ def test_a_config_that_fits_keeps_its_second_take_and_can_stay_the_choice(monkey
     record = search_module.search(overrides, settled(*overrides)[2], memory_auto=False)
     assert record["choice"]["label"] == "reference"
     assert {r["label"]: r for r in record["rows"]}["reference"]["passed"]
+
+
+def test_the_adapters_axis_fuses_lora_layers_where_the_config_may():
+    from tests.test_tuning import search_space
+
+    lora = ["+recipe=llama_lora", "trainer.train_iters=50", "accelerate=auto",
+            "accelerate.max_candidates=40"]
+    _, found, left_out = search_space(*lora)
+    labels = [c.label for c in found]
+    assert "fused adapters" in labels
+    fused = next(c for c in found if c.label == "fused adapters")
+    assert fused.override_list() == ["peft.fused=true"]
+    # graph=compile traces peft's own modules: never a candidate beside fused adapters
+    assert not [label for label in labels if "compile" in label and "fused adapters" in label]
+    import torch
+
+    from rapidformer.tuning.enumerate import candidates
+    from rapidformer.tuning.space import pins
+
+    given = [*lora, "peft.fused=true"]
+    admitted, left_out, _ = candidates(settled(*given)[2], torch.device("cpu"), False,
+                                       pinned=pins(given))
+    assert not [a for a in admitted if "adapters" in a.candidate.label]  # the command line's
+    assert any("peft.fused=true, which the command line sets" in r["why"] for r in left_out)
+    _, found, left_out = search_space("accelerate=auto", "accelerate.max_candidates=40")
+    assert not [c for c in found if "adapters" in c.label] and \
+        not [label for label in left_out if "adapters" in label]  # no peft: no axis

@@ -446,7 +446,7 @@ class LoggerConfig:
 
 # what accelerate=auto may vary (rapidformer/tuning/space.py)
 TUNING_AXES = ("precision", "graph", "sequences", "kernels", "micro_batch_size",
-               "checkpoint_activations")
+               "checkpoint_activations", "adapters")
 
 
 @dataclass

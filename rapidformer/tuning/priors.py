@@ -25,6 +25,9 @@ for a CPU, what autocast and compilation do there:
                                    not fit)
     checkpoint_activations    0.75 (a third more compute; pays only when  0.75
                                    it lets a larger micro batch fit)
+    fused adapters            1.0  (2-4 % fewer tokens/s, a first step    1.0
+                                   of 1.6 s against 8 s and 4.5 GB less
+                                   at 1B: a wash until measured)
 
 A candidate's prior is the product of its settings' factors (the reference's is 1), each
 against the config's own value where the candidate replaces it (precision, graph: eager against
@@ -73,6 +76,7 @@ def factor(setting: Setting, c: Context) -> float | None:
         "unpad": 1.4 if gpu else 1.3, "packing": 1.4 if gpu else 1.3,
         "liger": (1.1 if c.vocab >= LARGE_VOCAB else 1.0) if gpu else None,
         "no kernels": 0.8 if gpu else None,
+        "fused adapters": 1.0, "peft's adapters": 1.0,
     }
     name = setting.label.split(" (")[0]  # "packing (4 rows a step)": its detail in brackets
     if name in table:

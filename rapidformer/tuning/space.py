@@ -8,6 +8,8 @@
     kernels                 liger (kernels=none where kernels=auto picks liger)
     micro_batch_size        half, double, four times the config's, the global batch kept
     checkpoint_activations  true
+    adapters                peft.fused=true (peft=lora/qlora: each adapted layer one function),
+                            or false where the config fuses them
 
 A candidate is the config's settings with some of these changed, written as Hydra overrides
 (so the child process that measures it, and the command that reproduces the choice, run it as
@@ -213,6 +215,12 @@ def axis_settings(cfg: RunConfig, axis: str, packed: PackedRows | None = None
             (("trainer.offload_activations", "false"),)
         return [Setting(axis, f"ckpt={_bool(on)}",
                         (("trainer.checkpoint_activations", _bool(on)), *offload))]
+    if axis == "adapters":
+        if cfg.peft.name == "none":
+            return []
+        fuse = not cfg.peft.fused
+        return [Setting(axis, "fused adapters" if fuse else "peft's adapters",
+                        (("peft.fused", _bool(fuse)),))]
     raise ValueError(f"no tuning axis {axis!r}")
 
 
