@@ -19,10 +19,11 @@ downloaded):
                           random weights at bf16 values (model.init_dtype=bf16, as the
                           published checkpoint's), 200 steps of 16 examples (on one H200 the
                           default row about 5 minutes, a packed bf16 row 75 s: the rows fit
-                          two calls of 10 minutes) (benchmarks/lora_sft.py's workload). Its packed rows hold the 16
-                          examples a step in fewer rows (examples_kept: the default row's log
-                          says how many a packed row holds), as accelerate=auto's packing
-                          candidate does: packing 16 rows a step would train 4x the examples
+                          two calls of 10 minutes) (benchmarks/lora_sft.py's workload). Its
+                          packed rows hold the 16 examples a step in fewer rows
+                          (examples_kept: the default row's log says how many a packed row
+                          holds), as accelerate=auto's packing candidate does: packing 16
+                          rows a step would train 4x the examples
 Rows of each: `default` (the workload's command, no accelerator setting), each hand-picked row
 (the fastest of docs/benchmarks.md for it), `auto` (accelerate=auto with an empty cache: the
 search, then the run with its choice, in one wall time) and `auto-cached` (the same command

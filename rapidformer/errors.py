@@ -10,9 +10,8 @@ from typing import NamedTuple
 
 # exit codes: 2 for bad input (config, data, paths), 3 for a feature not available here,
 # 4 for a run whose loss stopped being finite, 5 for a run out of GPU memory, 74 (EX_IOERR) for
-# a run that could not write its
-# checkpoint or run directory (disk full, read-only), 75 (EX_TEMPFAIL) for a run stopped by
-# SIGTERM/SIGINT after writing a resumable checkpoint
+# a run that could not write its checkpoint or run directory (disk full, read-only), 75
+# (EX_TEMPFAIL) for a run stopped by SIGTERM/SIGINT after writing a resumable checkpoint
 EXIT_BAD_INPUT = 2
 EXIT_NOT_AVAILABLE = 3
 EXIT_DIVERGED = 4

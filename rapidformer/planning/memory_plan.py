@@ -335,17 +335,17 @@ def choose_mode(cfg: RunConfig) -> Mode:
 def over_device(cfg: RunConfig) -> str:
     """A warning for a run whose own memory mode, given by hand, the plan says does not fit its
     device, or "" (the caller skips memory=auto's and accelerate=auto's: the plan admitted
-    theirs). The run still starts: the
-    plan sizes a micro batch at data.max_seq_length, and data shorter than that may fit. Not
-    for a user_script (its model and data are its own), and never an error: a plan that
-    cannot be made says nothing."""
+    theirs). The run still starts: the plan sizes a micro batch at data.max_seq_length, and
+    data shorter than that may fit. Not for a user_script (its model and data are its own),
+    and never an error: a plan that cannot be made says nothing."""
     capacity, source = device_capacity(cfg)
     if capacity is None or cfg.user_script:
         return ""
     mode = Mode(cfg.memory.name, cfg.memory.offload_optimizer, cfg.memory.offload_params,
                 cfg.trainer.checkpoint_activations)
     try:
-        needed = estimate(model_shape(cfg), cfg, mode).total
+        shape = model_shape(cfg)
+        needed = estimate(shape, cfg, mode).total
     except Exception as exc:  # noqa: BLE001 - a warning's plan must not stop a run
         log.debug("no memory plan for the start's warning: %s", exc)
         return ""
@@ -355,14 +355,14 @@ def over_device(cfg: RunConfig) -> str:
             f"{mode.label()} with trainer.micro_batch_size={cfg.trainer.micro_batch_size} at "
             f"data.max_seq_length={cfg.data.max_seq_length}, over the "
             f"{gb(usable_bytes(capacity))} GB usable of {gb(capacity)} GB ({source}): the run's "
-            f"longest batches may not fit; {fitting_advice(cfg)}")
+            f"longest batches may not fit; {fitting_advice(cfg, shape)}")
 
 
-def fitting_advice(cfg: RunConfig) -> str:
+def fitting_advice(cfg: RunConfig, shape: ModelShape | None = None) -> str:
     """What makes a config fit: memory=auto where some mode fits the device, else what is
-    left (the plan's own words where none does)."""
+    left (the plan's own words where none does); `shape`: the model's, when known."""
     try:
-        estimates, capacity, _ = plan(cfg, model_shape(cfg))
+        estimates, capacity, _ = plan(cfg, shape or model_shape(cfg))
     except Exception:  # noqa: BLE001 - advice without the plan's answer
         estimates, capacity = [], None
     if capacity is not None and estimates and choose(estimates, capacity) is None:

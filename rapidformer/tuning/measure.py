@@ -37,8 +37,8 @@ NONFINITE = "the loss was NaN or infinite"  # templates/loop.py's stop
 TRAINED_ALL = "its steps were trained"
 # torch's words for a device out of memory, and the run's own message (errors.out_of_memory);
 # a line that only mentions memory (the run's start warning of the plan) is not one
-OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|out of GPU memory|"
-                 r"(MPS|XPU|HIP) backend out of memory|HIP out of memory")
+OOM = re.compile(r"(CUDA|HIP|MPS|XPU)( backend)? out of memory|OutOfMemoryError|"
+                 r"out of GPU memory")
 
 
 @dataclass

@@ -364,9 +364,10 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
         f"about {estimated:,.0f} s; search budget {budget:,.0f} s (accelerate.budget_s="
         f"{a.budget_s:g}, max_fraction={a.max_fraction:g})")
     left = budget - (time.monotonic() - started)
-    # a candidate that would replace the config has it measured again first (confirmed): a
-    # measurement is room for two; a config that does not fit is replaced by any that passes
-    truncated = left < (1 if too_big else 2) * ref.wall_s
+    # a candidate that would replace the config has it measured again first (confirmed), kept
+    # aside in the budget; a config that does not fit is replaced by any that passes
+    second_take = 0.0 if too_big else ref.wall_s
+    truncated = left < ref.wall_s + second_take
     if truncated and too_big:
         raise InputError(f"accelerate=auto: the config as given does not fit this device "
                          f"({too_big}), and the search's budget left no room to measure a "
@@ -400,9 +401,7 @@ def _measure_all(run_overrides, cfg: RunConfig, device, memory_auto: bool, work:
     budget_stopped = False  # a child the budget's end stopped (not its own time limit)
     estimates = {adm.candidate.label: adm.estimate_gb for adm in admitted}
     for adm in admitted:
-        # what is left once the reference's second take is kept aside (none where the config
-        # does not fit: any candidate that passes replaces it)
-        left = budget - (time.monotonic() - started) - (0 if too_big else ref.wall_s)
+        left = budget - (time.monotonic() - started) - second_take
         if left < ref.wall_s:
             left_text, takes = seconds(max(left, 0.0), ref.wall_s)
             beside = "" if too_big else " beside the reference's second take"
