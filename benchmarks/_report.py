@@ -68,8 +68,8 @@ def run_cli(row: str, command: list[str], work: Path, timeout: float | None = No
     base = {"row": row, "process_wall_s": round(time.perf_counter() - started, 1),
             "command": portable_command(" ".join(command[1:]), {str(work): "WORK"})}
     if result.returncode != 0:
-        return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400]}, \
-            result, None
+        return {**base, "error": (result.stderr.strip().splitlines() or ["?"])[-1][:400],
+                "exit_code": result.returncode}, result, None
     out = Path(next(a for a in command if a.startswith("trainer.output_dir=")).split("=", 1)[1])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return base, result, [r for r in records if "tokens_per_s" in r]

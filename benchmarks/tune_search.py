@@ -198,6 +198,15 @@ def earlier_rows(paths: list[str], workloads: list[str]) -> list[dict]:
 LOSS_TOLERANCE = 0.1  # the last logged loss against the default's, as accelerate.loss_tolerance
 
 
+def out_of_memory(row: dict) -> bool:
+    """The row's run stopped on rapidformer's out-of-memory exit with its message; a row
+    recorded before exit codes were kept is judged on the message alone."""
+    from rapidformer.errors import EXIT_OUT_OF_MEMORY
+
+    return row.get("exit_code", EXIT_OUT_OF_MEMORY) == EXIT_OUT_OF_MEMORY and \
+        row.get("error", "").startswith("rapidformer: error: out of GPU memory")
+
+
 def verdict(rows: list[dict]) -> dict:
     """The issue's goals for one workload's rows."""
     ok = {r["row"]: r for r in rows if "error" not in r}
@@ -208,8 +217,7 @@ def verdict(rows: list[dict]) -> dict:
     picked = [r for name, r in ok.items() if name not in (*AUTO_ROWS, "default")]
     # a default that ran out of GPU memory (an unpacked batch the card cannot hold): nothing
     # is slower than it, and the loss is held to the fastest hand-picked row's
-    no_fit = next((r["error"] for r in rows if r["row"] == "default" and
-                   "out of GPU memory" in r.get("error", "")), None)
+    no_fit = next((r["error"] for r in rows if r["row"] == "default" and out_of_memory(r)), None)
     if auto is None or chosen is None or (default is None and not no_fit) or not picked:
         return {"complete": False}
     if not chosen.get("cached") or chosen.get("choice") != auto.get("choice"):

@@ -60,6 +60,21 @@ def test_recorded_commands_name_no_machine_paths(monkeypatch):
         assert str(REPO) not in text and "/tmp/" not in text and "/root/" not in text, report
 
 
+def test_a_failed_row_keeps_its_exit_code_and_last_error_line(tmp_path, monkeypatch):
+    """What tune_search's verdict reads: an out-of-memory exit is told from a crash by its
+    code, not by its words alone."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _report import run_cli
+
+    monkeypatch.setenv("BENCH_LOG", str(tmp_path / "bench.log"))
+    script = "import sys; print('step 1'); sys.exit('rapidformer: error: out of GPU memory (x)')"
+    record, result, windows = run_cli("default", [sys.executable, "-c", script], tmp_path)
+    assert windows is None and result.returncode == 1
+    assert record["exit_code"] == 1
+    assert record["error"] == "rapidformer: error: out of GPU memory (x)"
+    assert "===== default (exit 1)" in (tmp_path / "bench.log").read_text()
+
+
 def test_the_decoder_rows_leave_the_profiled_log_windows_out_of_their_rates():
     sys.path.insert(0, str(REPO / "benchmarks"))
     from argparse import Namespace
@@ -98,7 +113,15 @@ def test_the_tuning_benchmark_judges_the_choice_it_was_served():
     judged = verdict(oom)
     assert judged["complete"] and judged["not_slower_than_default"] and judged["at_equal_loss"]
     assert judged["loss_change_vs_fastest_hand_picked"] == round(0.01 / 0.61, 3)
-    oom[0]["error"] = "ran past its 260 s limit"
+    oom[0]["exit_code"] = 5  # rapidformer's out-of-memory exit
+    assert verdict(oom)["complete"]
+    for exit_code, error in [(1, oom[0]["error"]),  # the message, another exit: not judged
+                             (5, "RuntimeError: CUDA error: out of GPU memory elsewhere"),
+                             (1, "torch.OutOfMemoryError: CUDA out of memory."),
+                             (-9, "ran past its 260 s limit")]:  # cut by its limit
+        assert not verdict([{**oom[0], "exit_code": exit_code, "error": error},
+                            *oom[1:]])["complete"], (exit_code, error)
+    oom[0] = {"row": "default", "error": "ran past its 260 s limit"}
     assert not verdict(oom)["complete"]  # a default cut by its limit says nothing
     zero = rows()
     zero[0]["loss_at_end"] = 0.0
