@@ -154,6 +154,8 @@ def row(workload: str, name: str, args_: list[str], work: Path, timeout: float) 
     base, result, windows = run_cli(name, command, work, timeout=timeout)
     base = {"workload": workload, **base, "wall_s": round(time.perf_counter() - started, 1)}
     if windows is None:  # a run cut after its search still says what the search took
+        if "exit_code" in base:
+            base["out_of_memory_in_training"] = out_of_memory_in_training(result, out, args_)
         return {**base, **searched(result.stderr)}
     later = windows[SKIP_WINDOWS:] or windows
     base.update(tokens_per_s=round(sum(r["tokens_per_s"] for r in later) / len(later)),
@@ -198,13 +200,33 @@ def earlier_rows(paths: list[str], workloads: list[str]) -> list[dict]:
 LOSS_TOLERANCE = 0.1  # the last logged loss against the default's, as accelerate.loss_tolerance
 
 
-def out_of_memory(row: dict) -> bool:
-    """The row's run stopped on rapidformer's out-of-memory exit with its message; a row
-    recorded before exit codes were kept is judged on the message alone."""
+# rapidformer's out-of-memory line (errors.out_of_memory): the process's own, a worker's (with
+# its rank), or a worker's quoted in the launcher's report of it
+OOM_LINE = re.compile(r"^(\s*\| )?rapidformer: error( \(rank \d+\))?: out of GPU memory", re.M)
+OOM_PREFIX = "rapidformer: error: out of GPU memory"
+
+
+def out_of_memory_in_training(result, out: Path, args_: list[str]) -> bool:
+    """The run stopped on rapidformer's out-of-memory exit before its last training step (one
+    out of memory in the final evaluation trained the whole run: it did fit)."""
     from rapidformer.errors import EXIT_OUT_OF_MEMORY
 
-    return row.get("exit_code", EXIT_OUT_OF_MEMORY) == EXIT_OUT_OF_MEMORY and \
-        row.get("error", "").startswith("rapidformer: error: out of GPU memory")
+    if result.returncode != EXIT_OUT_OF_MEMORY or not OOM_LINE.search(result.stderr or ""):
+        return False
+    iters = [int(a.split("=", 1)[1]) for a in args_ if a.startswith("trainer.train_iters=")]
+    metrics = out / "metrics.jsonl"
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()] \
+        if metrics.is_file() else []
+    trained = max((r["step"] for r in logged if "tokens_per_s" in r), default=0)
+    return bool(iters) and trained < iters[-1]
+
+
+def out_of_memory(row: dict) -> bool:
+    """The default row did not fit: judged when it ran (`out_of_memory_in_training`); a row
+    recorded before that was kept, on its message alone."""
+    if "out_of_memory_in_training" in row:
+        return row["out_of_memory_in_training"]
+    return "exit_code" not in row and row.get("error", "").startswith(OOM_PREFIX)
 
 
 def verdict(rows: list[dict]) -> dict:
@@ -217,7 +239,9 @@ def verdict(rows: list[dict]) -> dict:
     picked = [r for name, r in ok.items() if name not in (*AUTO_ROWS, "default")]
     # a default that ran out of GPU memory (an unpacked batch the card cannot hold): nothing
     # is slower than it, and the loss is held to the fastest hand-picked row's
-    no_fit = next((r["error"] for r in rows if r["row"] == "default" and out_of_memory(r)), None)
+    # (a default that trained, from another call, is the comparison: no verdict by omission)
+    no_fit = None if default else next((r["error"] for r in rows if r["row"] == "default" and
+                                        out_of_memory(r)), None)
     if auto is None or chosen is None or (default is None and not no_fit) or not picked:
         return {"complete": False}
     if not chosen.get("cached") or chosen.get("choice") != auto.get("choice"):

@@ -113,14 +113,18 @@ def test_the_tuning_benchmark_judges_the_choice_it_was_served():
     judged = verdict(oom)
     assert judged["complete"] and judged["not_slower_than_default"] and judged["at_equal_loss"]
     assert judged["loss_change_vs_fastest_hand_picked"] == round(0.01 / 0.61, 3)
-    oom[0]["exit_code"] = 5  # rapidformer's out-of-memory exit
-    assert verdict(oom)["complete"]
-    for exit_code, error in [(1, oom[0]["error"]),  # the message, another exit: not judged
-                             (5, "RuntimeError: CUDA error: out of GPU memory elsewhere"),
-                             (1, "torch.OutOfMemoryError: CUDA out of memory."),
-                             (-9, "ran past its 260 s limit")]:  # cut by its limit
-        assert not verdict([{**oom[0], "exit_code": exit_code, "error": error},
-                            *oom[1:]])["complete"], (exit_code, error)
+    for in_training in (True, False):  # judged when it ran: an out of memory in the final
+        # evaluation trained the whole run, which fits
+        run = {**oom[0], "exit_code": 5, "out_of_memory_in_training": in_training}
+        assert verdict([run, *oom[1:]])["complete"] is in_training
+    # a row with an exit code but no judgement, the message alone: not judged
+    assert not verdict([{**oom[0], "exit_code": 5}, *oom[1:]])["complete"]
+    # a default that trained (another call's) beside one out of memory: compared, not excused
+    both = verdict([*rows(), oom[0]])
+    assert both["choice_vs_default_wall"] == round(20.5 / 30.0, 3)
+    slow = rows()
+    slow[0]["wall_s"] = 10.0
+    assert not verdict([*slow, oom[0]])["not_slower_than_default"]
     oom[0] = {"row": "default", "error": "ran past its 260 s limit"}
     assert not verdict(oom)["complete"]  # a default cut by its limit says nothing
     zero = rows()
@@ -141,6 +145,37 @@ def test_the_tuning_benchmark_judges_the_choice_it_was_served():
     no_seconds = rows()
     del no_seconds[2]["search_s"]
     assert not verdict(no_seconds)["search_under_5_min"]
+
+
+def test_a_default_row_did_not_fit_only_when_it_ran_out_of_memory_in_training(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from subprocess import CompletedProcess
+
+    from tune_search import out_of_memory_in_training
+
+    single = "rapidformer: error: out of GPU memory (CUDA out of memory. Tried to allocate 754 MiB)"
+    worker = "rapidformer: error (rank 1): out of GPU memory (CUDA out of memory.)"
+    launcher = ("rapidformer: error: worker rank 1 failed with exit code 5. Its last output:\n"
+                f"  | {worker}\n[W] ProcessGroupNCCL destroyed")
+    args = ["model=llama_tiny", "trainer.train_iters=50", "trainer.train_iters=200"]
+    for exit_code, stderr, trained, args_, expected in [
+            (5, single, 15, args, True),
+            (5, worker, 15, args, True),
+            (5, launcher, 15, args, True),  # a rank's line quoted in the launcher's report
+            (5, single, 200, args, False),  # out of memory in the final evaluation: it fit
+            (5, single, None, args, True),  # before its first logged step
+            (1, single, 15, args, False),  # the words with another exit: a crash
+            (5, "RuntimeError: CUDA error: out of memory", 15, args, False),
+            (-9, "", 15, args, False),
+            (5, single, 15, ["trainer.epochs=3"], False)]:  # no step count to hold it to
+        out = tmp_path / f"run{exit_code}_{trained}_{len(args_)}_{len(stderr)}"
+        out.mkdir()
+        if trained is not None:
+            lines = [{"step": s, "loss": 1.0, "tokens_per_s": 9.0} for s in (5, trained)]
+            lines.append({"step": trained, "validation/loss": 1.0})
+            (out / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
+        result = CompletedProcess([], exit_code, "", stderr)
+        assert out_of_memory_in_training(result, out, args_) is expected, (exit_code, stderr)
 
 
 def test_a_workload_measured_in_two_calls_is_judged_on_both(tmp_path):
