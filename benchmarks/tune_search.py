@@ -200,24 +200,21 @@ def earlier_rows(paths: list[str], workloads: list[str]) -> list[dict]:
 LOSS_TOLERANCE = 0.1  # the last logged loss against the default's, as accelerate.loss_tolerance
 
 
-# rapidformer's out-of-memory line (errors.out_of_memory): the process's own, a worker's (with
-# its rank), or a worker's quoted in the launcher's report of it
-OOM_LINE = re.compile(r"^(\s*\| )?rapidformer: error( \(rank \d+\))?: out of GPU memory", re.M)
-OOM_PREFIX = "rapidformer: error: out of GPU memory"
+OOM_PREFIX = "rapidformer: error: out of GPU memory"  # errors.out_of_memory, as reported
 
 
 def out_of_memory_in_training(result, out: Path, args_: list[str]) -> bool:
     """The run stopped on rapidformer's out-of-memory exit before its last training step (one
-    out of memory in the final evaluation trained the whole run: it did fit)."""
+    out of memory in the final evaluation trained the whole run: it did fit); the search's own
+    words for a child's out of memory (tuning/measure.py) must be in its output too."""
     from rapidformer.errors import EXIT_OUT_OF_MEMORY
+    from rapidformer.observability.records import read_metrics
+    from rapidformer.tuning.measure import OOM
 
-    if result.returncode != EXIT_OUT_OF_MEMORY or not OOM_LINE.search(result.stderr or ""):
+    if result.returncode != EXIT_OUT_OF_MEMORY or not OOM.search(result.stderr or ""):
         return False
     iters = [int(a.split("=", 1)[1]) for a in args_ if a.startswith("trainer.train_iters=")]
-    metrics = out / "metrics.jsonl"
-    logged = [json.loads(line) for line in metrics.read_text().splitlines()] \
-        if metrics.is_file() else []
-    trained = max((r["step"] for r in logged if "tokens_per_s" in r), default=0)
+    trained = max((r["step"] for r in read_metrics(out) if "tokens_per_s" in r), default=0)
     return bool(iters) and trained < iters[-1]
 
 
