@@ -71,23 +71,27 @@ def test_a_budget_with_no_room_for_a_setting_that_fits_is_an_error_not_the_confi
                 "accelerate.budget_s=6")
 
 
-def test_a_config_that_does_not_fit_and_runs_out_of_memory_in_its_measurement(monkeypatch):
-    def oom(run_overrides, candidate, steps, warmup, limit, work):
-        m = summarize(candidate, [], warmup, 3.0, 1, "CUDA out of memory")
-        m.status, m.reason = "out_of_memory", "CUDA out of memory. Tried to allocate 16.00 GiB"
+def failing(status: str, reason, wall_s: float | None = 3.0, rss_kib: int = 0, text: str = ""):
+    """A measure() whose every child ends with `status`: `reason` (a function of the child's
+    time limit where it names it); `wall_s` None: the child ran to its limit."""
+    def measure(run_overrides, candidate, steps_, warmup, limit, work):
+        m = summarize(candidate, [], warmup, limit if wall_s is None else wall_s, rss_kib, text)
+        m.status, m.reason = status, reason(limit) if callable(reason) else reason
         return m
+    return measure
 
+
+def test_a_config_that_does_not_fit_and_runs_out_of_memory_in_its_measurement(monkeypatch):
+    oom = failing("out_of_memory", "CUDA out of memory. Tried to allocate 16.00 GiB", rss_kib=1,
+                  text="CUDA out of memory")
     with pytest.raises(InputError, match="does not fit this device .* ran out of memory in its "
                                          "8 measured steps \\(CUDA out of memory"):
         _search(monkeypatch, oom)
 
 
 def test_a_budget_that_cuts_a_config_that_does_not_fit_says_so(monkeypatch):
-    def cut(run_overrides, candidate, steps, warmup, limit, work):
-        m = summarize(candidate, [], warmup, limit, 0, "")
-        m.status, m.reason = "timeout", f"still running after {limit:.0f} s (after 2 of 8 steps)"
-        return m
-
+    cut = failing("timeout", lambda limit: f"still running after {limit:.0f} s (after 2 of 8 "
+                                           f"steps)", wall_s=None)
     with pytest.raises(InputError, match="accelerate.budget_s=3 ended before the config as "
                                          "given finished .* does not fit this device .* raise "
                                          "accelerate.budget_s"):
@@ -95,11 +99,7 @@ def test_a_budget_that_cuts_a_config_that_does_not_fit_says_so(monkeypatch):
 
 
 def test_a_config_that_does_not_fit_and_diverges_is_told_so_not_to_fit(monkeypatch):
-    def diverged(run_overrides, candidate, steps, warmup, limit, work):
-        m = summarize(candidate, [], warmup, 3.0, 0, "")
-        m.status, m.reason = "diverged", "exit code 4: rapidformer: error: the loss was NaN"
-        return m
-
+    diverged = failing("diverged", "exit code 4: rapidformer: error: the loss was NaN")
     with pytest.raises(InputError) as caught:
         _search(monkeypatch, diverged)
     said = str(caught.value)
