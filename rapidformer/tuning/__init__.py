@@ -1,7 +1,7 @@
 """accelerate=auto: a short measured search for the settings with the shortest time to result.
 
-    space.py      the axes (precision, graph, unpad/packing, kernels, micro batch, recompute)
-                  and what a candidate is (overrides)
+    space.py      the axes (precision, graph, unpad/packing, kernels, micro batch, recompute,
+                  fused adapters) and what a candidate is (overrides)
     priors.py     the table of what is known to pay: the order candidates are measured in
     admit.py      the refusal pass and the memory plan asked of one candidate
     enumerate.py  the candidates of a config, best prior first, and those left out with why
